@@ -1,0 +1,1 @@
+"""Triton kernels for linattn_lib, installed as `linattn_lib.kernels`."""

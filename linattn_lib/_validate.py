@@ -1,0 +1,105 @@
+"""Input checks shared by every public function.
+
+Each check raises an exception that names the function, the argument, what it got and what
+was expected, so that a wrong shape is never silently broadcast into a wrong answer.
+"""
+from __future__ import annotations
+
+from typing import Iterable, Optional, Sequence
+
+import torch
+from torch import Tensor
+
+
+def _fmt_shape(shape: Sequence[int]) -> str:
+    return "(" + ", ".join(str(int(s)) for s in shape) + ")"
+
+
+def describe(x: Tensor) -> str:
+    """Shape, dtype and device of a tensor, for error messages."""
+    return f"shape {_fmt_shape(x.shape)}, dtype {x.dtype}, device {x.device}"
+
+
+def check_tensor(fn: str, name: str, x, *, ndim: Optional[int] = None, floating: bool = True) -> None:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{fn}: `{name}` must be a torch.Tensor, got {type(x).__name__}")
+    if ndim is not None and x.dim() != ndim:
+        layout = {4: "(B, H, T, D)", 3: "(B, H, T)", 2: "(T, D)", 1: "(D,)"}.get(ndim, f"{ndim}-d")
+        raise ValueError(
+            f"{fn}: `{name}` must be a {ndim}-d tensor laid out as {layout}, got {describe(x)}"
+        )
+    if floating and not x.is_floating_point():
+        raise TypeError(f"{fn}: `{name}` must have a floating-point dtype, got {describe(x)}")
+
+
+def check_same(fn: str, tensors: Iterable[tuple[str, Tensor]]) -> None:
+    """All tensors share one dtype and one device."""
+    tensors = list(tensors)
+    name0, t0 = tensors[0]
+    for name, t in tensors[1:]:
+        if t.dtype != t0.dtype:
+            raise TypeError(
+                f"{fn}: `{name}` has dtype {t.dtype} but `{name0}` has dtype {t0.dtype}; "
+                "expected one dtype for all inputs (cast them first)"
+            )
+        if t.device != t0.device:
+            raise ValueError(
+                f"{fn}: `{name}` is on {t.device} but `{name0}` is on {t0.device}; "
+                "expected all inputs on one device"
+            )
+
+
+def check_qkv(fn: str, q: Tensor, k: Tensor, v: Tensor) -> None:
+    """q, k: (B, H, T, Dk), v: (B, H, T, Dv), one dtype, one device."""
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        check_tensor(fn, name, x, ndim=4)
+    check_same(fn, [("q", q), ("k", k), ("v", v)])
+    bht = tuple(q.shape[:3])
+    for name, x in (("k", k), ("v", v)):
+        if tuple(x.shape[:3]) != bht:
+            raise ValueError(
+                f"{fn}: `{name}` has shape {_fmt_shape(x.shape)} but `q` has shape "
+                f"{_fmt_shape(q.shape)}; expected the same (B, H, T) = {_fmt_shape(bht)}"
+            )
+    if k.shape[-1] != q.shape[-1]:
+        raise ValueError(
+            f"{fn}: `k` has feature size Dk={k.shape[-1]} but `q` has Dk={q.shape[-1]}; "
+            f"expected q and k to share their last dimension (q {describe(q)}, k {describe(k)})"
+        )
+    if q.shape[2] == 0:
+        raise ValueError(f"{fn}: sequence length T must be at least 1, got `q` with {describe(q)}")
+
+
+def check_choice(fn: str, name: str, value, choices: Sequence) -> None:
+    if value not in choices:
+        raise ValueError(f"{fn}: unknown {name}={value!r}; expected one of {', '.join(map(repr, choices))}")
+
+
+def check_positive_int(fn: str, name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{fn}: `{name}` must be a positive int, got {value!r}")
+
+
+def check_log_decay(fn: str, log_decay: Tensor, q: Tensor, *, causal: bool) -> None:
+    """log_decay: (H,) per head or (B, H, T) per token, floating, finite and <= 0."""
+    B, H, T = q.shape[:3]
+    check_tensor(fn, "log_decay", log_decay)
+    if not causal:
+        raise ValueError(
+            f"{fn}: `log_decay` needs causal=True (a decay is defined from the past to the "
+            "present; with causal=False there is no order to decay along)"
+        )
+    if log_decay.device != q.device:
+        raise ValueError(f"{fn}: `log_decay` is on {log_decay.device} but `q` is on {q.device}")
+    if tuple(log_decay.shape) not in ((H,), (B, H, T)):
+        raise ValueError(
+            f"{fn}: `log_decay` has shape {_fmt_shape(log_decay.shape)}; expected (H,) = ({H},) "
+            f"per head or (B, H, T) = {_fmt_shape((B, H, T))} per token"
+        )
+    if not bool(torch.isfinite(log_decay).all()):
+        raise ValueError(f"{fn}: `log_decay` contains NaN or infinite values ({describe(log_decay)})")
+    if bool((log_decay > 0).any()):
+        raise ValueError(
+            f"{fn}: `log_decay` must be <= 0 (a decay factor exp(log_decay) in (0, 1]); "
+            f"got a maximum of {float(log_decay.max()):.4g}"
+        )
