@@ -12,7 +12,8 @@ from torch import Tensor
 
 
 def _fmt_shape(shape: Sequence[int]) -> str:
-    return "(" + ", ".join(str(int(s)) for s in shape) + ")"
+    """(2, 3) style; a 1-tuple keeps its comma, (3,), as Python writes it."""
+    return str(tuple(int(s) for s in shape))
 
 
 def describe(x: Tensor) -> str:

@@ -1,0 +1,296 @@
+"""Feature maps phi with phi(x) . phi(y) ~ kappa(x, y): deterministic maps and random features.
+
+Conventions: inputs x have shape (..., d); a projection W has shape (m, d) with one random
+direction w_i per row; features are returned along the last axis. Random maps are unbiased
+*estimators* of their kernel (E[phi(x) . phi(y)] = kappa(x, y)); none of the kernels below has
+an exact finite-dimensional feature map.
+
+| map                          | estimates                  | sign       | source                 |
+|------------------------------|----------------------------|------------|------------------------|
+| `elu_plus_one`, `relu`       | (deterministic kernel)     | >= 0       | Katharopoulos 2020     |
+| `rff_features`               | exp(-|x-y|^2 / 2 sigma^2)  | indefinite | Rahimi & Recht 2007    |
+| `trig_softmax_features`      | exp(x . y)                 | indefinite | Performer SM^trig      |
+| `positive_random_features`   | exp(x . y)                 | > 0        | Performer FAVOR+ (PRF) |
+| `hyperbolic_random_features` | exp(x . y)                 | > 0        | Performer SM^hyp+      |
+| `clipped_trig_features`      | a *different* kernel       | >= 0       | the source texts (bug) |
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from . import _validate as V
+
+# ---------------------------------------------------------------------------------------
+# deterministic maps
+# ---------------------------------------------------------------------------------------
+
+
+def elu_plus_one(x: Tensor) -> Tensor:
+    """elu(x) + 1 > 0: the Linear Transformer's feature map (Katharopoulos et al. 2020)."""
+    return F.elu(x) + 1.0
+
+
+def relu(x: Tensor) -> Tensor:
+    """max(x, 0): cosFormer's feature map. Non-negative, but a row can be all zeros."""
+    return F.relu(x)
+
+
+# ---------------------------------------------------------------------------------------
+# random projections
+# ---------------------------------------------------------------------------------------
+
+
+def _generator(seed: Optional[int]) -> Optional[torch.Generator]:
+    if seed is None:
+        return None
+    g = torch.Generator()
+    g.manual_seed(int(seed))
+    return g
+
+
+def gaussian_matrix(m: int, d: int, *, seed: Optional[int] = None, dtype=torch.float32) -> Tensor:
+    """(m, d) matrix of i.i.d. N(0, 1) entries: m independent directions w_i ~ N(0, I_d)."""
+    V.check_positive_int("gaussian_matrix", "m", m)
+    V.check_positive_int("gaussian_matrix", "d", d)
+    return torch.randn(m, d, generator=_generator(seed), dtype=torch.float64).to(dtype)
+
+
+def orthogonal_gaussian_matrix(
+    m: int, d: int, *, scaling: str = "chi", seed: Optional[int] = None, dtype=torch.float32
+) -> Tensor:
+    """(m, d) block-orthogonal random matrix (Performer's ORFs).
+
+    A d x d matrix has at most d orthogonal rows, so m > d rows are ceil(m/d) independent
+    orthogonal blocks stacked (the last one truncated). Each block is the Q factor of a Gaussian
+    matrix, sign-corrected so that it is exactly Haar distributed. Rows are then rescaled so each
+    has the marginal law of a Gaussian vector, which keeps the estimator unbiased:
+
+    * scaling="chi": norms drawn from chi_d (the norms of fresh N(0, I_d) vectors),
+    * scaling="sqrt_d": every norm is sqrt(d) (Performer's regularised variant).
+    """
+    fn = "orthogonal_gaussian_matrix"
+    V.check_positive_int(fn, "m", m)
+    V.check_positive_int(fn, "d", d)
+    V.check_choice(fn, "scaling", scaling, ("chi", "sqrt_d"))
+    gen = _generator(seed)
+    blocks = []
+    for _ in range(-(-m // d)):
+        G = torch.randn(d, d, generator=gen, dtype=torch.float64)
+        Q, R = torch.linalg.qr(G)
+        Q = Q * torch.sign(torch.diagonal(R)).unsqueeze(0)  # Haar: fix the sign ambiguity of QR
+        blocks.append(Q.T)  # rows are orthonormal directions
+    W = torch.cat(blocks, dim=0)[:m]
+    if scaling == "chi":
+        norms = torch.randn(m, d, generator=gen, dtype=torch.float64).norm(dim=1)
+    else:
+        norms = torch.full((m,), math.sqrt(d), dtype=torch.float64)
+    return (W * norms.unsqueeze(1)).to(dtype)
+
+
+def random_projection(
+    m: int, d: int, *, orthogonal: bool = True, scaling: str = "chi", seed: Optional[int] = None, dtype=torch.float32
+) -> Tensor:
+    """Block-orthogonal (default) or i.i.d. Gaussian (m, d) projection."""
+    if orthogonal:
+        return orthogonal_gaussian_matrix(m, d, scaling=scaling, seed=seed, dtype=dtype)
+    return gaussian_matrix(m, d, seed=seed, dtype=dtype)
+
+
+# ---------------------------------------------------------------------------------------
+# random feature maps
+# ---------------------------------------------------------------------------------------
+
+
+def _check_proj(fn: str, x: Tensor, W: Tensor) -> None:
+    V.check_tensor(fn, "x", x)
+    V.check_tensor(fn, "W", W, ndim=2)
+    if W.shape[1] != x.shape[-1]:
+        raise ValueError(
+            f"{fn}: `W` has shape {tuple(W.shape)} but `x` has feature size d={x.shape[-1]}; "
+            "expected W of shape (m, d)"
+        )
+
+
+def _project(x: Tensor, W: Tensor) -> Tensor:
+    return x @ W.to(device=x.device, dtype=x.dtype).T  # (..., m): w_i . x
+
+
+def rff_features(x: Tensor, W: Tensor, b: Tensor, *, sigma: float = 1.0) -> Tensor:
+    """Rahimi-Recht random Fourier features sqrt(2/m) cos(w_i . x / sigma + b_i).
+
+    With w_i ~ N(0, I) and b_i ~ U(0, 2 pi), E[phi(x) . phi(y)] = exp(-|x - y|^2 / (2 sigma^2)).
+    The sqrt(2/m) matters: cos a cos c = (cos(a - c) + cos(a + c)) / 2 and the second term
+    averages to zero over b, so 1/sqrt(m) would estimate only half the kernel.
+    """
+    _check_proj("rff_features", x, W)
+    m = W.shape[0]
+    if tuple(b.shape) != (m,):
+        raise ValueError(f"rff_features: `b` has shape {tuple(b.shape)}; expected (m,) = ({m},)")
+    return math.sqrt(2.0 / m) * torch.cos(_project(x / sigma, W) + b.to(x))
+
+
+def trig_softmax_features(x: Tensor, W: Tensor) -> Tensor:
+    """Performer's SM^trig: exp(|x|^2/2)/sqrt(m) [sin(W x), cos(W x)], unbiased for exp(x . y).
+
+    sin a sin c + cos a cos c = cos(a - c), so phi(x) . phi(y) averages to
+    exp(|x|^2/2 + |y|^2/2) exp(-|x - y|^2/2) = exp(x . y). Sign-indefinite: estimates of a small
+    kernel value can be negative, which is what breaks the normaliser.
+    """
+    _check_proj("trig_softmax_features", x, W)
+    u = _project(x, W)
+    h = torch.exp(0.5 * (x * x).sum(-1, keepdim=True))
+    return h / math.sqrt(W.shape[0]) * torch.cat([torch.sin(u), torch.cos(u)], dim=-1)
+
+
+def _stabilize(u: Tensor, stabilize: Optional[str]) -> Tensor:
+    """Subtract a maximum from the exponent: exact for normalised attention, avoids overflow.
+
+    "row" subtracts each row's own maximum (queries: a per-query constant cancels between the
+    numerator and denominator of that query's output); "global" subtracts one maximum over all
+    rows of a sequence (keys: a constant common to every key cancels as well).
+    """
+    if stabilize is None:
+        return u
+    if stabilize == "row":
+        return u - u.amax(dim=-1, keepdim=True).detach()
+    if stabilize == "global":
+        return u - u.amax(dim=(-1, -2), keepdim=True).detach()
+    raise ValueError(f"positive features: unknown stabilize={stabilize!r}; expected None, 'row' or 'global'")
+
+
+def positive_random_features(
+    x: Tensor, W: Tensor, *, input_scale: float = 1.0, stabilize: Optional[str] = None
+) -> Tensor:
+    """FAVOR+ positive random features exp(w_i . x' - |x'|^2/2) / sqrt(m), x' = input_scale * x.
+
+    E_w[exp(w . x - |x|^2/2) exp(w . y - |y|^2/2)] = exp(x . y) exactly (Performer Lemma 1), and
+    every sample is positive. With input_scale = d^(-1/4) the product estimates
+    exp(q . k / sqrt(d)), the softmax kernel at the usual temperature.
+    """
+    _check_proj("positive_random_features", x, W)
+    x = x * input_scale
+    u = _project(x, W) - 0.5 * (x * x).sum(-1, keepdim=True)
+    return torch.exp(_stabilize(u, stabilize)) / math.sqrt(W.shape[0])
+
+
+def hyperbolic_random_features(
+    x: Tensor, W: Tensor, *, input_scale: float = 1.0, stabilize: Optional[str] = None
+) -> Tensor:
+    """Performer's SM^hyp+: exp(-|x'|^2/2)/sqrt(2m) [exp(W x'), exp(-W x')], positive and unbiased.
+
+    Pairing +w with -w (cosh) is an antithetic sample: lower variance for the same draws.
+    """
+    _check_proj("hyperbolic_random_features", x, W)
+    x = x * input_scale
+    u = _project(x, W)
+    half = 0.5 * (x * x).sum(-1, keepdim=True)
+    both = torch.cat([u - half, -u - half], dim=-1)
+    return torch.exp(_stabilize(both, stabilize)) / math.sqrt(2 * W.shape[0])
+
+
+def clipped_trig_features(x: Tensor, W: Tensor, b: Tensor) -> Tensor:
+    """The source texts' "positive" map m^(-1/2) [max(0, sin(W x + b)), max(0, cos(W x + b))].
+
+    Kept only to show its bias: clipping makes it non-negative but changes the kernel it
+    estimates into a shift-invariant one with k(x, x) = 1/2, neither Gaussian nor softmax.
+    """
+    _check_proj("clipped_trig_features", x, W)
+    m = W.shape[0]
+    if tuple(b.shape) != (m,):
+        raise ValueError(f"clipped_trig_features: `b` has shape {tuple(b.shape)}; expected (m,) = ({m},)")
+    u = _project(x, W) + b.to(x)
+    return torch.cat([torch.sin(u).clamp_min(0), torch.cos(u).clamp_min(0)], dim=-1) / math.sqrt(m)
+
+
+# ---------------------------------------------------------------------------------------
+# exact kernels (what the estimators target)
+# ---------------------------------------------------------------------------------------
+
+
+def softmax_kernel(x: Tensor, y: Tensor) -> Tensor:
+    """exp(x . y) for every pair: (..., n, d), (..., p, d) -> (..., n, p)."""
+    return torch.exp(x @ y.transpose(-1, -2))
+
+
+def gaussian_kernel(x: Tensor, y: Tensor, *, sigma: float = 1.0) -> Tensor:
+    """exp(-|x - y|^2 / (2 sigma^2)) for every pair: (..., n, d), (..., p, d) -> (..., n, p)."""
+    return torch.exp(-torch.cdist(x, y).pow(2) / (2 * sigma**2))
+
+
+# ---------------------------------------------------------------------------------------
+# a module that owns its projection
+# ---------------------------------------------------------------------------------------
+
+KINDS = ("positive", "hyperbolic", "trig", "rff", "clipped")
+
+
+def default_num_features(d: int) -> int:
+    """floor(d ln d), the default of the performer-pytorch reference code (266 for d = 64)."""
+    return max(1, int(d * math.log(d))) if d > 1 else 1
+
+
+class RandomFeatureMap(nn.Module):
+    """A random feature map that owns its projection W (and phases b) and can redraw them.
+
+    Performer redraws W periodically during training; `redraw()` does that. With
+    `softmax_temperature=True` (default) inputs are scaled by d^(-1/4) so that phi(q) . phi(k)
+    estimates exp(q . k / sqrt(d)), the kernel of softmax(q k^T / sqrt(d)).
+    """
+
+    def __init__(
+        self,
+        d: int,
+        m: Optional[int] = None,
+        *,
+        kind: str = "positive",
+        orthogonal: bool = True,
+        scaling: str = "chi",
+        softmax_temperature: bool = True,
+        seed: Optional[int] = None,
+    ) -> None:
+        super().__init__()
+        V.check_choice("RandomFeatureMap", "kind", kind, KINDS)
+        V.check_positive_int("RandomFeatureMap", "d", d)
+        self.d, self.m = d, default_num_features(d) if m is None else m
+        V.check_positive_int("RandomFeatureMap", "m", self.m)
+        self.kind, self.orthogonal, self.scaling = kind, orthogonal, scaling
+        self.input_scale = d**-0.25 if softmax_temperature else 1.0
+        self._seed = seed
+        self.register_buffer("W", torch.empty(self.m, d))
+        self.register_buffer("b", torch.empty(self.m))
+        self.redraw(seed)
+
+    @property
+    def out_features(self) -> int:
+        return self.m * 2 if self.kind in ("hyperbolic", "trig", "clipped") else self.m
+
+    @torch.no_grad()
+    def redraw(self, seed: Optional[int] = None) -> None:
+        """Draw a fresh projection (and fresh phases)."""
+        W = random_projection(self.m, self.d, orthogonal=self.orthogonal, scaling=self.scaling, seed=seed)
+        gen = _generator(None if seed is None else seed + 1)
+        b = 2 * math.pi * torch.rand(self.m, generator=gen, dtype=torch.float64)
+        self.W.copy_(W.to(self.W))
+        self.b.copy_(b.to(self.b))
+
+    def forward(self, x: Tensor, *, is_query: bool = True, stabilize: bool = True) -> Tensor:
+        """Features of x (..., d) -> (..., out_features), in x's dtype."""
+        W = self.W.to(x.dtype)
+        mode = ("row" if is_query else "global") if stabilize and x.dim() >= 2 else None
+        if self.kind == "positive":
+            return positive_random_features(x, W, input_scale=self.input_scale, stabilize=mode)
+        if self.kind == "hyperbolic":
+            return hyperbolic_random_features(x, W, input_scale=self.input_scale, stabilize=mode)
+        if self.kind == "trig":
+            return trig_softmax_features(x * self.input_scale, W)
+        if self.kind == "rff":
+            return rff_features(x * self.input_scale, W, self.b.to(x.dtype))
+        return clipped_trig_features(x * self.input_scale, W, self.b.to(x.dtype))
+
+    def extra_repr(self) -> str:
+        return f"d={self.d}, m={self.m}, kind={self.kind!r}, orthogonal={self.orthogonal}"

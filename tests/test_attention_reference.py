@@ -1,0 +1,137 @@
+"""The three forms of linear attention agree; softmax matches torch's SDPA; states resume exactly."""
+import itertools
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from linattn_lib import LinearAttentionState, linear_attention, softmax_attention
+from linattn_lib.attention import reference_linear_attention
+from linattn_lib.masks import decay_mask, segsum
+
+D64 = torch.float64
+
+
+def make(B, H, T, Dk, Dv, *, seed=0, positive=True):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(B, H, T, Dk, generator=g, dtype=D64) if positive else torch.randn(B, H, T, Dk, generator=g, dtype=D64)
+    k = torch.rand(B, H, T, Dk, generator=g, dtype=D64) if positive else torch.randn(B, H, T, Dk, generator=g, dtype=D64)
+    v = torch.randn(B, H, T, Dv, generator=g, dtype=D64)
+    return q, k, v
+
+
+def decay(kind, B, H, T, *, seed=1, strength=1.0):
+    g = torch.Generator().manual_seed(seed)
+    if kind is None:
+        return None
+    if kind == "head":
+        return -strength * torch.rand(H, generator=g, dtype=D64)
+    return -strength * torch.rand(B, H, T, generator=g, dtype=D64)
+
+
+CASES = [
+    (T, causal, normalize, dk)
+    for T, causal, normalize, dk in itertools.product([1, 7, 64, 65, 200], [True, False], [True, False], [None, "head", "token"])
+    if causal or dk is None
+]
+
+
+@pytest.mark.parametrize("T,causal,normalize,dk", CASES)
+def test_three_forms_agree_float64(T, causal, normalize, dk):
+    B, H = 2, 3
+    q, k, v = make(B, H, T, 5, 4)
+    ld = decay(dk, B, H, T, strength=3.0)
+    ref = reference_linear_attention(q, k, v, causal=causal, normalize=normalize, log_decay=ld, form="quadratic")
+    for form in ("recurrent", "chunked"):
+        for chunk in (16, 64):
+            out = reference_linear_attention(
+                q, k, v, causal=causal, normalize=normalize, log_decay=ld, form=form, chunk_size=chunk
+            )
+            assert (out - ref).abs().max() < 1e-10, (form, chunk)
+        out = linear_attention(q, k, v, causal=causal, normalize=normalize, log_decay=ld, form=form, chunk_size=16)
+        assert (out - ref).abs().max() < 1e-10
+
+
+def test_matches_explicit_formula():
+    B, H, T = 1, 2, 9
+    q, k, v = make(B, H, T, 3, 2)
+    ld = decay("token", B, H, T)
+    A = (q @ k.transpose(-1, -2)) * decay_mask(ld)
+    expect = (A @ v) / (A.sum(-1, keepdim=True) + 1e-6)
+    out = linear_attention(q, k, v, log_decay=ld, form="quadratic")
+    assert torch.allclose(out, expect, atol=1e-12)
+    # segsum is the sum over (j, i]: check one entry by hand
+    s = segsum(ld)
+    assert torch.allclose(s[0, 1, 5, 2], ld[0, 1, 3:6].sum())
+    assert torch.isinf(s[0, 1, 2, 5])
+
+
+@pytest.mark.parametrize("form", ["quadratic", "recurrent", "chunked"])
+@pytest.mark.parametrize("normalize", [True, False])
+def test_piecewise_with_state_resume_equals_one_pass(form, normalize):
+    B, H, T = 2, 2, 50
+    q, k, v = make(B, H, T, 4, 3, seed=3)
+    ld = decay("token", B, H, T, strength=0.5)
+    full, full_state = linear_attention(q, k, v, normalize=normalize, log_decay=ld, form=form, chunk_size=8, return_state=True)
+    state, pieces = None, []
+    for a, b in [(0, 13), (13, 14), (14, 40), (40, 50)]:
+        o, state = linear_attention(
+            q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], normalize=normalize, log_decay=ld[:, :, a:b],
+            form=form, chunk_size=8, initial_state=state, return_state=True,
+        )
+        pieces.append(o)
+    assert (torch.cat(pieces, dim=2) - full).abs().max() < 1e-10
+    assert (state.S - full_state.S).abs().max() < 1e-10
+    if normalize:
+        assert (state.z - full_state.z).abs().max() < 1e-10
+    else:
+        assert state.z is None
+
+
+def test_noncausal_state_is_the_sum_of_outer_products():
+    q, k, v = make(1, 1, 10, 3, 2)
+    _, st = linear_attention(q, k, v, causal=False, return_state=True)
+    assert torch.allclose(st.S[0, 0], k[0, 0].T @ v[0, 0])
+    assert torch.allclose(st.z[0, 0], k[0, 0].sum(0))
+
+
+def test_strong_decay_stays_finite():
+    q, k, v = make(1, 2, 300, 4, 4)
+    ld = torch.full((2,), -50.0, dtype=D64)  # exp(-50 * 300) would underflow if computed as a ratio
+    outs = [linear_attention(q, k, v, log_decay=ld, form=f, normalize=False, chunk_size=64) for f in ("quadratic", "recurrent", "chunked")]
+    for o in outs:
+        assert torch.isfinite(o).all()
+    assert (outs[0] - outs[2]).abs().max() < 1e-10
+    # with such a decay each output is just its own token: (q_i . k_i) v_i
+    own = (q * k).sum(-1, keepdim=True) * v
+    assert (outs[0] - own).abs().max() < 1e-10
+
+
+def test_gradcheck_chunked_with_decay():
+    q, k, v = make(1, 2, 11, 3, 2, seed=5)
+    ld = decay("token", 1, 2, 11, seed=6)
+    args = [t.clone().requires_grad_() for t in (q, k, v, ld)]
+    f = lambda q, k, v, g: reference_linear_attention(q, k, v, log_decay=g, form="chunked", chunk_size=4)
+    assert torch.autograd.gradcheck(f, args)
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_softmax_matches_sdpa(causal):
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(2, 3, 17, 8, generator=g) for _ in range(3))
+    ours = softmax_attention(q, k, v, causal=causal)
+    theirs = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    assert torch.allclose(ours, theirs, atol=1e-5)
+    assert torch.allclose(softmax_attention(q, k, v, scale=0.3), F.scaled_dot_product_attention(q, k, v, scale=0.3), atol=1e-5)
+
+
+def test_softmax_is_safe_for_large_logits():
+    q = torch.full((1, 1, 4, 2), 100.0)
+    assert torch.isfinite(softmax_attention(q, q, q)).all()
+
+
+def test_dtype_is_preserved():
+    q, k, v = (x.float() for x in make(1, 1, 10, 4, 4))
+    for form in ("quadratic", "recurrent", "chunked"):
+        assert linear_attention(q.half(), k.half(), v.half(), form=form).dtype == torch.float16
+        assert linear_attention(q, k, v, form=form).dtype == torch.float32

@@ -1,0 +1,86 @@
+"""Bad input gets a clear error that names the argument, what it got and what was expected."""
+import pytest
+import torch
+
+from linattn_lib import LinearAttentionState, linear_attention, softmax_attention
+
+
+def qkv(B=2, H=3, T=5, Dk=4, Dv=6, dtype=torch.float32):
+    return torch.rand(B, H, T, Dk, dtype=dtype), torch.rand(B, H, T, Dk, dtype=dtype), torch.rand(B, H, T, Dv, dtype=dtype)
+
+
+@pytest.mark.parametrize("fn", [linear_attention, softmax_attention])
+def test_wrong_rank(fn):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"`q` must be a 4-d tensor laid out as \(B, H, T, D\), got shape \(3, 5, 4\)"):
+        fn(q[0], k, v)
+
+
+@pytest.mark.parametrize("fn", [linear_attention, softmax_attention])
+def test_mismatched_bht(fn):
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"`v` has shape \(2, 3, 4, 6\).*expected the same \(B, H, T\) = \(2, 3, 5\)"):
+        fn(q, k, v[:, :, :4])
+    with pytest.raises(ValueError, match=r"`k` has shape \(1, 3, 5, 4\)"):
+        fn(q, k[:1], v)
+
+
+def test_dk_mismatch():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"`k` has feature size Dk=3 but `q` has Dk=4"):
+        linear_attention(q, k[..., :3], v)
+
+
+def test_mixed_dtypes_and_non_float():
+    q, k, v = qkv()
+    with pytest.raises(TypeError, match=r"`k` has dtype torch.float64 but `q` has dtype torch.float32"):
+        linear_attention(q, k.double(), v)
+    with pytest.raises(TypeError, match=r"`v` must have a floating-point dtype"):
+        linear_attention(q, k, v.long())
+    with pytest.raises(TypeError, match=r"`q` must be a torch.Tensor, got ndarray"):
+        linear_attention(q.numpy(), k, v)
+
+
+def test_mixed_devices():
+    q, k, v = qkv()
+    meta = torch.empty_like(v, device="meta")
+    with pytest.raises(ValueError, match=r"`v` is on meta but `q` is on cpu"):
+        linear_attention(q, k, meta)
+
+
+def test_log_decay_errors():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"`log_decay` must be <= 0"):
+        linear_attention(q, k, v, log_decay=torch.tensor([0.1, -0.2, -0.3]))
+    with pytest.raises(ValueError, match=r"`log_decay` has shape \(2,\); expected \(H,\) = \(3,\) per head or \(B, H, T\) = \(2, 3, 5\)"):
+        linear_attention(q, k, v, log_decay=torch.tensor([-0.1, -0.2]))
+    with pytest.raises(ValueError, match=r"`log_decay` needs causal=True"):
+        linear_attention(q, k, v, causal=False, log_decay=-torch.ones(3))
+    with pytest.raises(ValueError, match=r"NaN or infinite"):
+        linear_attention(q, k, v, log_decay=torch.tensor([-float("inf"), -0.2, -0.3]))
+
+
+def test_unknown_form_backend_and_chunk():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"unknown form='parallel'; expected one of 'quadratic', 'recurrent', 'chunked'"):
+        linear_attention(q, k, v, form="parallel")
+    with pytest.raises(ValueError, match=r"unknown backend='cuda'"):
+        linear_attention(q, k, v, backend="cuda")
+    with pytest.raises(ValueError, match=r"`chunk_size` must be a positive int, got 0"):
+        linear_attention(q, k, v, chunk_size=0)
+    with pytest.raises(ValueError, match=r"backend='triton' implements form='chunked' only"):
+        linear_attention(q, k, v, form="recurrent", backend="triton")
+
+
+def test_bad_initial_state():
+    q, k, v = qkv()
+    with pytest.raises(ValueError, match=r"`initial_state.S` has shape \(2, 3, 6, 4\); expected \(B, H, Dk, Dv\) = \(2, 3, 4, 6\)"):
+        linear_attention(q, k, v, initial_state=LinearAttentionState(torch.zeros(2, 3, 6, 4), torch.zeros(2, 3, 4)))
+    with pytest.raises(ValueError, match=r"normalize=True needs `initial_state.z`"):
+        linear_attention(q, k, v, initial_state=LinearAttentionState(torch.zeros(2, 3, 4, 6), None))
+
+
+def test_empty_sequence():
+    q, k, v = qkv(T=0)
+    with pytest.raises(ValueError, match=r"sequence length T must be at least 1"):
+        linear_attention(q, k, v)
