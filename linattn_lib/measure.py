@@ -1,0 +1,94 @@
+"""Measuring time and peak memory the same way on CPU and GPU, and fitting scaling exponents."""
+from __future__ import annotations
+
+import math
+import platform
+import re
+import statistics
+import time
+from typing import Callable, Optional, Sequence
+
+import torch
+
+
+def synchronize(device: Optional[torch.device | str] = None) -> None:
+    if torch.cuda.is_available() and (device is None or torch.device(device).type == "cuda"):
+        torch.cuda.synchronize()
+
+
+def time_fn(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5, device=None) -> float:
+    """Median wall time of `fn()` in seconds, after `warmup` untimed calls (GPU-synchronised)."""
+    for _ in range(warmup):
+        fn()
+    synchronize(device)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _proc_status(field: str) -> int:
+    with open("/proc/self/status") as f:
+        return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) * 1024
+
+
+def _can_reset_cpu_peak() -> bool:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        _proc_status("VmHWM")
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def peak_memory_bytes(fn: Callable[[], object], *, device="cpu") -> Optional[int]:
+    """Extra memory at the peak of `fn()` above what was in use when it started.
+
+    CUDA: torch's allocator statistics. CPU (Linux): the process's resident-set high-water mark,
+    reset just before the call (writing 5 to /proc/self/clear_refs); large tensors are mmap'ed
+    and returned on free, so this tracks tensor memory closely. None where neither is available.
+    """
+    if torch.device(device).type == "cuda":
+        synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        before = torch.cuda.memory_allocated(device)
+        fn()
+        synchronize(device)
+        return torch.cuda.max_memory_allocated(device) - before
+    if not _can_reset_cpu_peak():
+        return None
+    before = _proc_status("VmRSS")
+    fn()
+    return max(0, _proc_status("VmHWM") - before)
+
+
+def fit_loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
+    """Least-squares slope of log(y) against log(x): the exponent p in y ~ c x^p."""
+    lx = [math.log(x) for x in xs]
+    ly = [math.log(y) for y in ys]
+    mx, my = sum(lx) / len(lx), sum(ly) / len(ly)
+    sxx = sum((a - mx) ** 2 for a in lx)
+    return sum((a - mx) * (b - my) for a, b in zip(lx, ly)) / sxx
+
+
+def device_name(device=None) -> str:
+    """A human-readable name of the compute device (GPU model, or CPU model and threads)."""
+    if device is not None and torch.device(device).type == "cuda" or (device is None and torch.cuda.is_available()):
+        return torch.cuda.get_device_name()
+    cpu = platform.processor() or platform.machine()
+    try:
+        with open("/proc/cpuinfo") as f:
+            m = re.search(r"model name\s*:\s*(.+)", f.read())
+            cpu = m.group(1).strip() if m else cpu
+    except OSError:
+        pass
+    return f"{cpu} ({torch.get_num_threads()} threads)"
+
+
+def default_device() -> torch.device:
+    """CUDA when present, else CPU: notebooks run on either."""
+    return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -1,0 +1,83 @@
+"""Sliders that work with and without a running kernel.
+
+* `live_slider` wraps `ipywidgets.interact` for readers who run the notebook.
+* `static_slider` renders precomputed frames (matplotlib figures) into self-contained HTML with
+  an `<input type=range>` whose inline handler swaps the visible frame: it works in the static
+  HTML book, offline, with no kernel and no widget manager.
+"""
+from __future__ import annotations
+
+import base64
+import html
+import io
+import json
+from typing import Callable, Iterable, Sequence
+
+import matplotlib.pyplot as plt
+
+
+def figure_to_png_base64(fig, *, dpi: int = 80) -> str:
+    """PNG bytes of a matplotlib figure, base64-encoded; the figure is closed."""
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
+    plt.close(fig)
+    return base64.b64encode(buf.getvalue()).decode("ascii")
+
+
+class StaticSlider:
+    """Precomputed frames behind a range input; displays as HTML (see `static_slider`)."""
+
+    def __init__(self, frames: Sequence[str], labels: Sequence[str], *, name: str, initial: int = 0):
+        if len(frames) != len(labels) or not frames:
+            raise ValueError(f"static_slider: need one label per frame, got {len(frames)} frames and {len(labels)} labels")
+        if not 0 <= initial < len(frames):
+            raise ValueError(f"static_slider: `initial` must index a frame (0..{len(frames) - 1}), got {initial}")
+        self.frames, self.labels, self.name, self.initial = list(frames), [str(x) for x in labels], name, initial
+
+    def _repr_html_(self) -> str:
+        labels = html.escape(json.dumps(self.labels), quote=True)
+        show = (
+            "var r=this.closest('.linattn-slider');"
+            "r.querySelectorAll('img.frame').forEach(function(im,i){im.style.display=(i==this.value)?'block':'none';},this);"
+            "r.querySelector('.linattn-value').textContent=JSON.parse(r.dataset.labels)[this.value];"
+        )
+        imgs = "".join(
+            f'<img class="frame" alt="{html.escape(self.name)} = {html.escape(lab)}" '
+            f'style="display:{"block" if i == self.initial else "none"};max-width:100%" '
+            f'src="data:image/png;base64,{png}">'
+            for i, (png, lab) in enumerate(zip(self.frames, self.labels))
+        )
+        return (
+            f'<div class="linattn-slider" data-labels="{labels}">'
+            f'<label style="font-family:sans-serif">{html.escape(self.name)} = '
+            f'<span class="linattn-value">{html.escape(self.labels[self.initial])}</span> '
+            f'<input type="range" min="0" max="{len(self.frames) - 1}" step="1" value="{self.initial}" '
+            f'oninput="{html.escape(show, quote=True)}" style="width:60%;vertical-align:middle"></label>'
+            f"{imgs}</div>"
+        )
+
+    def __repr__(self) -> str:
+        return f"<static slider over {self.name}: {len(self.frames)} frames ({self.labels[0]} .. {self.labels[-1]})>"
+
+
+def static_slider(
+    draw: Callable[[object], object], values: Iterable, *, name: str, initial: int = 0, fmt: str = "{}", dpi: int = 80
+) -> StaticSlider:
+    """Call `draw(value)` (returning a matplotlib figure) for each value and wrap the frames.
+
+    The text repr (what nbval compares) names the parameter and its range; the HTML repr is the
+    slider the book shows.
+    """
+    values = list(values)
+    frames = [figure_to_png_base64(draw(v), dpi=dpi) for v in values]
+    return StaticSlider(frames, [fmt.format(v) for v in values], name=name, initial=initial)
+
+
+def live_slider(draw: Callable[..., object], **controls):
+    """`ipywidgets.interact(draw, **controls)` for readers with a kernel (no-op without ipywidgets)."""
+    try:
+        import ipywidgets
+    except ImportError:  # pragma: no cover - ipywidgets is in the book extra
+        print("ipywidgets is not installed: pip install ipywidgets for live sliders")
+        return None
+    return ipywidgets.interact(draw, **controls)

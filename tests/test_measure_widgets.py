@@ -1,0 +1,44 @@
+"""The measuring helpers and the static slider the book relies on."""
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+from linattn_lib.measure import fit_loglog_slope, peak_memory_bytes, time_fn  # noqa: E402
+from linattn_lib.widgets import StaticSlider, static_slider  # noqa: E402
+
+
+def test_loglog_slope_recovers_exponent():
+    xs = [256, 512, 1024, 2048]
+    assert abs(fit_loglog_slope(xs, [3 * x**2 for x in xs]) - 2) < 1e-12
+    assert abs(fit_loglog_slope(xs, [5 * x for x in xs]) - 1) < 1e-12
+
+
+def test_peak_memory_sees_a_large_temporary():
+    n = 64 * 2**20 // 4  # a 64 MiB float32 temporary, freed before fn returns
+    peak = peak_memory_bytes(lambda: torch.ones(n).sum())
+    if peak is None:
+        pytest.skip("no peak-RSS reset on this platform")
+    assert 0.9 * 4 * n <= peak <= 3 * 4 * n
+
+
+def test_time_fn_is_positive():
+    assert time_fn(lambda: torch.ones(10).sum(), repeats=3) > 0
+
+
+def test_static_slider_html_has_every_frame():
+    def draw(a):
+        fig, ax = plt.subplots(figsize=(1, 1))
+        ax.plot([0, a])
+        return fig
+
+    s = static_slider(draw, [1, 2, 3], name="λ", fmt="{:.1f}", initial=1)
+    html = s._repr_html_()
+    assert html.count('<img class="frame"') == 3
+    assert 'type="range"' in html and 'max="2"' in html and 'value="1"' in html
+    assert "λ = <span" in html and "2.0" in html
+    assert repr(s) == "<static slider over λ: 3 frames (1.0 .. 3.0)>"
+    with pytest.raises(ValueError, match="one label per frame"):
+        StaticSlider(["a"], ["1", "2"], name="x")
