@@ -1,0 +1,57 @@
+"""Small plotting helpers shared by the chapters (matplotlib only)."""
+from __future__ import annotations
+
+from typing import Mapping, Optional, Sequence
+
+import matplotlib.pyplot as plt
+import numpy as np
+
+from .measure import fit_loglog_slope
+
+
+def _np(x):
+    try:
+        import torch
+
+        if isinstance(x, torch.Tensor):
+            return x.detach().cpu().double().numpy()
+    except ImportError:  # pragma: no cover
+        pass
+    return np.asarray(x, dtype=float)
+
+
+def plot_matrix(ax, M, *, title: str = "", cmap: str = "viridis", vmin=None, vmax=None, colorbar: bool = True):
+    """Heat map of a 2-d matrix (e.g. an attention or mixing matrix), rows = queries."""
+    im = ax.imshow(_np(M), cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
+    ax.set_title(title, fontsize=10)
+    ax.set_xlabel("key j")
+    ax.set_ylabel("query i")
+    if colorbar:
+        plt.colorbar(im, ax=ax, fraction=0.046, pad=0.04)
+    return im
+
+
+def plot_scaling(ax, xs: Sequence[float], series: Mapping[str, Sequence[float]], *, xlabel: str = "T", ylabel: str = "", fit: bool = True):
+    """Log-log plot of several series against xs, each labelled with its fitted exponent."""
+    slopes = {}
+    for name, ys in series.items():
+        label = name
+        if fit and len(xs) > 1:
+            slopes[name] = fit_loglog_slope(xs, ys)
+            label = f"{name} (slope {slopes[name]:.2f})"
+        ax.loglog(xs, _np(ys), "o-", label=label)
+    ax.set_xlabel(xlabel)
+    ax.set_ylabel(ylabel)
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    return slopes
+
+
+def small_multiples(n: int, *, ncols: Optional[int] = None, size: float = 2.6):
+    """A row (or grid) of n axes for a static sweep of one parameter."""
+    ncols = ncols or n
+    nrows = -(-n // ncols)
+    fig, axes = plt.subplots(nrows, ncols, figsize=(size * ncols, size * nrows), squeeze=False)
+    for ax in axes.flat[n:]:
+        ax.axis("off")
+    return fig, list(axes.flat[:n])
