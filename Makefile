@@ -1,0 +1,70 @@
+# Linear Attention, Hands-On: the README's two commands are `make book` and `make test`.
+# Everything runs inside .venv, which is created and installed on first use from
+# constraints.txt (the exact CI set); re-installs only when pyproject.toml or
+# constraints.txt change.
+
+SHELL := bash
+.SHELLFLAGS := -eu -o pipefail -c
+.DEFAULT_GOAL := help
+
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+PY := $(BIN)/python
+STAMP := $(VENV)/.installed
+NB ?=
+MATHJAX_VERSION := 3.2.2
+MATHJAX_DIR := book/_static/mathjax
+
+.PHONY: help install book test lab execute bench gpu-check mathjax clean distclean
+
+help:  ## list the targets
+	@grep -E '^[a-z.-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+
+$(PY):
+	@$(PYTHON) -c 'import sys; v = sys.version_info; sys.exit(0 if v >= (3, 10) else f"Python >= 3.10 is needed, $(PYTHON) is {v.major}.{v.minor}; try make PYTHON=python3.11")'
+	$(PYTHON) -m venv $(VENV)
+
+.venv: $(PY)  ## create the virtual environment if it is missing
+
+$(STAMP): $(PY) pyproject.toml constraints.txt
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[book,test]"
+	@touch $@
+
+install: $(STAMP)  ## install the library (editable) with book and test tools into .venv
+
+book: $(STAMP)  ## build the HTML book into _build/html (warnings are errors)
+	$(BIN)/jupyter-book build . --all -W -n --keep-going
+	@echo "open _build/html/index.html"
+
+# pytest exits 5 when it collects nothing (e.g. a fresh skeleton): not a failure.
+test: $(STAMP)  ## run the library tests and check every notebook's outputs (nbval)
+	$(BIN)/python -m pytest -p no:cacheprovider --nbval tests book || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
+
+lab: $(STAMP)  ## open the notebooks in JupyterLab
+	cd book && ../$(BIN)/jupyter lab
+
+execute: $(STAMP)  ## re-run notebooks and save their outputs (all, or NB=book/xx.ipynb)
+	$(PY) tests/execute_notebooks.py $(NB)
+
+bench: $(STAMP)  ## benchmark the attention implementations
+	$(PY) -m linattn_lib.bench
+
+gpu-check: $(STAMP)  ## check the compiled Triton kernels on a CUDA GPU
+	$(PY) -m linattn_lib.gpu_check
+
+mathjax:  ## refresh the vendored MathJax in book/_static/mathjax (needs npm)
+	tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \
+	(cd "$$tmp" && npm pack --silent mathjax@$(MATHJAX_VERSION) >/dev/null && tar xzf mathjax-$(MATHJAX_VERSION).tgz); \
+	rm -rf $(MATHJAX_DIR); mkdir -p $(MATHJAX_DIR)/output/chtml/fonts; \
+	cp "$$tmp/package/es5/tex-chtml-full.js" "$$tmp/package/LICENSE" $(MATHJAX_DIR)/; \
+	cp -r "$$tmp/package/es5/output/chtml/fonts/woff-v2" $(MATHJAX_DIR)/output/chtml/fonts/; \
+	printf 'MathJax %s (npm package "mathjax", es5/tex-chtml-full.js + CHTML woff-v2 fonts),\nvendored by `make mathjax` so the book renders math offline. License: LICENSE (Apache-2.0).\n' \
+		$(MATHJAX_VERSION) > $(MATHJAX_DIR)/SOURCE.txt
+
+clean:  ## remove build outputs (keeps .venv)
+	rm -rf _build .pytest_cache *.egg-info
+	find . -path ./$(VENV) -prune -o -name __pycache__ -type d -prune -exec rm -rf {} +
+
+distclean: clean  ## also remove .venv
+	rm -rf $(VENV)

@@ -1,0 +1,86 @@
+"""Repository-wide pytest configuration.
+
+It lives at the repository root (not in tests/) because nbval collects the chapter
+notebooks under book/, and a conftest.py only applies to files below it.
+
+What it does:
+
+* Kernels started by nbval inherit this process's environment. PYTHONHASHSEED is
+  fixed so set/dict iteration order cannot change printed output. MPLBACKEND is
+  removed on purpose: ipykernel only selects the inline backend when MPLBACKEND is
+  unset, and with e.g. MPLBACKEND=Agg (common on CI) notebooks would silently stop
+  displaying figures, so their saved outputs would no longer match.
+  tests/execute_notebooks.py prepares the kernel environment the same way.
+* The library tests in this process draw with the non-interactive Agg backend.
+* nbval does not compare outputs that are volatile by nature: HTML reprs (tqdm bars,
+  widget fallbacks), JavaScript, widget views and stderr (warnings, progress).
+  Plain text, errors and figure summaries are still compared; tests/nbval_sanitize.cfg
+  masks the few volatile substrings (timings, addresses) that remain.
+* nbval waits only 5 s for each output message after a cell has finished; big
+  outputs and widgets need longer.
+* nbval 0.11 sends cells with store_history=False. IPython then cannot see the cell's
+  trailing `;` (it looks in the history), so `plt.plot(x);` shows its return value under
+  nbval but not in Jupyter, Colab or `make execute`. Cells are sent the way Jupyter sends
+  them instead, so saved and fresh outputs come from the same behaviour.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+NBVAL_SKIP_COMPARE = (
+    "text/html",
+    "application/javascript",
+    "application/vnd.jupyter.widget-view+json",
+    "stderr",
+)
+NBVAL_OUTPUT_TIMEOUT_S = 60
+
+os.environ["PYTHONHASHSEED"] = "0"
+os.environ.pop("MPLBACKEND", None)
+os.environ.setdefault("PYDEVD_DISABLE_FILE_VALIDATION", "1")  # quiets debugpy in kernels
+
+try:
+    import matplotlib
+except ImportError:  # the library tests that draw will say so themselves
+    pass
+else:
+    matplotlib.use("Agg")
+
+
+def _execute_like_jupyter(self, cell_input, allow_stdin=None):
+    return self.kc.execute(cell_input, store_history=True, allow_stdin=allow_stdin, stop_on_error=False)
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    if getattr(config.option, "nbval", False) or getattr(config.option, "nbval_lax", False):
+        from nbval.kernel import RunningKernel
+
+        RunningKernel.execute_cell_input = _execute_like_jupyter
+
+    # addopts gives the sanitizer relative to the repository root; make it work
+    # when pytest is started from another directory (e.g. `cd book && pytest --nbval`).
+    sanitize = getattr(config.option, "nbval_sanitize_with", None)
+    if sanitize and not Path(sanitize).is_absolute() and not Path(sanitize).exists():
+        candidate = Path(config.rootpath, sanitize)
+        if candidate.exists():
+            config.option.nbval_sanitize_with = str(candidate)
+
+
+def _is_nbval_file(node: pytest.Collector | pytest.Item) -> bool:
+    return type(node).__name__ == "IPyNbFile" and type(node).__module__.startswith("nbval")
+
+
+def pytest_collectstart(collector: pytest.Collector) -> None:
+    if _is_nbval_file(collector):
+        missing = tuple(k for k in NBVAL_SKIP_COMPARE if k not in collector.skip_compare)
+        collector.skip_compare = tuple(collector.skip_compare) + missing
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if _is_nbval_file(item.parent) and hasattr(item, "output_timeout"):
+            item.output_timeout = max(item.output_timeout, NBVAL_OUTPUT_TIMEOUT_S)
