@@ -1,0 +1,183 @@
+"""Token-by-token decoding: linear attention's constant-size state beside softmax's KV cache.
+
+Generating token t with softmax attention needs every past key and value (the KV cache grows
+by one (k, v) pair per token: O(T) memory and O(T) work per step). Causal linear attention
+folds the past into S = sum_j k_j v_j^T and z = sum_j k_j: O(1) memory and work per step,
+whatever T is. These two classes are the torch references for that comparison; each step
+returns exactly what the parallel form computes at that position.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _checks as X
+from . import _validate as V
+from .attention import DEFAULT_EPS, LinearAttentionState
+
+
+def _check_token(fn: str, name: str, x, expected: tuple[int, int, int], like: Tensor) -> None:
+    """One token's (B, H, D) slice, matching the decoder's sizes, dtype and device."""
+    X.check_shape(fn, name, x, expected, ("B", "H", "D"))
+    if x.dtype != like.dtype:
+        raise TypeError(f"{fn}: `{name}` has dtype {x.dtype} but the decoder holds {like.dtype}; cast it first")
+    if x.device != like.device:
+        raise ValueError(f"{fn}: `{name}` is on {x.device} but the decoder is on {like.device}")
+
+
+def _nbytes(*tensors: Optional[Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+class RecurrentDecoder:
+    """Causal linear attention one token at a time, with a state of constant size.
+
+        S <- a S + k_t v_t^T,   z <- a z + k_t,   o_t = q_t S / (q_t . z + eps)
+
+    where a = exp(log_decay_t) (1 without a decay). q_t, k_t are *features* (B, H, Dk), as for
+    `linear_attention`; v_t is (B, H, Dv). The state is (B, H, Dk, Dv) + (B, H, Dk) numbers no
+    matter how many tokens have been seen: that is `nbytes`.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        heads: int,
+        dk: int,
+        dv: int,
+        *,
+        normalize: bool = True,
+        eps: float = DEFAULT_EPS,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+        initial_state: Optional[LinearAttentionState] = None,
+    ) -> None:
+        fn = "RecurrentDecoder"
+        for name, value in (("batch", batch), ("heads", heads), ("dk", dk), ("dv", dv)):
+            V.check_positive_int(fn, name, value)
+        self.normalize = normalize
+        self.eps = X.check_eps(fn, eps)
+        self.S = torch.zeros(batch, heads, dk, dv, dtype=dtype, device=device)
+        self.z = torch.zeros(batch, heads, dk, dtype=dtype, device=device) if normalize else None
+        if initial_state is not None:
+            X.check_shape(fn, "initial_state.S", initial_state.S, tuple(self.S.shape), ("B", "H", "Dk", "Dv"))
+            self.S = initial_state.S.to(dtype)
+            if normalize:
+                if initial_state.z is None:
+                    raise ValueError(f"{fn}: normalize=True needs `initial_state.z` of shape {tuple(self.z.shape)}, got None")
+                X.check_shape(fn, "initial_state.z", initial_state.z, tuple(self.z.shape), ("B", "H", "Dk"))
+                self.z = initial_state.z.to(dtype)
+        self.tokens_seen = 0
+
+    @property
+    def state(self) -> LinearAttentionState:
+        """The current state, ready for `linear_attention(..., initial_state=...)`."""
+        return LinearAttentionState(self.S, self.z)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held by the state: constant, independent of `tokens_seen`."""
+        return _nbytes(self.S, self.z)
+
+    def _decay(self, log_decay_t: Optional[Tensor]) -> Optional[Tensor]:
+        """exp(log_decay_t) as a (B, H) factor, or None for no decay."""
+        if log_decay_t is None:
+            return None
+        fn = "RecurrentDecoder.step"
+        batch, heads = self.S.shape[:2]
+        V.check_tensor(fn, "log_decay_t", log_decay_t)
+        if tuple(log_decay_t.shape) not in ((heads,), (batch, heads)):
+            raise ValueError(
+                f"{fn}: `log_decay_t` has shape {tuple(log_decay_t.shape)}; expected (H,) = ({heads},) "
+                f"or (B, H) = {(batch, heads)}"
+            )
+        X.check_values(fn, "log_decay_t", log_decay_t, high=0.0, why="a decay factor exp(log_decay_t) in (0, 1]")
+        return torch.exp(log_decay_t.to(self.S.dtype)).expand(batch, heads)
+
+    def step(self, q_t: Tensor, k_t: Tensor, v_t: Tensor, log_decay_t: Optional[Tensor] = None) -> Tensor:
+        """Absorb token t into the state and return its output o_t of shape (B, H, Dv)."""
+        fn = "RecurrentDecoder.step"
+        batch, heads, dk, dv = self.S.shape
+        _check_token(fn, "q_t", q_t, (batch, heads, dk), self.S)
+        _check_token(fn, "k_t", k_t, (batch, heads, dk), self.S)
+        _check_token(fn, "v_t", v_t, (batch, heads, dv), self.S)
+        a = self._decay(log_decay_t)
+        if a is not None:
+            self.S = a[..., None, None] * self.S
+            self.z = a[..., None] * self.z if self.normalize else None
+        self.S = self.S + k_t.unsqueeze(-1) * v_t.unsqueeze(-2)
+        num = (q_t.unsqueeze(-1) * self.S).sum(-2)
+        self.tokens_seen += 1
+        if not self.normalize:
+            return num
+        self.z = self.z + k_t
+        return num / ((q_t * self.z).sum(-1, keepdim=True) + self.eps)
+
+
+class KVCacheDecoder:
+    """Causal softmax attention one token at a time, keeping every past key and value.
+
+    The cache lives in preallocated buffers that double when full (amortised O(1) appends,
+    as in a Python list), and each step attends over the `tokens_seen` filled rows:
+    O(T) memory and O(T) work per step. `nbytes` counts the filled part (what a decoder must
+    keep, 2 T (Dk + Dv) numbers per head); `capacity_nbytes` the allocated buffers.
+    """
+
+    def __init__(
+        self,
+        batch: int,
+        heads: int,
+        dk: int,
+        dv: int,
+        *,
+        scale: Optional[float] = None,
+        capacity: int = 16,
+        dtype: torch.dtype = torch.float32,
+        device=None,
+    ) -> None:
+        fn = "KVCacheDecoder"
+        for name, value in (("batch", batch), ("heads", heads), ("dk", dk), ("dv", dv), ("capacity", capacity)):
+            V.check_positive_int(fn, name, value)
+        self.scale = 1.0 / math.sqrt(dk) if scale is None else X.check_number(fn, "scale", scale)
+        self.keys = torch.zeros(batch, heads, capacity, dk, dtype=dtype, device=device)
+        self.values = torch.zeros(batch, heads, capacity, dv, dtype=dtype, device=device)
+        self.tokens_seen = 0
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the keys and values seen so far: grows linearly with `tokens_seen`."""
+        n = self.tokens_seen
+        return _nbytes(self.keys[:, :, :n], self.values[:, :, :n])
+
+    @property
+    def capacity_nbytes(self) -> int:
+        """Bytes allocated, including the unused tail of the doubling buffers."""
+        return _nbytes(self.keys, self.values)
+
+    def _grow(self) -> None:
+        """Double the buffers (copying the filled rows) so that appends stay amortised O(1)."""
+        self.keys = torch.cat([self.keys, torch.zeros_like(self.keys)], dim=2)
+        self.values = torch.cat([self.values, torch.zeros_like(self.values)], dim=2)
+
+    def step(self, q_t: Tensor, k_t: Tensor, v_t: Tensor) -> Tensor:
+        """Append (k_t, v_t) and return softmax(q_t K^T * scale) V over the cache, shape (B, H, Dv)."""
+        fn = "KVCacheDecoder.step"
+        batch, heads, _, dk = self.keys.shape
+        dv = self.values.shape[-1]
+        _check_token(fn, "q_t", q_t, (batch, heads, dk), self.keys)
+        _check_token(fn, "k_t", k_t, (batch, heads, dk), self.keys)
+        _check_token(fn, "v_t", v_t, (batch, heads, dv), self.keys)
+        if self.tokens_seen == self.keys.shape[2]:
+            self._grow()
+        n = self.tokens_seen
+        # writing into the buffer in place keeps the cache O(T) in memory; it is a decoder, not
+        # a training path, so autograd through past steps is not a goal here
+        self.keys[:, :, n] = k_t
+        self.values[:, :, n] = v_t
+        self.tokens_seen = n + 1
+        K, Vs = self.keys[:, :, : n + 1], self.values[:, :, : n + 1]
+        weights = torch.softmax((K @ q_t.unsqueeze(-1)).squeeze(-1) * self.scale, dim=-1)  # (B, H, n+1)
+        return (weights.unsqueeze(-2) @ Vs).squeeze(-2)

@@ -1,0 +1,119 @@
+"""Token-by-token decoders equal their parallel forms; the recurrent state is constant in size,
+the KV cache grows linearly; bad input raises a clear error."""
+import pytest
+import torch
+
+from linattn_lib import LinearAttentionState, linear_attention, softmax_attention
+from linattn_lib.decoding import KVCacheDecoder, RecurrentDecoder
+
+D64 = torch.float64
+TOL = 1e-10
+
+
+def maxdiff(a, b):
+    return (a - b).abs().max().item()
+
+
+def make(B=2, H=3, T=21, Dk=5, Dv=4, *, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(B, H, T, Dk, generator=g, dtype=D64)
+    k = torch.rand(B, H, T, Dk, generator=g, dtype=D64)
+    v = torch.randn(B, H, T, Dv, generator=g, dtype=D64)
+    return q, k, v
+
+
+def decode(decoder, q, k, v, log_decay=None):
+    outs = []
+    for t in range(q.shape[2]):
+        extra = ()
+        if log_decay is not None:
+            extra = (log_decay if log_decay.dim() == 1 else log_decay[:, :, t],)
+        outs.append(decoder.step(q[:, :, t], k[:, :, t], v[:, :, t], *extra))
+    return torch.stack(outs, dim=2)
+
+
+@pytest.mark.parametrize("normalize", [True, False])
+@pytest.mark.parametrize("decay", [None, "head", "token"])
+def test_recurrent_decoder_equals_parallel(normalize, decay):
+    q, k, v = make()
+    log_decay = {None: None, "head": -torch.rand(3, dtype=D64), "token": -torch.rand(2, 3, 21, dtype=D64)}[decay]
+    dec = RecurrentDecoder(2, 3, 5, 4, normalize=normalize, dtype=D64)
+    out = decode(dec, q, k, v, log_decay)
+    expect, state = linear_attention(q, k, v, normalize=normalize, log_decay=log_decay, form="quadratic", return_state=True)
+    assert maxdiff(out, expect) < TOL
+    assert maxdiff(dec.state.S, state.S) < TOL
+    if normalize:
+        assert maxdiff(dec.state.z, state.z) < TOL
+    assert dec.tokens_seen == 21
+
+
+def test_recurrent_decoder_resumes_from_a_prefill():
+    """Prefill the prompt in parallel, then decode the rest token by token."""
+    q, k, v = make(T=30)
+    full = linear_attention(q, k, v, form="quadratic")
+    _, state = linear_attention(q[:, :, :12], k[:, :, :12], v[:, :, :12], return_state=True)
+    dec = RecurrentDecoder(2, 3, 5, 4, dtype=D64, initial_state=state)
+    assert maxdiff(decode(dec, q[:, :, 12:], k[:, :, 12:], v[:, :, 12:]), full[:, :, 12:]) < TOL
+
+
+def test_kv_cache_decoder_equals_softmax_attention():
+    q, k, v = make(T=37)
+    for scale in (None, 0.7):
+        dec = KVCacheDecoder(2, 3, 5, 4, scale=scale, capacity=4, dtype=D64)
+        out = decode(dec, q, k, v)
+        assert maxdiff(out, softmax_attention(q, k, v, causal=True, scale=scale)) < TOL
+
+
+def test_memory_constant_versus_linear():
+    B, H, Dk, Dv = 1, 2, 8, 8
+    rec = RecurrentDecoder(B, H, Dk, Dv)
+    kv = KVCacheDecoder(B, H, Dk, Dv, capacity=1)
+    q, k, v = (x.float() for x in make(B, H, 40, Dk, Dv))
+    state_bytes = rec.nbytes
+    assert state_bytes == 4 * B * H * (Dk * Dv + Dk)
+    for t in range(40):
+        rec.step(q[:, :, t], k[:, :, t], v[:, :, t])
+        kv.step(q[:, :, t], k[:, :, t], v[:, :, t])
+        assert rec.nbytes == state_bytes
+        assert kv.nbytes == 4 * B * H * (t + 1) * (Dk + Dv)
+    cap = kv.capacity_nbytes // (4 * B * H * (Dk + Dv))
+    assert cap == 64  # doubled from 1 until 40 tokens fit
+
+
+def test_recurrent_decoder_is_differentiable():
+    q, k, v = make(T=8)
+    xs = [x.clone().requires_grad_() for x in (q, k, v)]
+    decode(RecurrentDecoder(2, 3, 5, 4, dtype=D64), *xs).sum().backward()
+    ys = [x.clone().requires_grad_() for x in (q, k, v)]
+    linear_attention(*ys, form="quadratic").sum().backward()
+    for a, b in zip(xs, ys):
+        assert maxdiff(a.grad, b.grad) < 1e-9
+
+
+def test_decoder_errors():
+    dec = RecurrentDecoder(2, 3, 5, 4, dtype=D64)
+    q, k, v = (x[:, :, 0] for x in make())
+    with pytest.raises(ValueError, match=r"`q_t` has shape \(2, 3, 4\); expected \(B=2, H=3, D=5\)"):
+        dec.step(q[..., :4], k, v)
+    with pytest.raises(ValueError, match=r"`v_t` must be a 3-d tensor laid out as \(B, H, D\)"):
+        dec.step(q, k, v[0])
+    with pytest.raises(TypeError, match=r"`k_t` has dtype torch.float32 but the decoder holds torch.float64"):
+        dec.step(q, k.float(), v)
+    with pytest.raises(ValueError, match=r"`log_decay_t` must be <= 0"):
+        dec.step(q, k, v, torch.full((3,), 0.1, dtype=D64))
+    with pytest.raises(ValueError, match=r"`log_decay_t` has shape \(2, 3, 1\); expected \(H,\) = \(3,\) or \(B, H\) = \(2, 3\)"):
+        dec.step(q, k, v, torch.zeros(2, 3, 1, dtype=D64))
+    with pytest.raises(ValueError, match=r"`dk` must be a positive int, got 0"):
+        RecurrentDecoder(2, 3, 0, 4)
+    with pytest.raises(ValueError, match=r"normalize=True needs `initial_state.z`"):
+        RecurrentDecoder(2, 3, 5, 4, initial_state=LinearAttentionState(torch.zeros(2, 3, 5, 4)))
+    with pytest.raises(ValueError, match=r"`initial_state.S` has shape \(2, 3, 4, 5\)"):
+        RecurrentDecoder(2, 3, 5, 4, normalize=False, initial_state=LinearAttentionState(torch.zeros(2, 3, 4, 5)))
+    kv = KVCacheDecoder(2, 3, 5, 4, dtype=D64)
+    with pytest.raises(ValueError, match=r"`k_t` has shape \(2, 2, 5\); expected \(B=2, H=3, D=5\)"):
+        kv.step(q, k[:, :2], v)
+    with pytest.raises(ValueError, match=r"`capacity` must be a positive int, got 0"):
+        KVCacheDecoder(2, 3, 5, 4, capacity=0)
+    with pytest.raises(TypeError, match=r"`scale` must be a number"):
+        KVCacheDecoder(2, 3, 5, 4, scale="auto")
+    assert kv.tokens_seen == 0  # a rejected step leaves the cache untouched
