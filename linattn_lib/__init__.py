@@ -26,6 +26,26 @@ from .features import (
 )
 from .masks import causal_mask, decay_mask, segsum
 from .performer import performer_attention
+from .positional import (
+    band_bias_attention,
+    band_bias_matrix,
+    cosformer_attention,
+    cosformer_attention_matrix,
+    cosformer_weights,
+    key_normalized_attention,
+    key_normalized_attention_matrix,
+    sinusoidal_positions,
+)
+from .ssm import (
+    gla_attention,
+    retnet_log_decay,
+    rwkv4_wkv,
+    selective_scan_reference,
+    semiseparable_matrix,
+    ssd,
+    zoh_discretize,
+)
+from .decoding import KVCacheDecoder, RecurrentDecoder
 
 __version__ = "0.1.0"
 
@@ -49,6 +69,23 @@ __all__ = [
     "softmax_kernel",
     "trig_softmax_features",
     "performer_attention",
+    "band_bias_attention",
+    "band_bias_matrix",
+    "cosformer_attention",
+    "cosformer_attention_matrix",
+    "cosformer_weights",
+    "key_normalized_attention",
+    "key_normalized_attention_matrix",
+    "sinusoidal_positions",
+    "gla_attention",
+    "retnet_log_decay",
+    "rwkv4_wkv",
+    "selective_scan_reference",
+    "semiseparable_matrix",
+    "ssd",
+    "zoh_discretize",
+    "KVCacheDecoder",
+    "RecurrentDecoder",
     "segsum",
     "decay_mask",
     "causal_mask",
