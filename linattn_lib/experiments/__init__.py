@@ -1,4 +1,8 @@
-"""Heavy experiments (training runs, long sweeps) with a command-line interface.
+"""Experiments behind the book's measured claims, each a module with a CLI:
 
-The book runs small live versions and plots the committed full results.
+* `python -m linattn_lib.experiments.mqar`   multi-query associative recall (chapter 7)
+* `python -m linattn_lib.experiments.charlm` character-level language models (chapter 8)
+
+Full runs write JSON results (command, config, hardware, library version, seeds) that the
+notebooks plot; the notebooks themselves run small live versions.
 """

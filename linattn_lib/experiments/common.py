@@ -1,0 +1,98 @@
+"""Shared pieces of the experiment CLIs: seeding, a small training loop, result metadata."""
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import sys
+import time
+from pathlib import Path
+from typing import Callable, Iterable, Optional
+
+import torch
+
+from ..measure import device_name
+
+
+def seed_everything(seed: int) -> torch.Generator:
+    """Seed Python, torch (CPU and CUDA) and return a torch.Generator for data sampling."""
+    random.seed(seed)
+    torch.manual_seed(seed)
+    return torch.Generator().manual_seed(seed)
+
+
+def run_metadata(module: str, argv: Optional[list[str]] = None) -> dict:
+    """Everything needed to reproduce a result: command, versions, hardware, time.
+
+    module: the CLI's module, e.g. "linattn_lib.experiments.mqar"; argv: its arguments.
+    """
+    from .. import __version__
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    return {
+        "command": " ".join(["python", "-m", module, *args]),
+        "library_version": __version__,
+        "torch_version": torch.__version__,
+        "python_version": platform.python_version(),
+        "hardware": device_name(),
+        "threads": torch.get_num_threads(),
+        "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
+    }
+
+
+def write_json(path: os.PathLike, payload: dict) -> Path:
+    """Write JSON atomically (a crash never leaves a half-written results file)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
+    os.replace(tmp, path)
+    return path
+
+
+def train(
+    model: torch.nn.Module,
+    batches: Callable[[int], tuple[torch.Tensor, torch.Tensor]],
+    *,
+    steps: int,
+    lr: float = 3e-3,
+    weight_decay: float = 0.0,
+    warmup: int = 20,
+    grad_clip: float = 1.0,
+    progress: Optional[Callable[[int, float], None]] = None,
+) -> list[float]:
+    """AdamW with linear warm-up and cosine decay; `batches(step)` returns (inputs, targets).
+
+    Targets equal to -100 are ignored by the loss (cross-entropy's ignore_index). Returns the
+    training loss of every step.
+    """
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=weight_decay, betas=(0.9, 0.98))
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + torch.cos(torch.tensor(torch.pi * s / steps)).item())
+    )
+    model.train()
+    losses = []
+    for step in range(steps):
+        x, y = batches(step)
+        logits = model(x)
+        loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y.reshape(-1), ignore_index=-100)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), grad_clip)
+        opt.step()
+        sched.step()
+        losses.append(loss.item())
+        if progress is not None:
+            progress(step, losses[-1])
+    model.eval()
+    return losses
+
+
+def progress_bar(iterable: Iterable, *, desc: str, total: Optional[int] = None, enabled: bool = True):
+    """tqdm on stderr for CLIs; a plain iterable when disabled (notebooks stay free of bars)."""
+    if not enabled:
+        return iterable
+    from tqdm.auto import tqdm
+
+    return tqdm(iterable, desc=desc, total=total, file=sys.stderr, dynamic_ncols=True)
