@@ -1,1 +1,53 @@
-"""Triton kernels for linattn_lib, installed as `linattn_lib.kernels`."""
+"""Triton kernels for linattn_lib, installed and imported as `linattn_lib.kernels`.
+
+One chunked engine for causal linear attention (forward, backward), a non-causal pair of
+kernels and a decoding step. Each module holds its `@triton.jit` kernels and the launcher
+that picks a config and starts them; nothing is launched at import time. The autograd
+wrappers live in `linattn_lib/_triton.py`.
+
+    chunk_fwd.py   chunk_fwd_kernel       causal forward; run backwards in time it gives dV
+    chunk_bwd.py   chunk_bwd_dqk_kernel   dQ, and run backwards in time dK
+    noncausal.py   noncausal_state_kernel, noncausal_output_kernel
+    decode.py      decode_kernel          one token, state updated in place
+    configs.py     CONFIGS (every config a launcher can pick), select_config, launchable
+
+`KERNELS` maps each kernel name to its JITFunction and a `compile_spec(config, dtype)` that
+gives the signature of its heaviest variant: tests/test_kernels_compile.py compiles every
+entry of `CONFIGS` with it for every GPU target, ahead of time, without a GPU.
+"""
+from .chunk_bwd import chunk_bwd_dqk, chunk_bwd_dqk_kernel
+from .chunk_bwd import compile_spec as _chunk_bwd_spec
+from .chunk_fwd import chunk_fwd, chunk_fwd_kernel
+from .chunk_fwd import compile_spec as _chunk_fwd_spec
+from .configs import CONFIGS, DIM_NAMES, MAX_HEAD_DIM, WHOLE_DIMS, dot_precision, launchable, select_config, whole_dim
+from .decode import compile_spec as _decode_spec
+from .decode import decode_kernel, decode_step
+from .noncausal import compile_spec_output as _noncausal_output_spec
+from .noncausal import compile_spec_state as _noncausal_state_spec
+from .noncausal import noncausal_output, noncausal_output_kernel, noncausal_state, noncausal_state_kernel
+
+# kernel name -> (the @triton.jit function, compile_spec(config, dtype) -> (signature, constexprs))
+KERNELS = {
+    "chunk_fwd": (chunk_fwd_kernel, _chunk_fwd_spec),
+    "chunk_bwd_dqk": (chunk_bwd_dqk_kernel, _chunk_bwd_spec),
+    "noncausal_state": (noncausal_state_kernel, _noncausal_state_spec),
+    "noncausal_output": (noncausal_output_kernel, _noncausal_output_spec),
+    "decode": (decode_kernel, _decode_spec),
+}
+
+__all__ = [
+    "CONFIGS",
+    "DIM_NAMES",
+    "KERNELS",
+    "MAX_HEAD_DIM",
+    "WHOLE_DIMS",
+    "chunk_bwd_dqk",
+    "chunk_fwd",
+    "decode_step",
+    "dot_precision",
+    "launchable",
+    "noncausal_output",
+    "noncausal_state",
+    "select_config",
+    "whole_dim",
+]

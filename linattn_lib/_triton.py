@@ -1,11 +1,398 @@
-"""Autograd wrappers around the Triton kernels in `linattn_lib.kernels` (placeholder until they land)."""
+"""The Triton backend: autograd wrappers around the kernels in `linattn_lib.kernels`.
+
+`linear_attention(..., backend="triton")` lands in `linear_attention_triton`; `backend="auto"`
+does too for CUDA tensors. On CUDA the kernels are compiled; on CPU tensors they run in the
+Triton interpreter (numpy, one program at a time: slow, but the very same kernel source, so
+the CPU tests check the code a GPU would run). bfloat16 needs a GPU: the interpreter has no
+bfloat16 arithmetic.
+
+What runs where (see kernels/chunk_fwd.py and kernels/chunk_bwd.py for the maths):
+
+    causal forward    chunk_fwd                          -> o, den, final state
+    causal backward   chunk_bwd_dqk (causal)             -> dq
+                      chunk_bwd_dqk (anti-causal)        -> dk
+                      chunk_fwd     (anti-causal)        -> dv and the gradient of the initial state
+                      torch, O(B H T)                    -> the gradient of the log-decay
+    non-causal        noncausal_state + noncausal_output, forward and backward
+    decoding          decode (one token, state updated in place)
+
+Gradients flow to q, k, v, the log-decay and the initial state (S0 and z0).
+"""
 from __future__ import annotations
+
+import importlib
+import importlib.util
+import sys
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+from . import _validate as V
+from .attention import DEFAULT_EPS, LinearAttentionState
+
+SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+_kernels = None
+_import_error: Optional[BaseException] = None
+
+
+def _load_kernels():
+    """Import the kernels package once: `linattn_lib.kernels` when installed, else ./kernels.
+
+    The kernels live in the top-level `kernels/` folder, installed as `linattn_lib.kernels`.
+    From a plain source checkout (no `pip install -e .`) that name does not exist yet, so the
+    folder is loaded under it by path.
+    """
+    global _kernels, _import_error
+    if _kernels is not None or _import_error is not None:
+        return _kernels
+    try:
+        if importlib.util.find_spec("triton") is None:
+            raise ImportError("the `triton` package is not installed")
+        try:
+            _kernels = importlib.import_module("linattn_lib.kernels")
+        except ModuleNotFoundError as e:
+            if e.name != "linattn_lib.kernels":
+                raise
+            init = Path(__file__).resolve().parent.parent / "kernels" / "__init__.py"
+            spec = importlib.util.spec_from_file_location(
+                "linattn_lib.kernels", init, submodule_search_locations=[str(init.parent)]
+            )
+            if spec is None or not init.exists():
+                raise
+            module = importlib.util.module_from_spec(spec)
+            sys.modules["linattn_lib.kernels"] = module
+            try:
+                spec.loader.exec_module(module)
+            except BaseException:
+                del sys.modules["linattn_lib.kernels"]
+                raise
+            _kernels = module
+    except Exception as e:  # no triton, or a triton too old for the kernels
+        _import_error = e
+    return _kernels
 
 
 def triton_available() -> bool:
-    """True when the Triton kernels can be imported (on CUDA, or the interpreter on CPU)."""
-    return False
+    """True when `backend="triton"` can run here: Triton and `linattn_lib.kernels` import.
+
+    CUDA tensors then run compiled kernels and CPU tensors run them in the Triton interpreter
+    (which works whether or not TRITON_INTERPRET=1 is set). `backend="auto"` picks Triton for
+    CUDA tensors only; for "is there a GPU for the fast path" ask `torch.cuda.is_available()`.
+    """
+    return _load_kernels() is not None
 
 
-def linear_attention_triton(q, k, v, **kwargs):
-    raise RuntimeError("linear_attention: the Triton backend is not available in this build")
+def _require_kernels(fn: str):
+    K = _load_kernels()
+    if K is None:
+        raise RuntimeError(f"{fn}: the Triton backend is not available: {_import_error}")
+    return K
+
+
+def _check_inputs(fn: str, q: Tensor, v: Tensor) -> None:
+    if q.dtype not in SUPPORTED_DTYPES:
+        raise TypeError(
+            f"{fn}: the Triton kernels take float32, float16 or bfloat16 inputs, got {q.dtype} "
+            "(use backend='torch' for float64)"
+        )
+    if q.device.type not in ("cuda", "cpu"):
+        raise ValueError(f"{fn}: the Triton kernels run on CUDA (or on CPU in the interpreter), got {q.device}")
+    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+        raise TypeError(
+            f"{fn}: bfloat16 on CPU would run in the Triton interpreter, which has no bfloat16 "
+            "arithmetic; use a CUDA device, float16/float32, or backend='torch'"
+        )
+    K = _require_kernels(fn)
+    for name, d in (("Dk", q.shape[-1]), ("Dv", v.shape[-1])):
+        if d > K.MAX_HEAD_DIM:
+            raise ValueError(
+                f"{fn}: the Triton kernels support head dims up to {K.MAX_HEAD_DIM}, got {name}={d}; "
+                "use backend='torch'"
+            )
+
+
+def _normaliser_grads(do: Tensor, o: Tensor, den: Tensor, dtype: torch.dtype):
+    """Split dO of o = num / den into dnum = dO / den and dden = -(dO . o) / den (fp32)."""
+    do32 = do.float()
+    dden = -(do32 * o.float()).sum(-1) / den
+    dnum = (do32 / den.unsqueeze(-1)).to(dtype)
+    return dnum, dden
+
+
+def _state_grads(dS: Optional[Tensor], dz: Optional[Tensor], S: Tensor, z: Optional[Tensor]):
+    """Gradients of the final state as a pair that is either (None, None) or two tensors."""
+    if dS is None and dz is None:
+        return None, None
+    dS = torch.zeros_like(S) if dS is None else dS.float()
+    if z is not None:
+        dz = torch.zeros_like(z) if dz is None else dz.float()
+    return dS, dz
+
+
+class _CausalLinearAttention(torch.autograd.Function):
+    """Causal chunked linear attention, forward and backward in Triton."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, S0, z0, normalize: bool, eps: float, return_state: bool):
+        K = _kernels
+        init = (S0, z0) if S0 is not None else None
+        o, den, S_T, z_T = K.chunk_fwd(
+            q, k, v, log_decay=g, normalize=normalize, eps=eps, initial_state=init,
+            store_final_state=return_state,
+        )
+        ctx.save_for_backward(q, k, v, g, S0, z0, o, den, S_T, z_T)
+        ctx.normalize = normalize
+        ctx.set_materialize_grads(False)  # unused outputs get None, not a tensor of zeros
+        if not return_state:
+            return o
+        return (o, S_T, z_T) if normalize else (o, S_T)
+
+    @staticmethod
+    def backward(ctx, do, dS_T=None, dz_T=None):
+        K = _kernels
+        q, k, v, g, S0, z0, o, den, S_T, z_T = ctx.saved_tensors
+        need_q, need_k, need_v, need_g, need_S0, need_z0 = ctx.needs_input_grad[:6]
+        normalize = ctx.normalize
+        if do is None:
+            do = torch.zeros_like(o)
+        if normalize:
+            dnum, dden = _normaliser_grads(do, o, den, q.dtype)
+        else:
+            dnum, dden = do.to(q.dtype), None
+        dS_T, dz_T = _state_grads(dS_T, dz_T, S_T, z_T) if S_T is not None else (None, None)
+        end_state = (dS_T, dz_T) if dS_T is not None else None
+        init = (S0, z0) if S0 is not None else None
+        # dq and dk in fp32 when the decay needs them: dg is a cumulative sum of q.dq - k.dk.
+        acc = torch.float32 if need_g else None
+
+        dq = dk = dv = dg = dS0 = dz0 = None
+        if need_q or need_g:
+            dq = K.chunk_bwd_dqk(dnum, v, k, dden=dden, log_decay=g, initial_state=init, out_dtype=acc)
+        if need_k or need_g:
+            dk = K.chunk_bwd_dqk(v, dnum, q, dden=dden, log_decay=g, initial_state=end_state,
+                                 reverse=True, out_dtype=acc)
+        if need_v or need_S0 or need_z0:
+            # dv is linear attention run backwards with (q, k, v) = (k, q, dnum); its final
+            # state is the gradient of the initial state (dden weights the keys of z).
+            dv, _, dS0, dz0 = K.chunk_fwd(
+                k, q, dnum, log_decay=g, normalize=False, initial_state=end_state,
+                store_final_state=need_S0 or need_z0, weights=dden, track_z=normalize, reverse=True,
+            )
+        if need_g:
+            # dL/dG_t = q_t . dq_t - k_t . dk_t (+ <dS_T, S_T> + <dz_T, z_T> at the last token),
+            # and g_s enters every G_t with t >= s: a reverse cumulative sum.
+            r = (q.float() * dq).sum(-1) - (k.float() * dk).sum(-1)
+            if dS_T is not None:
+                r[..., -1] += (dS_T * S_T).sum((-2, -1))
+                if dz_T is not None:
+                    r[..., -1] += (dz_T * z_T).sum(-1)
+            dg = r.flip(-1).cumsum(-1).flip(-1)
+            dg = (dg.sum((0, 2)) if g.dim() == 1 else dg).to(g.dtype)
+        if dq is not None:
+            dq = dq.to(q.dtype) if need_q else None
+        if dk is not None:
+            dk = dk.to(k.dtype) if need_k else None
+        if dv is not None and not need_v:
+            dv = None
+        dS0 = dS0.to(S0.dtype) if (need_S0 and dS0 is not None) else None
+        dz0 = dz0.to(z0.dtype) if (need_z0 and dz0 is not None) else None
+        return dq, dk, dv, dg, dS0, dz0, None, None, None
+
+
+class _NonCausalLinearAttention(torch.autograd.Function):
+    """Non-causal linear attention: global state, then one product; both passes in Triton."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, S0, z0, normalize: bool, eps: float, return_state: bool):
+        K = _kernels
+        init = (S0, z0) if S0 is not None else None
+        S, z = K.noncausal_state(k, v, track_z=normalize, initial_state=init)
+        o, den = K.noncausal_output(q, S, z=z if normalize else None, eps=eps, out_dtype=v.dtype)
+        ctx.save_for_backward(q, k, v, S0, z0, o, den, S, z)
+        ctx.normalize = normalize
+        ctx.set_materialize_grads(False)
+        if not return_state:
+            return o
+        return (o, S, z) if normalize else (o, S)
+
+    @staticmethod
+    def backward(ctx, do, dS_T=None, dz_T=None):
+        K = _kernels
+        q, k, v, S0, z0, o, den, S, z = ctx.saved_tensors
+        need_q, need_k, need_v, need_S0, need_z0 = ctx.needs_input_grad[:5]
+        normalize = ctx.normalize
+        if do is None:
+            do = torch.zeros_like(o)
+        if normalize:
+            dnum, dden = _normaliser_grads(do, o, den, q.dtype)
+        else:
+            dnum, dden = do.to(q.dtype), None
+        dS_T, dz_T = _state_grads(dS_T, dz_T, S, z)
+        end_state = (dS_T, dz_T) if dS_T is not None else None
+        # dS = dS_T + q^T dnum and dz = dz_T + q^T dden: the state kernel with (k, v) = (q, dnum).
+        dS, dz = K.noncausal_state(q, dnum, track_z=normalize, weights=dden, initial_state=end_state)
+        dq = dk = dv = None
+        if need_q:  # dq = dnum S^T + dden z^T
+            dq, _ = K.noncausal_output(dnum, S.transpose(-1, -2), u=z if normalize else None, e=dden,
+                                       out_dtype=q.dtype)
+        if need_k:  # dk = v dS^T + 1 dz^T
+            dk, _ = K.noncausal_output(v, dS.transpose(-1, -2), u=dz if normalize else None, out_dtype=k.dtype)
+        if need_v:  # dv = k dS
+            dv, _ = K.noncausal_output(k, dS, out_dtype=v.dtype)
+        dS0 = dS.to(S0.dtype) if need_S0 else None
+        dz0 = dz.to(z0.dtype) if (need_z0 and dz is not None) else None
+        return dq, dk, dv, dS0, dz0, None, None, None
+
+
+def linear_attention_triton(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = True,
+    normalize: bool = True,
+    log_decay: Optional[Tensor] = None,
+    eps: float = DEFAULT_EPS,
+    initial_state: Optional[LinearAttentionState] = None,
+    return_state: bool = False,
+):
+    """Linear attention with the Triton kernels (inputs already validated by `linear_attention`).
+
+    Same contract as `linear_attention(..., form="chunked")`: o has the dtype of v; the
+    returned state is float32. Differentiable in q, k, v, log_decay and initial_state.
+    """
+    fn = "linear_attention"
+    _check_inputs(fn, q, v)
+    if log_decay is not None and not causal:
+        raise ValueError(f"{fn}: `log_decay` needs causal=True")
+    S0 = z0 = None
+    if initial_state is not None:
+        S0 = initial_state.S
+        z0 = initial_state.z if normalize else None
+    eps = float(eps)
+    if causal:
+        out = _CausalLinearAttention.apply(q, k, v, log_decay, S0, z0, normalize, eps, return_state)
+    else:
+        out = _NonCausalLinearAttention.apply(q, k, v, S0, z0, normalize, eps, return_state)
+    if not return_state:
+        return out
+    o, S = out[0], out[1]
+    z = out[2] if normalize else None
+    return o, LinearAttentionState(S, z)
+
+
+# --------------------------------------------------------------------------------------
+# decoding: one token, state updated in place
+# --------------------------------------------------------------------------------------
+
+
+def _check_decode(fn, q, k, v, state, log_decay, normalize):
+    for name, x in (("q_t", q), ("k_t", k), ("v_t", v)):
+        V.check_tensor(fn, name, x, ndim=3)
+    V.check_same(fn, [("q_t", q), ("k_t", k), ("v_t", v)])
+    B, H, Dk = q.shape
+    Dv = v.shape[-1]
+    if tuple(k.shape) != (B, H, Dk):
+        raise ValueError(f"{fn}: `k_t` has shape {tuple(k.shape)}; expected (B, H, Dk) = {(B, H, Dk)} like `q_t`")
+    if tuple(v.shape[:2]) != (B, H):
+        raise ValueError(f"{fn}: `v_t` has shape {tuple(v.shape)}; expected (B, H, Dv) with (B, H) = {(B, H)}")
+    if not isinstance(state, tuple) or len(state) != 2:
+        raise TypeError(f"{fn}: `state` must be a LinearAttentionState(S, z), got {type(state).__name__}")
+    S, z = state
+    V.check_tensor(fn, "state.S", S, ndim=4)
+    if tuple(S.shape) != (B, H, Dk, Dv):
+        raise ValueError(f"{fn}: `state.S` has shape {tuple(S.shape)}; expected (B, H, Dk, Dv) = {(B, H, Dk, Dv)}")
+    if S.device != q.device:
+        raise ValueError(f"{fn}: `state.S` is on {S.device} but `q_t` is on {q.device}")
+    if normalize:
+        if z is None:
+            raise ValueError(f"{fn}: normalize=True needs `state.z` of shape (B, H, Dk) = {(B, H, Dk)}, got None")
+        V.check_tensor(fn, "state.z", z, ndim=3)
+        if tuple(z.shape) != (B, H, Dk):
+            raise ValueError(f"{fn}: `state.z` has shape {tuple(z.shape)}; expected (B, H, Dk) = {(B, H, Dk)}")
+        if z.device != q.device:
+            raise ValueError(f"{fn}: `state.z` is on {z.device} but `q_t` is on {q.device}")
+    if log_decay is not None:
+        V.check_tensor(fn, "log_decay_t", log_decay)
+        if tuple(log_decay.shape) not in ((H,), (B, H)):
+            raise ValueError(
+                f"{fn}: `log_decay_t` has shape {tuple(log_decay.shape)}; expected (H,) = ({H},) per head "
+                f"or (B, H) = {(B, H)} for this token"
+            )
+        if log_decay.device != q.device:
+            raise ValueError(f"{fn}: `log_decay_t` is on {log_decay.device} but `q_t` is on {q.device}")
+        if not bool(torch.isfinite(log_decay).all()) or bool((log_decay > 0).any()):
+            raise ValueError(f"{fn}: `log_decay_t` must be finite and <= 0 (a decay factor in (0, 1])")
+
+
+def _decode_torch(q, k, v, S, z, log_decay, eps):
+    B, H, _ = q.shape
+    a = None
+    if log_decay is not None:
+        a = torch.exp(log_decay.float()).expand(B, H) if log_decay.dim() == 2 else torch.exp(log_decay.float()).view(1, H).expand(B, H)
+    S32 = S.float()
+    if a is not None:
+        S32 = S32 * a[..., None, None]
+    S32 = S32 + k.float().unsqueeze(-1) * v.float().unsqueeze(-2)
+    S.copy_(S32)
+    o = (q.float().unsqueeze(-2) @ S32).squeeze(-2)
+    if z is not None:
+        z32 = z.float() * a[..., None] if a is not None else z.float()
+        z32 = z32 + k.float()
+        z.copy_(z32)
+        o = o / ((q.float() * z32).sum(-1, keepdim=True) + eps)
+    return o.to(v.dtype)
+
+
+def linear_attention_decode_step(
+    q_t: Tensor,
+    k_t: Tensor,
+    v_t: Tensor,
+    state: LinearAttentionState,
+    *,
+    log_decay_t: Optional[Tensor] = None,
+    normalize: bool = True,
+    eps: float = DEFAULT_EPS,
+    backend: str = "auto",
+) -> Tensor:
+    """One generation step of causal linear attention; updates `state` in place.
+
+        S <- exp(g) S + k_t v_t^T,   z <- exp(g) z + k_t,   o_t = q_t S / (q_t . z + eps)
+
+    Args:
+        q_t, k_t: (B, H, Dk) features of the new token; v_t: (B, H, Dv).
+        state: LinearAttentionState(S (B, H, Dk, Dv), z (B, H, Dk) or None), e.g. the state
+            returned by `linear_attention(..., return_state=True)` on the prompt. S and z are
+            overwritten with the new state (keep them in float32 for long generations).
+        log_decay_t: optional log-decay (<= 0) of this step, (H,) or (B, H).
+        normalize: divide by q_t . z + eps (needs state.z).
+        backend: "auto" (the Triton kernel for CUDA tensors, torch otherwise), "torch", or
+            "triton" (on CPU: the interpreter).
+
+    Returns:
+        o_t of shape (B, H, Dv) in the dtype of v_t: exactly what the parallel form gives at
+        this position. Inference only: no gradient flows through this function.
+    """
+    fn = "linear_attention_decode_step"
+    V.check_choice(fn, "backend", backend, ("auto", "torch", "triton"))
+    _check_decode(fn, q_t, k_t, v_t, state, log_decay_t, normalize)
+    if not isinstance(eps, (int, float)) or eps < 0:
+        raise ValueError(f"{fn}: `eps` must be a non-negative number, got {eps!r}")
+    S, z = state.S, (state.z if normalize else None)
+    contiguous = S.is_contiguous() and (z is None or z.is_contiguous())
+    use_triton = backend == "triton" or (
+        backend == "auto" and q_t.is_cuda and contiguous and q_t.dtype in SUPPORTED_DTYPES and triton_available()
+    )
+    with torch.no_grad():
+        if not use_triton:
+            return _decode_torch(q_t, k_t, v_t, S, z, log_decay_t, float(eps))
+        _check_inputs(fn, q_t, v_t)
+        if not contiguous:
+            raise ValueError(f"{fn}: backend='triton' updates the state in place and needs contiguous state.S and state.z")
+        for name, x in (("state.S", S), ("state.z", z)):
+            if x is not None and x.dtype not in SUPPORTED_DTYPES:
+                raise TypeError(f"{fn}: backend='triton' needs a float32/float16/bfloat16 `{name}`, got {x.dtype}")
+        return _kernels.decode_step(q_t, k_t, v_t, S, z, log_decay=log_decay_t, eps=float(eps))
