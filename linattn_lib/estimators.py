@@ -10,8 +10,9 @@ collects the small exact calculations the chapters lean on:
   map really estimates;
 * `taylor_features`, `taylor_feature_dim`: exact features of exp(x . y) truncated at an order;
 * `attention_flops`, `flop_crossover`: (phi_Q phi_K^T) V versus phi_Q (phi_K^T V);
-* `approx_attention_weights`, `attention_row_tv`, `relative_error`, `performer_output_error`:
-  how far an approximate attention matrix and its output are from the exact ones;
+* `approx_attention_weights`, `attention_row_tv`, `relative_error`, `performer_output_error`,
+  `feature_attention_view`: how far an approximate attention matrix and its output are from
+  the exact ones;
 * `performer_theorem4_num_features`: the number of features Performer's Theorem 4 asks for.
 
 Every sample is computed with the library's own feature maps (`linattn_lib.features`), so the
@@ -26,8 +27,9 @@ import torch
 from torch import Tensor
 
 from . import _validate as V
-from .attention import softmax_attention
+from .attention import softmax_attention, softmax_attention_weights
 from .features import (
+    RandomFeatureMap,
     clipped_trig_features,
     hyperbolic_random_features,
     positive_random_features,
@@ -367,6 +369,43 @@ def performer_output_error(
     return sum(errs) / len(errs)
 
 
+def feature_attention_view(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    m: int,
+    kind: str = "positive",
+    orthogonal: bool = False,
+    seed: int = 0,
+    causal: bool = False,
+) -> dict:
+    """What the chapter-3 widget shows for one random feature map, for one head.
+
+    q, k: raw (T, d) queries and keys, v: (T, dv). The map is `RandomFeatureMap(d, m, kind=...,
+    orthogonal=..., seed=...)` with the 1/sqrt(d) temperature, stabilised for positive kinds.
+    Returns a dict with "exact" and "approx" (T, T) attention matrices, "row_tv" (T,) (the
+    total-variation distance of each row), "output_error" (relative error of approx @ v) and
+    "negative" (the fraction of negative approximate weights).
+    """
+    fn = "feature_attention_view"
+    for name, x in (("q", q), ("k", k), ("v", v)):
+        V.check_tensor(fn, name, x, ndim=2)
+    fm = RandomFeatureMap(q.shape[-1], m, kind=kind, orthogonal=orthogonal, seed=seed).to(q)
+    stabilize = kind in ("positive", "hyperbolic")
+    phi_q = fm(q, is_query=True, stabilize=stabilize)
+    phi_k = fm(k, is_query=False, stabilize=stabilize)
+    approx = approx_attention_weights(phi_q, phi_k, causal=causal)
+    exact = softmax_attention_weights(q[None, None], k[None, None], causal=causal)[0, 0]
+    return {
+        "exact": exact,
+        "approx": approx,
+        "row_tv": attention_row_tv(approx, exact),
+        "output_error": relative_error(approx @ v, exact @ v),
+        "negative": (approx < 0).double().mean().item(),
+    }
+
+
 def performer_theorem4_num_features(d: int, R: float, eps: float) -> float:
     """The number of features in Performer's Theorem 4, with its Theta-constant set to 1.
 
@@ -403,5 +442,6 @@ __all__ = [
     "attention_row_tv",
     "relative_error",
     "performer_output_error",
+    "feature_attention_view",
     "performer_theorem4_num_features",
 ]

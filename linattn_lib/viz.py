@@ -55,3 +55,43 @@ def small_multiples(n: int, *, ncols: Optional[int] = None, size: float = 2.6):
     for ax in axes.flat[n:]:
         ax.axis("off")
     return fig, list(axes.flat[:n])
+
+
+def plot_attention_approximations(
+    exact,
+    approximations: Mapping[str, object],
+    *,
+    row_errors: Optional[Mapping[str, Sequence[float]]] = None,
+    row_error_label: str = "row error",
+    suptitle: str = "",
+    size: float = 2.5,
+):
+    """The exact attention matrix beside approximations of it, on one colour scale.
+
+    `approximations` maps a panel title to a (T, T) matrix. The colour scale runs from 0 to the
+    largest exact weight, so negative approximate weights show as the darkest colour. With
+    `row_errors` (title -> one error per query) a last panel plots them against the query index.
+    Returns the figure (callers show it, or hand it to `widgets.static_slider`).
+    """
+    n = 1 + len(approximations) + (1 if row_errors else 0)
+    fig, axes = plt.subplots(1, n, figsize=(size * n, size * 1.05), squeeze=False)
+    axes = list(axes.flat)
+    E = _np(exact)
+    vmax = float(E.max())
+    plot_matrix(axes[0], E, title="exact softmax", vmin=0.0, vmax=vmax, colorbar=False)
+    for ax, (title, M) in zip(axes[1:], approximations.items()):
+        plot_matrix(ax, M, title=title, vmin=0.0, vmax=vmax, colorbar=False)
+        ax.set_ylabel("")
+    if row_errors:
+        ax = axes[-1]
+        for title, errs in row_errors.items():
+            ax.plot(_np(errs), label=title.split("\n")[0], lw=1.2)
+        ax.set_xlabel("query i")
+        ax.set_ylabel(row_error_label)
+        ax.set_ylim(bottom=0)
+        ax.legend(fontsize=7)
+        ax.grid(True, alpha=0.3)
+    if suptitle:
+        fig.suptitle(suptitle, fontsize=11)
+    fig.tight_layout()
+    return fig

@@ -133,3 +133,31 @@ def test_theorem4_and_input_checks():
         E.estimates(torch.ones(2, 3), torch.ones(3, 3), kind="positive", m=4, n_draws=2)
     with pytest.raises(ValueError, match="kind"):
         E.lemma2_mse(torch.ones(3), torch.ones(3), kind="clipped", m=4)
+
+
+def test_feature_attention_view_and_plot():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    from linattn_lib.viz import plot_attention_approximations
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(12, 8, generator=g) * 0.5 for _ in range(3))
+    views = {kind: E.feature_attention_view(q, k, v, m=256, kind=kind, seed=1, causal=True) for kind in ("trig", "positive")}
+    for view in views.values():
+        assert view["approx"].shape == (12, 12) and view["row_tv"].shape == (12,)
+        assert torch.allclose(view["approx"].sum(-1), torch.ones(12), atol=1e-5)
+        assert torch.equal(view["approx"].triu(1), torch.zeros(12, 12))
+    assert views["positive"]["negative"] == 0.0
+    small = E.feature_attention_view(q, k, v, m=4, kind="positive", seed=1)
+    assert views["positive"]["output_error"] < small["output_error"]
+    fig = plot_attention_approximations(
+        views["positive"]["exact"],
+        {kind: view["approx"] for kind, view in views.items()},
+        row_errors={kind: view["row_tv"] for kind, view in views.items()},
+        suptitle="m = 256",
+    )
+    assert len(fig.axes) == 4
+    matplotlib.pyplot.close(fig)
+    with pytest.raises(ValueError, match="q"):
+        E.feature_attention_view(q[None], k, v, m=4)
