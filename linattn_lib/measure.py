@@ -1,6 +1,7 @@
 """Measuring time and peak memory the same way on CPU and GPU, and fitting scaling exponents."""
 from __future__ import annotations
 
+import gc
 import math
 import platform
 import re
@@ -35,6 +36,28 @@ def _proc_status(field: str) -> int:
         return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 
+_MALLOC_TUNED = False
+
+
+def _return_large_blocks_to_os() -> None:
+    """Make glibc hand every block of 64 KiB or more straight back to the OS when freed.
+
+    By default glibc raises its mmap threshold (up to 32 MiB) after large frees, so freed
+    tensors stay resident and a later high-water-mark reading misses them. Fixing the threshold
+    (mallopt M_MMAP_THRESHOLD) keeps the resident set an honest record of live tensors.
+    """
+    global _MALLOC_TUNED
+    if _MALLOC_TUNED:
+        return
+    _MALLOC_TUNED = True
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # -3 = M_MMAP_THRESHOLD
+    except (OSError, AttributeError):
+        pass
+
+
 def _can_reset_cpu_peak() -> bool:
     try:
         with open("/proc/self/clear_refs", "w") as f:
@@ -59,6 +82,8 @@ def peak_memory_bytes(fn: Callable[[], object], *, device="cpu") -> Optional[int
         fn()
         synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
+    _return_large_blocks_to_os()
+    gc.collect()
     if not _can_reset_cpu_peak():
         return None
     before = _proc_status("VmRSS")
