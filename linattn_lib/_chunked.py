@@ -1,11 +1,367 @@
-"""Fast chunked linear attention for the torch backend (placeholder: the reference chunked form)."""
+"""Fast chunked linear attention on the CPU: the `backend="torch"` path of `linear_attention`.
+
+Same semantics as `reference_linear_attention` (see the top of `attention.py`):
+
+    S_t = exp(g_t) S_{t-1} + k_t v_t^T,   z_t = exp(g_t) z_{t-1} + k_t,
+    o_t = q_t S_t / (q_t . z_t + eps)     (or q_t S_t when normalize=False),
+
+computed in float32 (float64 for float64 input) and returned in the dtype of v. What makes it
+fast, and what makes its memory O(T):
+
+1. **Normalisation is one extra column.** With v' = [v, 1] and the state S' = [S, z],
+   q_t S'_t = [q_t S_t, q_t . z_t]: numerator and denominator come out of the same matmuls. So
+   there is one engine, for the unnormalised form, and `normalize=True` is "append a ones column
+   to v, divide by the last output column".
+
+2. **Chunks, and blocks of chunks.** T is cut into chunks of C tokens. Inside a chunk the
+   output is two matmuls, (q k^T * M) v' + q E, where M is the causal (decay) mask and E the
+   state entering the chunk. All chunks of a *block* (a few thousand tokens) go through each
+   matmul together, as one `torch.bmm` over a (chunks, C, D) batch, and the entry states of a
+   block's chunks come from one cumulative sum over the per-chunk increments k^T v' (with decay,
+   from one small matmul with the chunk-level decay mask). Blocks are walked in order, carrying
+   the state from one to the next, so every temporary is block-sized: it stays in cache, and
+   memory does not grow with T beyond the inputs, the output and the gradients.
+
+3. **The backward recomputes.** Autograd would keep every per-chunk state (T/C of them, each
+   Dk x Dv'). The custom `torch.autograd.Function` keeps only q, k, v, the output, the
+   denominators, and the state at each *block* boundary (a few per sequence), and the backward
+   recomputes the per-chunk states of one block at a time -- the same trade Katharopoulos et al.
+   (2020) make in their CUDA kernel. It walks the blocks backwards, carrying dL/dS the way the
+   forward carries S.
+
+4. **Decay gradient without extra passes.** With the cumulative log-decay c_t = g_1 + ... + g_t,
+   every output and state term depends on c only through exp(c_i - c_j), which gives
+   dL/dc_t = q_t . dq_t - k_t . dk_t (+ <dS_T, S_T> at t = T), and dL/dg is its reverse
+   cumulative sum (as in flash-linear-attention's GLA / Mamba-2 kernels).
+
+Every exponent is a sum of log-decays over a forward interval, hence <= 0: nothing overflows.
+"""
 from __future__ import annotations
+
+from typing import Iterator, Optional
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .masks import decay_mask
+
+BLOCK_TOKENS = 4096  # tokens per block: big enough for efficient batched matmuls, small enough for cache
+
+
+# --------------------------------------------------------------------------------------
+# public entry point (called by linear_attention after its input checks)
+# --------------------------------------------------------------------------------------
 
 
 def chunked_linear_attention(q, k, v, *, causal, normalize, log_decay, eps, chunk_size, initial_state, return_state):
-    from .attention import reference_linear_attention
+    """Chunked linear attention with a recomputing backward; see the module docstring."""
+    from .attention import LinearAttentionState
 
-    return reference_linear_attention(
-        q, k, v, causal=causal, normalize=normalize, log_decay=log_decay, form="chunked",
-        chunk_size=chunk_size, eps=eps, initial_state=initial_state, return_state=return_state,
-    )
+    S0, z0 = (None, None) if initial_state is None else initial_state
+    if not normalize:
+        z0 = None
+    if causal:
+        o, S, z = _ChunkedLinearAttention.apply(q, k, v, log_decay, S0, z0, normalize, float(eps), int(chunk_size))
+    else:
+        if log_decay is not None:
+            raise ValueError("chunked_linear_attention: `log_decay` needs causal=True")
+        o, S, z = _noncausal(q, k, v, S0, z0, normalize, float(eps))
+    o = o.to(v.dtype)
+    return (o, LinearAttentionState(S, z)) if return_state else o
+
+
+def _compute_dtype(x: Tensor) -> torch.dtype:
+    return torch.float64 if x.dtype == torch.float64 else torch.float32
+
+
+def _initial(S0, z0, B, H, Dk, Dv, normalize, dtype, device):
+    """The state entering the sequence as (S, z): (B*H, Dk, Dv) and (B*H, Dk) (z None if not normalising)."""
+    S = torch.zeros(B * H, Dk, Dv, dtype=dtype, device=device) if S0 is None else S0.to(dtype).reshape(B * H, Dk, Dv)
+    if not normalize:
+        return S, None
+    z = torch.zeros(B * H, Dk, dtype=dtype, device=device) if z0 is None else z0.to(dtype).reshape(B * H, Dk)
+    return S, z
+
+
+# --------------------------------------------------------------------------------------
+# non-causal: one global state, then one product (plain autograd keeps only O(T) tensors)
+# --------------------------------------------------------------------------------------
+
+
+def _noncausal(q, k, v, S0, z0, normalize, eps):
+    B, H, T, Dk = q.shape
+    Dv = v.shape[-1]
+    dtype = _compute_dtype(q)
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    S, z = _initial(S0, z0, B, H, Dk, Dv, normalize, dtype, q.device)
+    S = S.view(B, H, Dk, Dv) + k.transpose(-1, -2) @ v
+    o = q @ S
+    if normalize:
+        z = z.view(B, H, Dk) + k.sum(-2)
+        o = o / ((q @ z.unsqueeze(-1)) + eps)
+    return o, S, z
+
+
+# --------------------------------------------------------------------------------------
+# causal: the chunked engine
+# --------------------------------------------------------------------------------------
+
+
+def _blocks(BH: int, N: int, n_block: int) -> Iterator[tuple[int, int, list[tuple[int, int]]]]:
+    """Split (heads, chunks) into blocks of about n_block chunks.
+
+    Yields (h0, h1, chunk_ranges): heads h0..h1-1 are processed together, their chunks in the
+    listed (n0, n1) ranges, in order. Long sequences get one head and many chunk ranges; short
+    ones get several whole heads at once, so that every block has enough work for a bmm.
+    """
+    if N <= n_block:
+        per = max(1, n_block // N)
+        for h0 in range(0, BH, per):
+            yield h0, min(h0 + per, BH), [(0, N)]
+    else:
+        ranges = [(n0, min(n0 + n_block, N)) for n0 in range(0, N, n_block)]
+        for h in range(BH):
+            yield h, h + 1, ranges
+
+
+class _Decay:
+    """The decay factors of a block of chunks. g: (G, C) log-decays, G = h heads x n chunks."""
+
+    def __init__(self, g: Tensor, h: int):
+        b = g.cumsum(-1)  # b_i = g_1 + ... + g_i: decay from the chunk start, <= 0
+        self.q_scale = b.exp().unsqueeze(-1)  # exp(b_i): the entry state as seen by query i
+        self.k_scale = (b[:, -1:] - b).exp().unsqueeze(-1)  # exp(b_C - b_j): key j decayed to the chunk end
+        self.mask = decay_mask(g)  # (G, C, C): exp(b_i - b_j) for i >= j, 0 above the diagonal
+        self.gamma = b[:, -1].view(h, -1)  # (h, n): the decay across each whole chunk
+
+
+def _apply_mask(A: Tensor, decay: Optional[_Decay]) -> Tensor:
+    """The causal (decay) mask inside a chunk, applied in place."""
+    return A.tril_() if decay is None else A.mul_(decay.mask)
+
+
+class _Scan:
+    """E_0 = carry, E_{i+1} = exp(gamma_i) E_i + inc_i over the n chunks of a block, for h heads.
+
+    This is the state passing between chunks. Written as a matrix, E = L X with
+    X = [carry, inc_0, ..., inc_{n-2}] and L the decay mask of the chunk-level decays gamma
+    (lower-triangular ones without decay): one small matmul instead of a loop over chunks
+    (torch's cumsum over a non-last axis is a slow strided loop; a matmul runs at full speed).
+    """
+
+    def __init__(self, gamma: Optional[Tensor], h: int, n: int, dtype, device, reverse: bool = False):
+        self.h, self.n = h, n
+        if gamma is None:
+            self.L = torch.ones(1, n, n, dtype=dtype, device=device).tril_()
+            self.last = None
+        else:
+            gamma = gamma.flip(1) if reverse else gamma
+            self.L = decay_mask(F.pad(gamma[:, :-1], (1, 0)))  # L[i, p] = exp(gamma_p + ... + gamma_{i-1})
+            self.last = gamma[:, -1].exp()  # (h,)
+
+    def __call__(self, carry: Tensor, inc: Tensor) -> tuple[Tensor, Tensor]:
+        """carry: (h, *F); inc: (h*n, *F). Returns the entry states (h*n, *F) and the state after."""
+        h, n = self.h, self.n
+        inc = inc.view(h, n, -1)
+        X = torch.cat([carry.reshape(h, 1, -1), inc[:, :-1]], dim=1)
+        E = self.L @ X
+        E_last = E[:, -1] if self.last is None else E[:, -1] * self.last.unsqueeze(-1)
+        return E.view((h * n,) + carry.shape[1:]), (E_last + inc[:, -1]).view_as(carry)
+
+    def reverse(self, carry: Tensor, inc: Tensor) -> tuple[Tensor, Tensor]:
+        """The same recurrence run from the last chunk to the first (build with reverse=True)."""
+        h, n = self.h, self.n
+        E, after = self(carry, inc.view((h, n) + inc.shape[1:]).flip(1).reshape(inc.shape))
+        return E.view((h, n) + inc.shape[1:]).flip(1).reshape(inc.shape), after
+
+
+def _prepare(q, k, v, log_decay, C):
+    """Inputs as (B*H*N, C, D) chunk batches in the compute dtype, T padded to a multiple of C."""
+    B, H, T, Dk = q.shape
+    dtype = _compute_dtype(q)
+    pad = (-T) % C
+    g = None
+    if log_decay is not None:
+        g = log_decay.to(dtype)
+        g = g.view(1, H, 1).expand(B, H, T) if g.dim() == 1 else g
+        g = F.pad(g, (0, pad)).reshape(B * H, -1, C)  # g = 0 on padding: no decay there
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    if pad:  # zero keys add nothing to the state
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+    N = (T + pad) // C
+    q, k, v = (x.reshape(B * H * N, C, x.shape[-1]).contiguous() for x in (q, k, v))
+    return q, k, v, g, N
+
+
+class _ChunkedLinearAttention(torch.autograd.Function):
+    """Causal chunked linear attention; forward and backward walk the sequence block by block."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, log_decay, S0, z0, normalize: bool, eps: float, chunk_size: int):
+        B, H, T, Dk = q.shape
+        Dv = v.shape[-1]
+        C = min(chunk_size, T)  # a chunk longer than the sequence would only add padding
+        qc, kc, vc, gc, N = _prepare(q, k, v, log_decay, C)
+        BH = B * H
+        S, z = _initial(S0, z0, B, H, Dk, Dv, normalize, qc.dtype, qc.device)
+
+        out = qc.new_empty(BH * N, C, Dv)
+        den = qc.new_empty(BH * N, C) if normalize else None
+        checkpoints = []  # the state entering every block: all the backward keeps besides q, k, v, o
+        S_T, z_T = torch.empty_like(S), None if z is None else torch.empty_like(z)
+        for h0, h1, ranges in _blocks(BH, N, max(1, BLOCK_TOKENS // C)):
+            carry = (S[h0:h1], None if z is None else z[h0:h1])
+            for n0, n1 in ranges:
+                checkpoints.append(carry)
+                rows = slice(h0 * N + n0, (h1 - 1) * N + n1)  # the block's chunks, in (B*H*N) order
+                decay = None if gc is None else _Decay(gc[h0:h1, n0:n1].reshape(-1, C), h1 - h0)
+                carry = _forward_block(
+                    qc[rows], kc[rows], vc[rows], decay, carry, h1 - h0, out[rows],
+                    None if den is None else den[rows], eps,
+                )
+            S_T[h0:h1] = carry[0]
+            if z is not None:
+                z_T[h0:h1] = carry[1]
+
+        ctx.save_for_backward(qc, kc, vc, out, den, log_decay, S0, z0)
+        ctx.gc, ctx.checkpoints, ctx.final = gc, checkpoints, (S_T, z_T)
+        ctx.shape = (B, H, T, Dk, Dv, C, N)
+        o = out.view(B, H, N * C, Dv)[:, :, :T]
+        return o, S_T.view(B, H, Dk, Dv).clone(), None if z_T is None else z_T.view(B, H, Dk).clone()
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dS_T, dz_T):
+        qc, kc, vc, out, den, log_decay, S0, z0 = ctx.saved_tensors
+        B, H, T, Dk, Dv, C, N = ctx.shape
+        BH, dtype, gc = B * H, qc.dtype, ctx.gc
+        do = F.pad(do.to(dtype), (0, 0, 0, N * C - T)).reshape(BH * N, C, Dv)
+        dS_T = dS_T.to(dtype).reshape(BH, Dk, Dv)
+        dz_T = None if den is None else dz_T.to(dtype).reshape(BH, Dk)
+
+        dq, dk, dv = torch.empty_like(qc), torch.empty_like(kc), torch.empty_like(vc)
+        dc = None if gc is None else qc.new_empty(BH * N, C)
+        dS0, dz0 = torch.empty_like(dS_T), None if dz_T is None else torch.empty_like(dz_T)
+        blocks = list(_blocks(BH, N, max(1, BLOCK_TOKENS // C)))
+        i = len(ctx.checkpoints)
+        for h0, h1, ranges in reversed(blocks):  # the forward's walk, backwards
+            dcarry = (dS_T[h0:h1], None if dz_T is None else dz_T[h0:h1])
+            for n0, n1 in reversed(ranges):
+                i -= 1
+                rows = slice(h0 * N + n0, (h1 - 1) * N + n1)
+                decay = None if gc is None else _Decay(gc[h0:h1, n0:n1].reshape(-1, C), h1 - h0)
+                dcarry = _backward_block(
+                    qc[rows], kc[rows], vc[rows], decay, ctx.checkpoints[i], h1 - h0,
+                    do[rows], out[rows], None if den is None else den[rows], dcarry,
+                    dq[rows], dk[rows], dv[rows], None if dc is None else dc[rows],
+                )
+            dS0[h0:h1] = dcarry[0]
+            if dz0 is not None:
+                dz0[h0:h1] = dcarry[1]
+
+        dlog = None
+        if dc is not None and ctx.needs_input_grad[3]:
+            # dL/dg_s = sum_{t >= s} dL/dc_t; the final state depends on every g: + <dS_T, S_T>
+            S_T, z_T = ctx.final
+            dc = dc.view(BH, N * C).flip(-1).cumsum(-1).flip(-1)
+            through_state = (dS_T * S_T).sum((-1, -2))
+            if z_T is not None:
+                through_state += (dz_T * z_T).sum(-1)
+            dc += through_state.unsqueeze(-1)
+            dlog = dc.view(B, H, N * C)[:, :, :T]
+            dlog = (dlog.sum((0, 2)) if log_decay.dim() == 1 else dlog).to(log_decay.dtype)
+
+        def unchunk(x, like):
+            return x.view(B, H, N * C, -1)[:, :, :T].to(like.dtype)
+
+        return (
+            unchunk(dq, qc), unchunk(dk, kc), unchunk(dv, vc), dlog,
+            None if S0 is None else dS0.view(B, H, Dk, Dv).to(S0.dtype),
+            None if z0 is None else dz0.view(B, H, Dk).to(z0.dtype),
+            None, None, None,
+        )
+
+
+def _forward_block(q, k, v, decay, carry, h, out, den, eps):
+    """One block: h heads x n chunks. q, k: (h*n, C, Dk), v: (h*n, C, Dv), carry = (S, z).
+
+    Writes the block's output (and denominators) in place; returns the state after the block.
+    """
+    G, C, Dk = q.shape
+    S, z = carry
+    scan = _Scan(None if decay is None else decay.gamma, h, G // h, q.dtype, q.device)
+    k_in = k if decay is None else k * decay.k_scale  # keys decayed to their chunk's end
+    # 1. the state entering each chunk: per-chunk increments k^T v (one bmm), then the scan
+    E, S = scan(S, torch.bmm(k_in.transpose(1, 2), v))
+    # 2. the past through the state, o = q E, then this chunk: o += (q k^T * M) v
+    torch.bmm(q, E, out=out)
+    if decay is not None:
+        out.mul_(decay.q_scale)
+    A = _apply_mask(torch.bmm(q, k.transpose(1, 2)), decay)
+    out.baddbmm_(A, v)
+    if den is not None:
+        # the denominator is the same computation with v = 1: q z + (q k^T * M) 1
+        Z, z = scan(z, k_in.sum(1))
+        qz = torch.bmm(q, Z.unsqueeze(-1)).squeeze(-1)
+        if decay is not None:
+            qz.mul_(decay.q_scale.squeeze(-1))
+        torch.add(qz, A.sum(-1), out=den).add_(eps)
+        out.mul_(den.reciprocal().unsqueeze(-1))
+    return S, z
+
+
+def _backward_block(q, k, v, decay, carry, h, do, o, den, dcarry, dq, dk, dv, dc):
+    """Gradients of one block, from the state entering it (`carry`, the forward's checkpoint)
+    and dL/d(state after it) (`dcarry`). Writes dq, dk, dv (and dc) in place; returns
+    dL/d(state before it)."""
+    G, C, Dk = q.shape
+    n = G // h
+    gamma = None if decay is None else decay.gamma
+    scan = _Scan(gamma, h, n, q.dtype, q.device)
+    rscan = _Scan(gamma, h, n, q.dtype, q.device, reverse=True)
+    (S, z), (dS, dz) = carry, dcarry
+    if den is not None:
+        # o = num / den: dnum = do / den, dden = -(do . o) / den
+        rden = den.reciprocal()
+        dnum = do * rden.unsqueeze(-1)
+        dden = (do * o).sum(-1).mul_(rden).neg_()
+    else:
+        dnum = do
+    k_in = k if decay is None else k * decay.k_scale
+    q_in = q if decay is None else q * decay.q_scale
+    # recompute the state entering every chunk, as the forward did ...
+    E, _ = scan(S, torch.bmm(k_in.transpose(1, 2), v))
+    # ... and dL/d(state leaving every chunk): the same scan, run backwards
+    dE, dS = rscan.reverse(dS, torch.bmm(q_in.transpose(1, 2), dnum))
+    # the intra-chunk matrices, recomputed: A = q k^T * M and dA = (dnum v^T + dden 1^T) * M
+    A = _apply_mask(torch.bmm(q, k.transpose(1, 2)), decay)
+    dA = torch.bmm(dnum, v.transpose(1, 2))
+    if den is not None:
+        dA.add_(dden.unsqueeze(-1))
+    _apply_mask(dA, decay)
+    # dq = dA k + exp(b) * (dnum E^T + dden z^T)
+    torch.bmm(dnum, E.transpose(1, 2), out=dq)
+    if den is not None:
+        Z, _ = scan(z, k_in.sum(1))
+        dq.baddbmm_(dden.unsqueeze(-1), Z.unsqueeze(1))
+    if decay is not None:
+        dq.mul_(decay.q_scale)
+    dq.baddbmm_(dA, k)
+    # dk = dA^T q + exp(b_C - b) * (v dE^T + 1 dZ^T)
+    torch.bmm(v, dE.transpose(1, 2), out=dk)
+    if den is not None:
+        dZ, dz = rscan.reverse(dz, (q_in * dden.unsqueeze(-1)).sum(1))
+        dk.add_(dZ.unsqueeze(1))
+    if decay is not None:
+        dk.mul_(decay.k_scale)
+    dk.baddbmm_(dA.transpose(1, 2), q)
+    # dv = A^T dnum + exp(b_C - b) * (k dE)
+    torch.bmm(k, dE, out=dv)
+    if decay is not None:
+        dv.mul_(decay.k_scale)
+    dv.baddbmm_(A.transpose(1, 2), dnum)
+    if dc is not None:
+        # dL/dc_t = q_t . dq_t - k_t . dk_t  (the caller reverse-cumsums it into dL/dg)
+        torch.sub((q * dq).sum(-1), (k * dk).sum(-1), out=dc)
+    return dS, dz

@@ -1,0 +1,252 @@
+"""The fast chunked torch path (linattn_lib._chunked) against the float64 reference.
+
+Forward and gradients on awkward lengths and chunk sizes, every option (causal or not,
+normalised or not, decay per head or per token, initial state in, final state out), a float64
+gradcheck through the custom backward, resuming from a state, and a smoke test of the bench CLI.
+"""
+from __future__ import annotations
+
+import itertools
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import linattn_lib._chunked as fast
+from linattn_lib import LinearAttentionState, linear_attention
+from linattn_lib.attention import reference_linear_attention
+
+ROOT = Path(__file__).resolve().parents[1]
+TS = (1, 7, 63, 64, 65, 200)
+CHUNKS = (16, 64)
+DECAYS = (None, "head", "token")
+
+
+def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative RMS error of a against the reference b (flash-linear-attention's metric)."""
+    a, b = a.double(), b.double()
+    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
+
+
+def close(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float = 1e-6) -> bool:
+    """||a - b|| <= rtol ||b|| + atol sqrt(n): relative, with a floor for gradients that are ~0
+    (at T = 1 a normalised output is v whatever q is, so dq is pure round-off)."""
+    a, b = a.double(), b.double()
+    return (a - b).norm().item() <= rtol * b.norm().item() + atol * b.numel() ** 0.5
+
+
+def make(B=2, H=3, T=65, Dk=8, Dv=5, *, decay=None, state=False, dtype=torch.float32, seed=0, grad=False):
+    """q, k: positive features; v: any sign; decay: None, 'head' (H,) or 'token' (B, H, T)."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.rand(B, H, T, Dk, generator=g, dtype=torch.float64) + 0.1
+    k = torch.rand(B, H, T, Dk, generator=g, dtype=torch.float64) + 0.1
+    v = torch.randn(B, H, T, Dv, generator=g, dtype=torch.float64)
+    log_decay = None
+    if decay == "head":
+        log_decay = -torch.rand(H, generator=g, dtype=torch.float64) * 0.5
+    elif decay == "token":
+        log_decay = -torch.rand(B, H, T, generator=g, dtype=torch.float64)
+    init = None
+    if state:
+        init = LinearAttentionState(
+            torch.randn(B, H, Dk, Dv, generator=g, dtype=torch.float64),
+            torch.rand(B, H, Dk, generator=g, dtype=torch.float64) + 1.0,
+        )
+    cast = [x.to(dtype).requires_grad_(grad) for x in (q, k, v)]
+    log_decay = None if log_decay is None else log_decay.to(dtype).requires_grad_(grad)
+    if init is not None:
+        init = LinearAttentionState(*(x.to(dtype).requires_grad_(grad) for x in init))
+    return (*cast, log_decay, init)
+
+
+def both(q, k, v, log_decay, init, **kw):
+    """(fast path, float64 quadratic reference) on the same inputs, with the final state."""
+    kw = dict(kw, log_decay=log_decay, initial_state=init, return_state=True)
+    fast_out = linear_attention(q, k, v, form="chunked", backend="torch", **kw)
+    d = lambda x: None if x is None else x.detach().double()  # noqa: E731
+    init64 = None if init is None else LinearAttentionState(d(init.S), d(init.z))
+    ref_kw = dict(kw, log_decay=d(log_decay), initial_state=init64)
+    ref_kw.pop("chunk_size", None)
+    ref = reference_linear_attention(d(q), d(k), d(v), form="quadratic", **ref_kw)
+    return fast_out, ref
+
+
+# ------------------------------------------------------------------------------- forward
+
+
+@pytest.mark.parametrize("T", TS)
+@pytest.mark.parametrize("chunk_size", CHUNKS)
+def test_forward_matches_float64_reference(T, chunk_size):
+    for normalize, decay, state in itertools.product((True, False), DECAYS, (False, True)):
+        q, k, v, g, init = make(T=T, decay=decay, state=state)
+        (o, st), (o_ref, st_ref) = both(q, k, v, g, init, normalize=normalize, chunk_size=chunk_size)
+        case = f"T={T} C={chunk_size} normalize={normalize} decay={decay} state={state}"
+        assert o.dtype == torch.float32 and o.shape == o_ref.shape, case
+        assert rel_err(o, o_ref) < 2e-6, case
+        assert rel_err(st.S, st_ref.S) < 2e-6, case
+        if normalize:
+            assert rel_err(st.z, st_ref.z) < 2e-6, case
+        else:
+            assert st.z is None, case
+
+
+@pytest.mark.parametrize("T", TS)
+def test_noncausal_matches_reference(T):
+    for normalize, state in itertools.product((True, False), (False, True)):
+        q, k, v, _, init = make(T=T, state=state)
+        (o, st), (o_ref, st_ref) = both(q, k, v, None, init, causal=False, normalize=normalize, chunk_size=16)
+        assert rel_err(o, o_ref) < 2e-6
+        assert rel_err(st.S, st_ref.S) < 2e-6
+
+
+def test_many_blocks_and_multi_head_blocks(monkeypatch):
+    """Tiny blocks: a long sequence crosses many block boundaries (carrying the state), a short
+    one puts several heads in one block; both must not change the result."""
+    for block_tokens, T in ((32, 200), (64, 7), (48, 65)):
+        monkeypatch.setattr(fast, "BLOCK_TOKENS", block_tokens)
+        for decay in DECAYS:
+            q, k, v, g, init = make(T=T, decay=decay, state=True, grad=True)
+            (o, st), (o_ref, st_ref) = both(q, k, v, g, init, chunk_size=8)
+            assert rel_err(o, o_ref) < 2e-6 and rel_err(st.S, st_ref.S) < 2e-6
+            (o * torch.randn_like(o)).sum().backward()  # the backward walks the same blocks
+            assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
+
+
+def test_low_precision_inputs_compute_in_float32():
+    for dtype in (torch.float16, torch.bfloat16):
+        q, k, v, g, init = make(T=65, decay="token", dtype=dtype, grad=True)
+        o, st = linear_attention(q, k, v, log_decay=g, return_state=True, backend="torch")
+        assert o.dtype == dtype and st.S.dtype == torch.float32
+        o.float().sum().backward()
+        assert q.grad.dtype == dtype and g.grad.dtype == dtype
+
+
+def test_float64_stays_float64():
+    q, k, v, g, init = make(T=30, decay="head", state=True, dtype=torch.float64)
+    (o, st), (o_ref, st_ref) = both(q, k, v, g, init, chunk_size=8)
+    assert o.dtype == torch.float64 and st.S.dtype == torch.float64
+    assert rel_err(o, o_ref) < 1e-12 and rel_err(st.S, st_ref.S) < 1e-12
+
+
+# ------------------------------------------------------------------------------- gradients
+
+
+def _loss_grads(q, k, v, g, init, outs, normalize):
+    """Gradients of a loss that touches the output and both parts of the final state."""
+    o, st = outs
+    gen = torch.Generator().manual_seed(1)
+    w = lambda x: torch.randn(x.shape, generator=gen, dtype=torch.float64).to(x.dtype)  # noqa: E731
+    loss = (o * w(o)).sum() + (st.S * w(st.S)).sum()
+    if normalize:
+        loss = loss + (st.z * w(st.z)).sum()
+    wrt = [q, k, v] + ([g] if g is not None else []) + ([x for x in init if x is not None] if init else [])
+    return torch.autograd.grad(loss, wrt)
+
+
+@pytest.mark.parametrize("T", (1, 7, 64, 65, 200))
+@pytest.mark.parametrize("decay", DECAYS)
+def test_gradients_match_reference_autograd(T, decay):
+    """float32 fast path vs float64 autograd through the reference, every input's gradient."""
+    for normalize, state in itertools.product((True, False), (False, True)):
+        q, k, v, g, init = make(T=T, decay=decay, state=state, grad=True)
+        if init is not None and not normalize:
+            init = LinearAttentionState(init.S, None)
+        kw = dict(normalize=normalize, log_decay=g, initial_state=init, return_state=True)
+        fast_grads = _loss_grads(q, k, v, g, init, linear_attention(q, k, v, chunk_size=16, backend="torch", **kw), normalize)
+
+        d = lambda x: None if x is None else x.detach().double().requires_grad_()  # noqa: E731
+        q64, k64, v64, g64 = d(q), d(k), d(v), d(g)
+        init64 = None if init is None else LinearAttentionState(d(init.S), d(init.z))
+        kw64 = dict(kw, log_decay=g64, initial_state=init64)
+        ref = reference_linear_attention(q64, k64, v64, form="quadratic", **kw64)
+        ref_grads = _loss_grads(q64, k64, v64, g64, init64, ref, normalize)
+        names = ["q", "k", "v"] + (["log_decay"] if g is not None else []) + (["S0", "z0"][: 2 if normalize else 1] if init else [])
+        for name, a, b in zip(names, fast_grads, ref_grads):
+            tol = 1e-4 if name == "log_decay" else 1e-5  # dg sums q.dq - k.dk over the sequence
+            assert a.shape == b.shape and close(a, b, tol), f"d{name}: T={T} {decay} normalize={normalize} state={state}"
+
+
+@pytest.mark.parametrize("normalize", (True, False))
+@pytest.mark.parametrize("decay", ("head", "token"))
+def test_gradcheck_float64_with_decay(normalize, decay, monkeypatch):
+    """torch.autograd.gradcheck through the custom backward: q, k, v, log_decay, S0, z0."""
+    monkeypatch.setattr(fast, "BLOCK_TOKENS", 6)  # several blocks even at this size
+    q, k, v, g, init = make(B=1, H=2, T=9, Dk=2, Dv=2, decay=decay, state=True, dtype=torch.float64, grad=True)
+    inputs = (q, k, v, g, init.S, init.z) if normalize else (q, k, v, g, init.S)
+
+    def f(q, k, v, g, S0, z0=None):
+        o, st = fast.chunked_linear_attention(
+            q, k, v, causal=True, normalize=normalize, log_decay=g, eps=1e-6, chunk_size=3,
+            initial_state=LinearAttentionState(S0, z0), return_state=True,
+        )
+        return (o, st.S) + ((st.z,) if normalize else ())
+
+    assert torch.autograd.gradcheck(f, inputs, eps=1e-6, atol=1e-7, rtol=1e-5)
+
+
+# ------------------------------------------------------------------------------- state resume
+
+
+@pytest.mark.parametrize("decay", DECAYS)
+@pytest.mark.parametrize("normalize", (True, False))
+def test_piecewise_with_state_resume_equals_one_pass(decay, normalize):
+    T, cuts = 150, (0, 1, 40, 64, 129, 150)
+    q, k, v, g, _ = make(T=T, decay=decay)
+    kw = dict(normalize=normalize, chunk_size=32, backend="torch", return_state=True)
+    o_all, st_all = linear_attention(q, k, v, log_decay=g, **kw)
+    pieces, state = [], None
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        gp = None if g is None else (g if g.dim() == 1 else g[..., a:b])
+        o, state = linear_attention(q[:, :, a:b], k[:, :, a:b], v[:, :, a:b], log_decay=gp, initial_state=state, **kw)
+        pieces.append(o)
+    assert rel_err(torch.cat(pieces, dim=2), o_all) < 2e-6
+    assert rel_err(state.S, st_all.S) < 2e-6
+
+
+def test_chunk_size_does_not_change_the_result():
+    q, k, v, g, init = make(T=200, decay="token", state=True)
+    outs = [linear_attention(q, k, v, log_decay=g, initial_state=init, chunk_size=c, backend="torch") for c in (1, 3, 64, 128, 256)]
+    for o in outs[1:]:
+        assert rel_err(o, outs[0]) < 2e-6
+
+
+# ------------------------------------------------------------------------------- bench CLI
+
+
+def test_bench_flop_count_formula():
+    from linattn_lib.bench import chunked_forward_flops
+
+    B, H, T, D, C = 1, 8, 16384, 64, 64
+    per_chunk = 2 * C * C * D + 2 * C * C * D + 4 * C * D * D + C * C + 3 * C * D
+    assert chunked_forward_flops(B, H, T, D, D, C) == B * H * (T // C) * per_chunk
+
+
+def test_bench_sweep_cli_writes_json_and_plot(tmp_path):
+    from linattn_lib.bench import main
+
+    argv = ["sweep", "--quick", "--device", "cpu", "--providers", "linattn-torch,naive-quadratic,sdpa,linattn-triton",
+            "--no-progress", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    data = json.loads((tmp_path / "sweep-cpu-quick.json").read_text())
+    assert data["command"].startswith("python -m linattn_lib.bench sweep")
+    assert {"hardware", "torch_version", "library_version", "config", "records"} <= set(data)
+    done = {(r["provider"], r["mode"]) for r in data["records"] if "median_s" in r}
+    assert {("linattn-torch", "fwd"), ("sdpa", "fwd+bwd"), ("naive-quadratic", "fwd")} <= done
+    assert all("skipped" in r for r in data["records"] if r["provider"] == "linattn-triton")  # no CUDA here
+    assert (tmp_path / "sweep-cpu-quick.png").stat().st_size > 0
+
+
+def test_bench_targets_cli_quick(tmp_path):
+    """`python -m linattn_lib.bench --quick`: the targets table at tiny sizes, in a subprocess."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
+    cmd = [sys.executable, "-m", "linattn_lib.bench", "--quick", "--no-plot", "--no-progress", "--out", str(tmp_path)]
+    out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
+    assert out.returncode == 0, out.stderr[-2000:]
+    assert "CPU targets" in out.stdout and "counted FLOPs" in out.stdout
+    data = json.loads((tmp_path / "targets-cpu-quick.json").read_text())
+    assert [t["verdict"] in ("PASS", "FAIL", "n/a") for t in data["targets"]] == [True] * 4
+    assert data["results"]["memory"]["qkvo_bytes"] > 0
