@@ -348,17 +348,22 @@ def performer_output_error(
     orthogonal: bool = True,
     seeds: Iterable[int] = range(4),
     causal: bool = False,
+    eps: float = 0.0,
     backend: str = "auto",
 ) -> float:
     """Mean over seeds of the relative error of `performer_attention` against softmax attention.
 
     q, k are raw (B, H, T, d) queries and keys; both sides use the 1/sqrt(d) temperature.
+    `eps` is passed to the denominator; the default 0 measures the estimator alone (with the
+    key stabiliser, denominators can be small enough for the library's default 1e-6 to bias
+    the output).
     """
     exact = softmax_attention(q, k, v, causal=causal)
     errs = [
         relative_error(
             performer_attention(
-                q, k, v, causal=causal, num_features=m, kind=kind, orthogonal=orthogonal, seed=s, backend=backend
+                q, k, v, causal=causal, num_features=m, kind=kind, orthogonal=orthogonal, seed=s, eps=eps,
+                backend=backend,
             ),
             exact,
         )
