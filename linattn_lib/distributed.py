@@ -960,18 +960,28 @@ def measure_rank(rank: int, world: int, seq_lens: Sequence[int], dims: dict, rep
     return out
 
 
-def failing_rank(rank: int, world: int, fail_rank: int, mode: str = "raise", stall_s: float = 60.0) -> dict:
+def failing_rank(rank: int, world: int, fail_rank: int, mode: str = "raise", stall_s: float = 60.0,
+                 collective_timeout: Optional[float] = None) -> dict:
     """Rank function that goes wrong on purpose (for the tests and the book): every rank runs one
     sequence-parallel step; then `fail_rank` raises (mode "raise") or hangs for `stall_s`
-    seconds (mode "stall") while the others run a second step and wait for it."""
+    seconds (mode "stall") while the others run a second step and wait for it.
+
+    collective_timeout: if given, the steps run on a new group with this timeout (so that a
+    short timeout for the demonstration does not also cut short the start-up rendezvous).
+    """
+    if mode not in ("raise", "stall"):
+        raise ValueError(f"failing_rank: `mode` must be 'raise' or 'stall', got {mode!r}")
+    group = None
+    if collective_timeout is not None:
+        group = dist.new_group(list(range(world)), timeout=timedelta(seconds=collective_timeout))
     inp = make_inputs(64 + world, decay="token")
-    _sp_forward_backward(inp, rank, world, normalize=True)
-    dist.barrier()  # every rank has finished the first step
+    _sp_forward_backward(inp, rank, world, normalize=True, group=group)
+    dist.barrier(group=group)  # every rank has finished the first step
     if rank == fail_rank:
         if mode == "raise":
             raise ValueError(f"rank {rank} failed on purpose in the middle of the run")
         time.sleep(stall_s)
-    _sp_forward_backward(inp, rank, world, normalize=True)
+    _sp_forward_backward(inp, rank, world, normalize=True, group=group)
     return {"rank": rank}
 
 
@@ -1034,18 +1044,20 @@ def _cli_rank(rank: int, world: int, opts: dict) -> dict:
     case = dict(seq_len=opts["seq_len"], batch=opts["batch"], heads=opts["heads"], dk=opts["dk"], dv=opts["dv"],
                 decay=opts["decay"], dtype=getattr(torch, opts["dtype"]), seed=opts["seed"], device=device)
     inp = make_inputs(**case)
+    # the Triton kernels take float32/16 only: float64 runs the torch path on every device
+    backend = "torch" if case["dtype"] == torch.float64 else "auto"
     comm = CommLog()
-    _sp_forward_backward(inp, rank, world, normalize=True, comm=comm)  # warm-up (and compile)
+    _sp_forward_backward(inp, rank, world, normalize=True, comm=comm, backend=backend)  # warm-up (and compile)
     comm.clear()
     if device.type == "cuda":
         torch.cuda.synchronize()
     dist.barrier()
     t0 = time.perf_counter()
-    res = _sp_forward_backward(inp, rank, world, normalize=True, comm=comm)
+    res = _sp_forward_backward(inp, rank, world, normalize=True, comm=comm, backend=backend)
     if device.type == "cuda":
         torch.cuda.synchronize()
     seconds = time.perf_counter() - t0
-    ref = single_process_reference(inp, normalize=True)
+    ref = single_process_reference(inp, normalize=True, backend=backend)
     errs = {}
     for name, r in ref.items():
         got = res[name] if (name == "dlog_decay" and r.dim() == 1) else res[name]
@@ -1069,7 +1081,7 @@ def _report(results: Sequence[dict], opts: dict) -> bool:
     for name, e in r0["errors"].items():
         print(f"  max |sp - single| / max |single|  {name:11s} {e:.2e}")
     expect = linear_sp_bytes_per_rank(world, batch=opts["batch"], heads=opts["heads"], dk=opts["dk"], dv=opts["dv"],
-                                      backward=True)
+                                      backward=True, bytes_per_element=8 if opts["dtype"] == "float64" else 4)
     for r in results:
         os_txt = "" if r["os_sent"] is None else f", OS saw {r['os_sent']} B written"
         print(f"  rank {r['rank']}: {r['seconds'] * 1e3:.1f} ms forward+backward, sent {r['sent']} B "

@@ -169,7 +169,7 @@ def test_a_failing_rank_fails_every_rank_quickly():
 def test_a_stalled_rank_times_out_the_others():
     t0 = time.monotonic()
     with pytest.raises(DistributedRunError) as info:
-        launch(failing_rank, 2, 1, "stall", timeout=2, grace=1)
+        launch(failing_rank, 2, 1, "stall", 60.0, 2.0, timeout=60, grace=1)
     assert time.monotonic() - t0 < 15
     e = info.value
     assert all(code != 0 for code in e.exitcodes)
@@ -181,6 +181,8 @@ def test_command_line_check(capsys):
     assert main(["--nproc", "2", "--seq-len", "50", "--dk", "8", "--dv", "8"]) == 0
     out = capsys.readouterr().out
     assert "2 ranks, backend gloo" in out and out.rstrip().endswith("OK")
+    assert main(["--nproc", "3", "--seq-len", "20", "--dk", "4", "--dv", "4", "--dtype", "float64", "--decay", "head"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("OK")
 
 
 def test_comm_log_sums():
