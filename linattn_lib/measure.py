@@ -36,26 +36,28 @@ def _proc_status(field: str) -> int:
         return int(re.search(rf"{field}:\s+(\d+) kB", f.read()).group(1)) * 1024
 
 
-_MALLOC_TUNED = False
+_LIBC = None
 
 
-def _return_large_blocks_to_os() -> None:
-    """Make glibc hand every block of 64 KiB or more straight back to the OS when freed.
+def _release_free_memory() -> None:
+    """Hand freed heap memory back to the OS before a CPU peak measurement (glibc only).
 
-    By default glibc raises its mmap threshold (up to 32 MiB) after large frees, so freed
-    tensors stay resident and a later high-water-mark reading misses them. Fixing the threshold
-    (mallopt M_MMAP_THRESHOLD) keeps the resident set an honest record of live tensors.
+    glibc keeps freed blocks resident (its mmap threshold grows up to 32 MiB after large frees),
+    so a later allocation can reuse them without the resident set growing, and the high-water
+    mark would miss it. Fixing the threshold (mallopt M_MMAP_THRESHOLD = 64 KiB, once) and
+    trimming the heap (malloc_trim) before each reading makes every byte the measured call
+    touches show up in the resident set.
     """
-    global _MALLOC_TUNED
-    if _MALLOC_TUNED:
-        return
-    _MALLOC_TUNED = True
+    global _LIBC
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6").mallopt(-3, 64 * 1024)  # -3 = M_MMAP_THRESHOLD
+        if _LIBC is None:
+            _LIBC = ctypes.CDLL("libc.so.6")
+            _LIBC.mallopt(-3, 64 * 1024)  # -3 = M_MMAP_THRESHOLD
+        _LIBC.malloc_trim(0)
     except (OSError, AttributeError):
-        pass
+        _LIBC = False
 
 
 def _can_reset_cpu_peak() -> bool:
@@ -82,8 +84,8 @@ def peak_memory_bytes(fn: Callable[[], object], *, device="cpu") -> Optional[int
         fn()
         synchronize(device)
         return torch.cuda.max_memory_allocated(device) - before
-    _return_large_blocks_to_os()
     gc.collect()
+    _release_free_memory()
     if not _can_reset_cpu_peak():
         return None
     before = _proc_status("VmRSS")
