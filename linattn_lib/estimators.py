@@ -66,22 +66,6 @@ def _pairs(fn: str, x: Tensor, y: Tensor) -> tuple[Tensor, Tensor]:
     return x.to(D64), y.to(D64)
 
 
-def _block_orthogonal(n: int, d: int, seed: int) -> Tensor:
-    """`orthogonal_gaussian_matrix(n, d, scaling="chi")`, with all QR factorisations batched.
-
-    Same algorithm and same random stream (identical output for d >= 4), but one batched QR
-    instead of a Python loop over ceil(n/d) blocks: sampling thousands of draws stays fast.
-    """
-    gen = torch.Generator().manual_seed(int(seed))
-    nb = -(-n // d)
-    G = torch.randn(nb, d, d, generator=gen, dtype=D64)
-    Q, R = torch.linalg.qr(G)
-    Q = Q * torch.sign(torch.diagonal(R, dim1=-2, dim2=-1)).unsqueeze(-2)  # Haar distributed
-    W = Q.transpose(-1, -2).reshape(nb * d, d)[:n]  # rows of each block are orthonormal
-    norms = torch.randn(n, d, generator=gen, dtype=D64).norm(dim=1)  # chi_d row norms
-    return W * norms.unsqueeze(1)
-
-
 def draw_directions(
     n: int, d: int, *, orthogonal: bool = False, seed: int = 0
 ) -> tuple[Tensor, Tensor]:
@@ -93,7 +77,7 @@ def draw_directions(
     V.check_positive_int("draw_directions", "n", n)
     V.check_positive_int("draw_directions", "d", d)
     if orthogonal:
-        W = _block_orthogonal(n, d, seed)
+        W = random_projection(n, d, orthogonal=True, seed=seed, dtype=D64)
     else:
         W = random_projection(n, d, orthogonal=False, seed=seed, dtype=D64)
     gen = torch.Generator().manual_seed(int(seed) + 1)

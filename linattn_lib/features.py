@@ -78,13 +78,11 @@ def orthogonal_gaussian_matrix(
     V.check_positive_int(fn, "d", d)
     V.check_choice(fn, "scaling", scaling, ("chi", "sqrt_d"))
     gen = _generator(seed)
-    blocks = []
-    for _ in range(-(-m // d)):
-        G = torch.randn(d, d, generator=gen, dtype=torch.float64)
-        Q, R = torch.linalg.qr(G)
-        Q = Q * torch.sign(torch.diagonal(R)).unsqueeze(0)  # Haar: fix the sign ambiguity of QR
-        blocks.append(Q.T)  # rows are orthonormal directions
-    W = torch.cat(blocks, dim=0)[:m]
+    n_blocks = -(-m // d)
+    G = torch.randn(n_blocks, d, d, generator=gen, dtype=torch.float64)
+    Q, R = torch.linalg.qr(G)  # one batched QR for all blocks
+    Q = Q * torch.sign(torch.diagonal(R, dim1=-2, dim2=-1)).unsqueeze(-2)  # Haar: fix QR's sign ambiguity
+    W = Q.transpose(-1, -2).reshape(n_blocks * d, d)[:m]  # the rows of each block are orthonormal
     if scaling == "chi":
         norms = torch.randn(m, d, generator=gen, dtype=torch.float64).norm(dim=1)
     else:

@@ -52,11 +52,6 @@ def test_clipped_g_and_kernel():
     assert torch.allclose(E.clipped_kernel(x, y), E.clipped_kernel(x + 1.0, y + 1.0))
 
 
-def test_block_orthogonal_draw_is_the_library_matrix():
-    W, _ = E.draw_directions(100, 16, orthogonal=True, seed=3)
-    assert torch.allclose(W, orthogonal_gaussian_matrix(100, 16, seed=3, dtype=D64))
-
-
 def test_estimates_shape_and_mean():
     x, y = unit_pair(d=8)
     est = E.estimates(x, y, kind="positive", m=24, n_draws=3000, orthogonal=True, seed=0, max_rows=1000)

@@ -174,3 +174,12 @@ def test_feature_shape_errors():
         positive_random_features(torch.randn(3, 4), torch.randn(5, 6))
     with pytest.raises(ValueError, match="kind"):
         RandomFeatureMap(4, 4, kind="fourier")
+
+
+def test_performer_default_eps_does_not_bias_stabilised_output():
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 256, 64, generator=g, dtype=torch.float64) for _ in range(3))
+    fm = RandomFeatureMap(64, 256, seed=0).double()
+    stabilised = performer_attention(q, k, v, feature_map=fm)
+    raw = performer_attention(q, k, v, feature_map=fm, stabilize=False)
+    assert ((stabilised - raw).norm() / raw.norm()) < 1e-10
