@@ -669,7 +669,28 @@ def _start_method() -> str:
     return "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"
 
 
-def _worker(fn, rank: int, world_size: int, port: int, backend: str, timeout: float, args: tuple, conn) -> None:
+def _exit_with_launcher(launcher_pid: int) -> None:
+    """Daemon thread of a rank: exit if the launching process is gone (killed, not interrupted),
+    instead of waiting for a collective timeout with nobody left to report to."""
+    import threading
+
+    def watch():
+        while True:
+            time.sleep(1.0)
+            try:
+                os.kill(launcher_pid, 0)
+            except ProcessLookupError:
+                os._exit(1)
+            except PermissionError:  # the pid was reused by another user's process
+                os._exit(1)
+
+    threading.Thread(target=watch, name="linattn-launcher-watch", daemon=True).start()
+
+
+def _worker(fn, rank: int, world_size: int, port: int, backend: str, timeout: float, args: tuple, conn,
+            launcher_pid: Optional[int] = None) -> None:
+    if launcher_pid is not None:
+        _exit_with_launcher(launcher_pid)
     os.environ.update(MASTER_ADDR=LOOPBACK, MASTER_PORT=str(port), RANK=str(rank), LOCAL_RANK=str(rank),
                       WORLD_SIZE=str(world_size), LOCAL_WORLD_SIZE=str(world_size))
     if backend == "gloo":
@@ -686,7 +707,7 @@ def _worker(fn, rank: int, world_size: int, port: int, backend: str, timeout: fl
         conn.send(("ok", buf.getvalue()))
     except BaseException as e:  # report, then exit at once: the peers see the closed sockets
         try:
-            conn.send(("error", f"{type(e).__name__}: {e}".splitlines()[0], traceback.format_exc()))
+            conn.send(("error", f"{type(e).__name__}: {e}".splitlines()[0], traceback.format_exc(), time.time()))
             conn.close()
         finally:
             sys.stdout.flush()
@@ -721,7 +742,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo"
         once; its peers then fail in their next collective (connection closed, or the
         collective timeout if the failing rank hangs instead) with a `PeerFailureError`. Ranks
         still alive `grace` seconds after the first failure (default 5) are terminated: the
-        group is broken by then, and a rank that has not noticed is stalled or busy. The error lists every rank's outcome, the first failure first.
+        group is broken by then, and a rank that has not noticed is stalled or busy. The
+        error lists every rank's outcome, the first failure first. If the launcher itself is
+        interrupted (e.g. Ctrl-C in a notebook), it terminates the ranks before re-raising.
     """
     import multiprocessing as mp
     from multiprocessing.connection import wait
@@ -741,8 +764,8 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo"
     procs, conns = [], []
     for rank in range(world_size):
         recv_end, send_end = ctx.Pipe(duplex=False)
-        p = ctx.Process(target=_worker, args=(fn, rank, world_size, port, backend, float(timeout), args, send_end),
-                        name=f"linattn-rank{rank}")
+        p = ctx.Process(target=_worker, name=f"linattn-rank{rank}",
+                        args=(fn, rank, world_size, port, backend, float(timeout), args, send_end, os.getpid()))
         p.start()
         send_end.close()
         procs.append(p)
@@ -751,10 +774,11 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo"
     results: dict = {}
     errors: dict = {}
     tracebacks: dict = {}
-    order: list = []  # ranks in the order they failed
+    when: dict = {}  # rank -> time of its failure (the failing process's clock, or the launcher's)
     open_conns = dict(enumerate(conns))
     first_failure = None
     terminated = set()
+    finished = False
     try:
         while open_conns or any(p.is_alive() for p in procs):
             ready = wait(list(open_conns.values()) + [p.sentinel for p in procs if p.is_alive()], timeout=0.1)
@@ -768,12 +792,11 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo"
                     if msg[0] == "ok":
                         results[rank] = torch.load(io.BytesIO(msg[1]), weights_only=False)
                     else:
-                        errors[rank], tracebacks[rank] = msg[1], msg[2]
-                        order.append(rank)
+                        errors[rank], tracebacks[rank], when[rank] = msg[1], msg[2], msg[3]
             for rank, p in enumerate(procs):
                 if not p.is_alive() and p.exitcode not in (0, None) and rank not in errors and rank not in open_conns:
                     errors[rank] = _exit_reason(p.exitcode, rank in terminated, grace)
-                    order.append(rank)
+                    when[rank] = time.time()
             if errors and first_failure is None:
                 first_failure = time.monotonic()
             if first_failure is not None and time.monotonic() - first_failure > grace:
@@ -782,8 +805,11 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo"
                         terminated.add(rank)
                         p.terminate()
                 first_failure = float("inf")  # terminate once
+        finished = True
     finally:
         for p in procs:
+            if not finished and p.is_alive():  # interrupted: do not leave ranks behind
+                p.terminate()
             p.join(timeout=5)
             if p.is_alive():
                 p.kill()
@@ -794,8 +820,9 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo"
     for rank, code in enumerate(exitcodes):
         if code != 0 and rank not in errors:
             errors[rank] = _exit_reason(code, rank in terminated, grace)
-            order.append(rank)
+            when[rank] = time.time()
     if errors:
+        order = sorted(errors, key=lambda r: (when[r], r))  # the first failure first
         lines = [f"{len(errors)} of {world_size} ranks failed (first: rank {order[0]}):"]
         lines += [f"  rank {r}: {errors[r]}" for r in order]
         if order[0] in tracebacks:
