@@ -11,16 +11,18 @@ whatever T is. With the per-token log-decay g (zero without decay):
     the scan:        S_in_0 = 0,   S_in_{r+1} = exp(G_r) S_in_r + S_r
     rank r, output:  linear attention over its slice, resumed from the state S_in_r
 
-**All-gather, not a ring of sends.** Each rank packs (S_r, z_r, G_r) into one buffer of
-B*H*(Dk*Dv + Dk + 1) numbers, one `all_gather` gives every rank every buffer, and each rank
-combines the prefix of the ranks before it locally. A chain of point-to-point sends (rank r
-waits for r-1, then sends to r+1) would move fewer bytes -- one state per rank instead of W-1 --
-but its W-1 steps are *sequential*: the last rank waits for W-1 latencies, and nothing can
-start before its predecessor is done. The all-gather is a single collective whose bytes,
-(W-1) states per rank, are tiny next to the activations (they do not depend on T), and the
-local combination costs O(W Dk Dv) flops. LASP (Sun et al. 2024) passes the state along the
-ring; LASP-2 (Sun et al. 2025) replaced that with one all-gather of the states for the same
-reasons.
+**All-gather by default; a chain of sends for comparison** (`scan="all_gather"` / `"ring"`).
+Each rank packs (S_r, z_r, G_r) into one buffer of B*H*(Dk*Dv + Dk + 1) numbers, one
+`all_gather` gives every rank every buffer, and each rank combines the prefix of the ranks
+before it locally (O(W Dk Dv) flops). A chain of point-to-point sends (rank r waits for S_in_r
+from rank r-1, then sends exp(G_r) S_in_r + S_r to rank r+1) moves fewer bytes -- one state
+per rank instead of W-1 -- but each of its W-1 steps needs the result of the step before: the
+last rank cannot start until every other rank has done its step, and one slow rank delays all
+ranks after it. What goes into the all-gather depends only on each rank's own tokens, so it is
+one collective that the communication library schedules with its best algorithm and that can
+overlap the local attention; its (W-1) states per rank do not depend on T and are tiny next to
+the activations. LASP (Sun et al. 2024) passes the state along a ring of sends; LASP-2 (Sun et
+al. 2025) replaced that with one all-gather of the states.
 
 **Backward: the reverse scan.** The gradient with respect to the state entering rank r,
 dS_in_r, comes out of rank r's local backward. It must flow to the earlier ranks whose local
@@ -29,7 +31,8 @@ states built S_in_r: with D_r = dL/d(state leaving rank r),
     D_{W-1} = 0,   D_{r-1} = dS_in_r + exp(G_r) D_r,   dL/dS_r = D_r,
     dL/dG_r = exp(G_r) <D_r, S_in_r>   (+ the same with z)
 
-One all-gather of the dS_in (and dz_in) gives every rank what it needs (`_StateScan`).
+One all-gather of the dS_in (and dz_in) gives every rank what it needs (`_StateScan`); the chain
+passes D_r from rank r+1 to rank r instead (`_RingStateScan`).
 
 Every collective goes through `_all_gather` / `_send_recv`, which (a) count the bytes this rank
 sends into an optional `CommLog` and (b) turn a failure or time-out of a peer into a
@@ -65,15 +68,25 @@ __all__ = [
     "CommRecord",
     "DistributedRunError",
     "PeerFailureError",
+    "check_rank",
+    "compare_with_reference",
+    "draw_rank_scan",
+    "failing_rank",
+    "free_port",
     "launch",
     "linear_sp_bytes_per_rank",
     "local_state",
+    "loopback_interface",
+    "make_inputs",
+    "measure_rank",
+    "os_bytes_written",
     "prefix_states",
     "prefix_states_backward",
     "ring_attention",
     "ring_attention_bytes_per_rank",
     "sequence_parallel_linear_attention",
     "shard_sequence",
+    "single_process_reference",
     "split_sequence",
 ]
 
@@ -138,8 +151,9 @@ class CommRecord:
 
     op: "all_gather" or "send_recv"; what: what was communicated.
     payload: bytes of the tensor this rank contributes (all_gather) or sends (send_recv).
-    sent: bytes this rank sends. A ring all-gather -- the algorithm of gloo and NCCL -- forwards
-        every other rank's block once: (W - 1) * payload. A send is its payload.
+    sent: bytes this rank sends. In an all-gather that is (W - 1) * payload, whether it runs as
+        a ring (each rank forwards every block it receives, once) or as direct sends of the
+        block to the W - 1 other ranks. A send is its payload.
     received: bytes this rank receives.
     os_sent: bytes the operating system saw this process write during the call (gloo on Linux;
         None otherwise): the measured counterpart of `sent`, plus transport headers.
@@ -608,7 +622,7 @@ def linear_sp_bytes_per_rank(world_size: int, *, batch: int, heads: int, dk: int
                              rank: Optional[int] = None) -> int:
     """Bytes one rank sends in `sequence_parallel_linear_attention`. Independent of T.
 
-    scan="all_gather" (ring all-gather, every rank alike): forward (W-1) * B*H*(Dk*Dv + Dk + 1)
+    scan="all_gather" (every rank alike): forward (W-1) * B*H*(Dk*Dv + Dk + 1)
     numbers (S, z and the log-decay G); the backward adds (W-1) * B*H*(Dk*Dv + Dk).
     scan="ring": one state B*H*(Dk*Dv + Dk) forward (not the last rank) and one backward (not
     rank 0); `rank` picks one rank (default: the largest over ranks).
