@@ -49,6 +49,21 @@ from .decoding import KVCacheDecoder, RecurrentDecoder
 
 __version__ = "0.1.0"
 
+# imported on first use: `python -m linattn_lib.distributed` must not find it imported already
+_LAZY = {
+    "sequence_parallel_linear_attention": "distributed",
+    "ring_attention": "distributed",
+    "launch": "distributed",
+}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
+    raise AttributeError(f"module 'linattn_lib' has no attribute {name!r}")
+
 __all__ = [
     "LinearAttentionState",
     "linear_attention",
@@ -86,6 +101,9 @@ __all__ = [
     "zoh_discretize",
     "KVCacheDecoder",
     "RecurrentDecoder",
+    "sequence_parallel_linear_attention",
+    "ring_attention",
+    "launch",
     "segsum",
     "decay_mask",
     "causal_mask",

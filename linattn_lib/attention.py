@@ -248,7 +248,7 @@ def linear_attention(
         form: "quadratic", "recurrent" or "chunked" (all three agree).
         chunk_size: chunk length of the chunked form.
         eps: added to the denominator when normalize=True.
-        backend: "auto" (compiled Triton on CUDA, torch otherwise), "torch", or "triton"
+        backend: "auto" (compiled Triton on CUDA for fp16/bf16/fp32, torch otherwise), "torch", or "triton"
             (on CPU tensors: the Triton interpreter, slow, for teaching and tests). Only the
             chunked form has a Triton implementation.
         initial_state: a LinearAttentionState to resume from (e.g. the state returned by a
@@ -272,7 +272,11 @@ def linear_attention(
 
     from ._triton import linear_attention_triton, triton_available
 
-    use_triton = backend == "triton" or (backend == "auto" and q.is_cuda and form == "chunked" and triton_available())
+    # auto: the compiled kernels on CUDA for the dtypes they support; float64 stays on torch
+    kernel_dtype = q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    use_triton = backend == "triton" or (
+        backend == "auto" and q.is_cuda and form == "chunked" and kernel_dtype and triton_available()
+    )
     if use_triton:
         if form != "chunked":
             raise ValueError(f"{fn}: backend='triton' implements form='chunked' only, got form={form!r}")
