@@ -12,14 +12,29 @@ wrappers live in `linattn_lib/_triton.py`.
     configs.py     CONFIGS (every config a launcher can pick), select_config, launchable
 
 `KERNELS` maps each kernel name to its JITFunction and a `compile_spec(config, dtype)` that
-gives the signature of its heaviest variant: tests/test_kernels_compile.py compiles every
-entry of `CONFIGS` with it for every GPU target, ahead of time, without a GPU.
+gives the signature of its heaviest variant: tests/test_kernels_compile.py compiles, for every
+GPU target in `TARGETS`, each config `select_config` can pick there (`selectable_configs`),
+ahead of time and without a GPU, and checks it fits `SMEM_LIMITS`.
 """
 from .chunk_bwd import chunk_bwd_dqk, chunk_bwd_dqk_kernel
 from .chunk_bwd import compile_spec as _chunk_bwd_spec
 from .chunk_fwd import chunk_fwd, chunk_fwd_kernel
 from .chunk_fwd import compile_spec as _chunk_fwd_spec
-from .configs import CONFIGS, DIM_NAMES, MAX_HEAD_DIM, WHOLE_DIMS, dot_precision, launchable, select_config, whole_dim
+from .configs import (
+    CONFIGS,
+    DIM_NAMES,
+    MAX_HEAD_DIM,
+    SMEM_LIMITS,
+    TARGET_DTYPES,
+    TARGETS,
+    WHOLE_DIMS,
+    device_capability,
+    dot_precision,
+    launchable,
+    select_config,
+    selectable_configs,
+    whole_dim,
+)
 from .decode import compile_spec as _decode_spec
 from .decode import decode_kernel, decode_step
 from .noncausal import compile_spec_output as _noncausal_output_spec
@@ -40,14 +55,19 @@ __all__ = [
     "DIM_NAMES",
     "KERNELS",
     "MAX_HEAD_DIM",
+    "SMEM_LIMITS",
+    "TARGETS",
+    "TARGET_DTYPES",
     "WHOLE_DIMS",
     "chunk_bwd_dqk",
     "chunk_fwd",
     "decode_step",
+    "device_capability",
     "dot_precision",
     "launchable",
     "noncausal_output",
     "noncausal_state",
     "select_config",
+    "selectable_configs",
     "whole_dim",
 ]

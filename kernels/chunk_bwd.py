@@ -184,7 +184,7 @@ def chunk_bwd_dqk(
         S0 if S0 is not None else dummy, z0 if z0 is not None else dummy,
         T, H, Dk, Dv,
         BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"], DECAY=decay_kind, HAS_DD=dd is not None,
-        HAS_S0=S0 is not None, REVERSE=reverse, DOT_PREC=dot_precision(k.dtype, k.device),
+        HAS_S0=S0 is not None, REVERSE=reverse, DOT_PREC=dot_precision(k.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return dq
@@ -199,7 +199,7 @@ def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:
     }
     constexprs = {
         "BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2, "HAS_DD": True,
-        "HAS_S0": True, "REVERSE": True, "DOT_PREC": "ieee" if dtype == "fp32" else "tf32",
+        "HAS_S0": True, "REVERSE": True, "DOT_PREC": dot_precision(dtype),
     }
     for name in constexprs:
         signature[name] = "constexpr"

@@ -225,7 +225,7 @@ def chunk_fwd(
         BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"],
         DECAY=decay_kind, HAS_Z=track_z, HAS_W=w is not None, NORMALIZE=normalize,
         HAS_S0=S0 is not None, STORE_ST=store_final_state, REVERSE=reverse,
-        DOT_PREC=dot_precision(q.dtype, q.device),
+        DOT_PREC=dot_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, den, S_T, z_T
@@ -246,7 +246,7 @@ def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:
     constexprs = {
         "BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2, "HAS_Z": True,
         "HAS_W": True, "NORMALIZE": True, "HAS_S0": True, "STORE_ST": True, "REVERSE": False,
-        "DOT_PREC": "ieee" if dtype == "fp32" else "tf32",
+        "DOT_PREC": dot_precision(dtype),
     }
     for name in constexprs:
         signature[name] = "constexpr"

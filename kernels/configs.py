@@ -18,22 +18,13 @@ MAX_HEAD_DIM = 256
 # The buckets a whole head dim is padded to. tl.dot needs every dimension >= 16; 64 is the
 # smallest bucket because padding 16 to 64 costs little and keeps the config table short.
 WHOLE_DIMS = (64, 128, 256)
-CHUNK = 64  # BT, tokens per chunk: a 64 x 64 masked score matrix per step
 
-
-def _cfg(BT: int, whole: int, tile: int, names: tuple[str, str], num_warps: int, num_stages: int) -> dict:
-    return {"BT": BT, names[0]: whole, names[1]: tile, "num_warps": num_warps, "num_stages": num_stages}
-
-
-def _table(names: tuple[str, str]) -> list[dict]:
-    """One config per whole-dim bucket: the tile shrinks as the whole dim grows so that the
-    fp32 state slice (whole x tile) stays at most 128 x 64 = 32 KiB of registers per program."""
-    return [
-        _cfg(CHUNK, 64, 64, names, num_warps=4, num_stages=1),
-        _cfg(CHUNK, 128, 64, names, num_warps=8, num_stages=1),
-        _cfg(CHUNK, 256, 32, names, num_warps=8, num_stages=1),
-    ]
-
+# GPU targets the configs are compiled for ahead of time (tests/test_kernels_compile.py), with
+# the most shared memory one block may use there (the opt-in maximum, in bytes).
+TARGETS = {"sm_75": (7, 5), "sm_80": (8, 0), "sm_86": (8, 6), "sm_89": (8, 9), "sm_90": (9, 0)}
+SMEM_LIMITS = {"sm_75": 64 * 1024, "sm_80": 163 * 1024, "sm_86": 99 * 1024, "sm_89": 99 * 1024, "sm_90": 227 * 1024}
+# Turing (sm_75, the Colab T4) has no bfloat16 tensor cores.
+TARGET_DTYPES = {name: ("fp16", "fp32") if cap < (8, 0) else ("bf16", "fp16", "fp32") for name, cap in TARGETS.items()}
 
 # kernel name -> (name of the whole dim, name of the tiled dim) in that kernel's constexprs
 DIM_NAMES = {
@@ -44,7 +35,31 @@ DIM_NAMES = {
     "decode": ("BK", "BV"),           # Dk whole, Dv tiled (looped inside one program)
 }
 
-CONFIGS: dict[str, list[dict]] = {name: _table(dims) for name, dims in DIM_NAMES.items()}
+# (BT, whole, tile, num_warps, num_stages). The tile shrinks as the whole dim grows so that
+# the fp32 state slice a program keeps in registers stays at 128 x 64 = 32 KiB at most.
+_ROWS = [
+    # 16-bit inputs on sm_80+: 64-token chunks, the loads of the next chunk double-buffered
+    (64, 64, 64, 4, 2),
+    (64, 128, 64, 8, 2),
+    (64, 256, 32, 8, 2),
+    # fp32 inputs (4-byte tiles in shared memory), and every dtype on sm_75 (64 KiB per block):
+    # 32-token chunks, no double buffering
+    (32, 64, 64, 4, 1),
+    (32, 128, 64, 8, 1),
+    (32, 256, 32, 8, 1),
+    # fp32 with a 256-wide head on sm_75
+    (16, 256, 32, 8, 1),
+]
+
+
+def _config(kernel: str, row: tuple) -> dict:
+    BT, whole, tile, num_warps, num_stages = row
+    w, t = DIM_NAMES[kernel]
+    return {"BT": BT, w: whole, t: tile, "num_warps": num_warps, "num_stages": num_stages}
+
+
+# Every config a launcher can pick, per kernel (the decode kernel ignores BT).
+CONFIGS: dict[str, list[dict]] = {name: [_config(name, row) for row in _ROWS] for name in DIM_NAMES}
 
 
 def whole_dim(d: int) -> int:
@@ -54,7 +69,7 @@ def whole_dim(d: int) -> int:
     return next(b for b in WHOLE_DIMS if d <= b)
 
 
-Capability = Optional[tuple[int, int]]
+Capability = Optional[tuple]
 
 
 def device_capability(device: Union[torch.device, str, None]) -> Capability:
@@ -62,30 +77,55 @@ def device_capability(device: Union[torch.device, str, None]) -> Capability:
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type != "cuda":
         return None
-    return torch.cuda.get_device_capability(device)
+    return tuple(torch.cuda.get_device_capability(device))
 
 
 def select_config(kernel: str, d_whole: int, dtype: torch.dtype, device_or_capability=None) -> dict:
-    """The launch config of `kernel` for a whole head dim `d_whole` (always one of CONFIGS).
+    """The launch config of `kernel` when the head dim it holds whole is `d_whole`.
 
-    dtype and the target are arguments so that a per-target choice can be added without
-    changing callers; today one table fits every target (the compile test checks this).
+    `device_or_capability` is a torch device or a (major, minor) pair; None and CPU devices
+    (the interpreter) get the sm_80+ choice. The answer is always an entry of CONFIGS[kernel].
     """
     if kernel not in CONFIGS:
         raise KeyError(f"unknown kernel {kernel!r}; expected one of {sorted(CONFIGS)}")
+    cap = device_or_capability
+    if cap is not None and not isinstance(cap, tuple):
+        cap = device_capability(cap)
+    turing = cap is not None and tuple(cap) < (8, 0)
     whole = whole_dim(d_whole)
-    name = DIM_NAMES[kernel][0]
-    return dict(next(c for c in CONFIGS[kernel] if c[name] == whole))
+    if dtype == torch.float32 and turing and whole == 256:
+        BT = 16
+    elif dtype == torch.float32 or turing:
+        BT = 32
+    else:
+        BT = 64
+    row = next(r for r in _ROWS if r[0] == BT and r[1] == whole)
+    return _config(kernel, row)
 
 
-def dot_precision(dtype: torch.dtype, device_or_capability=None) -> str:
-    """input_precision of the kernels' tl.dot calls.
+_TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def selectable_configs(kernel: str, target: str, dtype: str) -> list[dict]:
+    """Every config `select_config` can return for `kernel` on `target` ("sm_80") with inputs
+    of `dtype` ("fp32", "fp16", "bf16"): what the compile test builds for that target."""
+    out = []
+    for d in range(1, MAX_HEAD_DIM + 1):
+        cfg = select_config(kernel, d, _TORCH_DTYPES[dtype], TARGETS[target])
+        if cfg not in out:
+            out.append(cfg)
+    return out
+
+
+def dot_precision(dtype) -> str:
+    """input_precision of the kernels' tl.dot calls, for inputs of `dtype` (torch or "fp32").
 
     fp32 inputs get "ieee" (true fp32 products: fp32 in, fp32-accurate out). For 16-bit inputs
     the score and value products run on fp16/bf16 tensor cores whatever this says; the products
-    with the fp32 state use "tf32" (fp32 range, 10-bit mantissa, like the inputs).
+    with the fp32 state use "tf32" (fp32 range, 10-bit mantissa, like the inputs; sm_75 has no
+    tf32 and computes them in full fp32).
     """
-    return "ieee" if dtype == torch.float32 else "tf32"
+    return "ieee" if dtype in (torch.float32, "fp32") else "tf32"
 
 
 # --------------------------------------------------------------------------------------

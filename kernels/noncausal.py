@@ -142,7 +142,7 @@ def noncausal_state(
         z0 if z0 is not None else dummy, S, z if z is not None else dummy,
         T, Dk, Dv, BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"],
         HAS_Z=track_z, HAS_W=w is not None, HAS_S0=S0 is not None,
-        DOT_PREC=dot_precision(k.dtype, k.device),
+        DOT_PREC=dot_precision(k.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return S, z
@@ -183,7 +183,7 @@ def noncausal_output(
         T, Da, Dc, S.stride(2), S.stride(3), float(eps),
         BT=cfg["BT"], BA=cfg["BA"], BC=cfg["BC"], NORMALIZE=z is not None,
         EXTRA=0 if u is None else (2 if e is not None else 1),
-        DOT_PREC=dot_precision(a.dtype, a.device),
+        DOT_PREC=dot_precision(a.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return out, den
@@ -196,7 +196,7 @@ def compile_spec_state(cfg: dict, dtype: str) -> tuple[dict, dict]:
         "z0_ptr": "*fp32", "st_ptr": "*fp32", "zt_ptr": "*fp32", "T": "i32", "Dk": "i32", "Dv": "i32",
     }
     constexprs = {"BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "HAS_Z": True, "HAS_W": True,
-                  "HAS_S0": True, "DOT_PREC": "ieee" if dtype == "fp32" else "tf32"}
+                  "HAS_S0": True, "DOT_PREC": dot_precision(dtype)}
     for name in constexprs:
         signature[name] = "constexpr"
     return signature, constexprs
@@ -210,7 +210,7 @@ def compile_spec_output(cfg: dict, dtype: str) -> tuple[dict, dict]:
         "stride_sa": "i32", "stride_sc": "i32", "eps": "fp32",
     }
     constexprs = {"BT": cfg["BT"], "BA": cfg["BA"], "BC": cfg["BC"], "NORMALIZE": True, "EXTRA": 2,
-                  "DOT_PREC": "ieee" if dtype == "fp32" else "tf32"}
+                  "DOT_PREC": dot_precision(dtype)}
     for name in constexprs:
         signature[name] = "constexpr"
     return signature, constexprs

@@ -1,0 +1,192 @@
+"""Check the compiled Triton kernels on a CUDA GPU, and time them.
+
+    python -m linattn_lib.gpu_check --out gpu_results/
+
+1. runs tests/test_kernels_interpret.py with CUDA tensors, so every kernel is compiled for
+   this GPU and checked against the float64 references (bfloat16 cases included);
+2. times forward and forward+backward at T=16384, H=16, D=128 in bfloat16 with
+   triton.testing.do_bench: our chunked linear attention (normalised; and unnormalised with a
+   per-token decay), torch's scaled_dot_product_attention (causal softmax: flash attention
+   where available), and flash-linear-attention's kernels when `fla` is installed;
+3. writes results.json and results.md into the output folder.
+
+On a machine without CUDA it prints a message and exits 0 without touching any GPU driver.
+The exit status is 1 when the kernel tests fail.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def _environment() -> dict:
+    import torch
+
+    info = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "gpu": torch.cuda.get_device_name(0),
+        "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
+        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    try:
+        import triton
+
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    try:
+        from . import __version__
+
+        info["linattn_lib"] = __version__
+    except ImportError:
+        pass
+    return info
+
+
+def run_kernel_tests(out: Path) -> dict:
+    """pytest on the kernel tests with CUDA tensors; returns counts and the tail of the log."""
+    tests = REPO / "tests" / "test_kernels_interpret.py"
+    if not tests.exists():
+        return {"status": "skipped", "reason": f"{tests} not found (run from a source checkout)"}
+    env = dict(os.environ, LINATTN_KERNEL_TEST_DEVICE="cuda")
+    env.pop("TRITON_INTERPRET", None)
+    cmd = [sys.executable, "-m", "pytest", str(tests), "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+           f"--junitxml={out / 'kernel_tests.xml'}"]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=str(REPO), env=env, capture_output=True, text=True)
+    log = proc.stdout + proc.stderr
+    (out / "kernel_tests.log").write_text(log)
+    summary = next((line for line in reversed(log.strip().splitlines()) if " in " in line), "")
+    return {"status": "passed" if proc.returncode == 0 else "failed", "returncode": proc.returncode,
+            "summary": summary.strip("= "), "seconds": round(time.perf_counter() - t0, 1)}
+
+
+def _bench(fn, do_bench) -> float:
+    return float(do_bench(fn, warmup=25, rep=100))
+
+
+def _fwd_bwd(fn, inputs):
+    """fn's forward and backward with a fixed random output gradient."""
+    import torch
+
+    with torch.no_grad():
+        do = torch.randn_like(fn())
+
+    def run():
+        for x in inputs:
+            x.grad = None
+        fn().backward(do)
+
+    return run
+
+
+def run_benchmark(B: int = 1, H: int = 16, T: int = 16384, D: int = 128) -> list[dict]:
+    """Forward and forward+backward times (ms, median of do_bench) at one shape, bf16."""
+    import torch
+    import torch.nn.functional as F
+    from triton.testing import do_bench
+
+    from .attention import linear_attention
+
+    dev, dtype = "cuda", torch.bfloat16
+    torch.manual_seed(0)
+    q = torch.rand(B, H, T, D, device=dev, dtype=dtype).requires_grad_()
+    k = torch.rand(B, H, T, D, device=dev, dtype=dtype).requires_grad_()
+    v = torch.randn(B, H, T, D, device=dev, dtype=dtype).requires_grad_()
+    g = (-torch.rand(B, H, T, device=dev) * 0.1).requires_grad_()
+    qs, ks = (q / D).detach().requires_grad_(), (k - 0.5).detach().requires_grad_()  # signed, small
+    inputs = [q, k, v, g, qs, ks]
+
+    candidates = {
+        "linattn triton (normalised)": lambda: linear_attention(q, k, v, backend="triton"),
+        "linattn triton (unnormalised, per-token decay)": lambda: linear_attention(
+            qs, ks, v, normalize=False, log_decay=g, backend="triton"),
+        "torch SDPA (causal softmax)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
+    }
+    try:  # flash-linear-attention, if installed (its layout is (B, T, H, D))
+        from fla.ops.simple_gla import chunk_simple_gla
+
+        def fla_simple_gla():
+            o, _ = chunk_simple_gla(qs.transpose(1, 2), ks.transpose(1, 2), v.transpose(1, 2),
+                                    g=g.transpose(1, 2), scale=1.0)
+            return o
+
+        candidates["fla chunk_simple_gla (unnormalised, per-token decay)"] = fla_simple_gla
+    except Exception:  # not installed, or another API version
+        pass
+
+    rows = []
+    for name, fn in candidates.items():
+        row = {"name": name, "shape": f"B={B} H={H} T={T} D={D}", "dtype": "bfloat16"}
+        try:
+            with torch.no_grad():
+                row["forward_ms"] = round(_bench(fn, do_bench), 3)
+            row["forward_backward_ms"] = round(_bench(_fwd_bwd(fn, inputs), do_bench), 3)
+        except Exception as e:  # one failing candidate must not hide the others
+            row["error"] = f"{type(e).__name__}: {e}"[:500]
+        rows.append(row)
+        torch.cuda.empty_cache()
+    return rows
+
+
+def _markdown(env: dict, tests: dict, bench: list[dict]) -> str:
+    lines = ["# GPU check", "", "| | |", "| --- | --- |"]
+    lines += [f"| {k} | {v} |" for k, v in env.items()]
+    lines += ["", "## Kernel tests (CUDA tensors)", "", f"{tests.get('status')}: {tests.get('summary', tests.get('reason', ''))}",
+              "", "## Benchmark (median ms, triton.testing.do_bench)", "",
+              "| implementation | shape | forward | forward + backward |", "| --- | --- | ---: | ---: |"]
+    for r in bench:
+        if "error" in r:
+            lines.append(f"| {r['name']} | {r['shape']} | error: {r['error'][:80]} | |")
+        else:
+            lines.append(f"| {r['name']} | {r['shape']} | {r['forward_ms']:.2f} | {r['forward_backward_ms']:.2f} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="gpu_results", help="folder for results.json and results.md")
+    parser.add_argument("--skip-tests", action="store_true", help="only run the benchmark")
+    parser.add_argument("--skip-bench", action="store_true", help="only run the kernel tests")
+    args = parser.parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA device here; nothing to check (the CPU tests run the kernels in the "
+              "Triton interpreter: `make test`).")
+        return 0
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = _environment()
+    print(f"gpu_check: {env['gpu']} (sm_{env['capability'].replace('.', '')}), torch {env['torch']}, triton {env['triton']}")
+
+    tests = {"status": "skipped"} if args.skip_tests else run_kernel_tests(out)
+    print(f"kernel tests: {tests.get('status')} {tests.get('summary', '')}")
+    bench = []
+    if not args.skip_bench:
+        try:
+            bench = run_benchmark()
+        except Exception as e:
+            bench = [{"name": "benchmark", "shape": "", "error": f"{type(e).__name__}: {e}"[:500]}]
+        for r in bench:
+            print(f"  {r['name']:<55} " + (f"fwd {r['forward_ms']:8.2f} ms  fwd+bwd {r['forward_backward_ms']:8.2f} ms"
+                                           if "error" not in r else f"error: {r['error'][:100]}"))
+    (out / "results.json").write_text(json.dumps({"environment": env, "kernel_tests": tests, "benchmark": bench}, indent=2))
+    (out / "results.md").write_text(_markdown(env, tests, bench))
+    print(f"wrote {out / 'results.json'} and {out / 'results.md'}")
+    return 1 if tests.get("status") == "failed" else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,358 @@
+"""The Triton kernels against the float64 references: outputs, final states and gradients.
+
+On a CPU-only machine (CI) every kernel runs in the Triton interpreter: the same kernel
+source a GPU compiles, executed with numpy. On a CUDA machine the same tests run the compiled
+kernels on the GPU (`python -m linattn_lib.gpu_check` does that), with bfloat16 added.
+LINATTN_KERNEL_TEST_DEVICE=cpu|cuda overrides the choice.
+
+The metric is the relative RMS error rel(a, b) = ||a - b|| / ||b|| against a float64 reference
+computed from the very inputs the kernel saw (fp16 inputs are rounded first, so only the
+kernel's own arithmetic is measured). Tolerances:
+
+    float32   outputs, states, dq, dk, dv, dS0, dz0: 1e-5     d(log-decay): 1e-4
+    float16   outputs and states: 3e-3, gradients: 1e-2 (d(log-decay) included)
+    bfloat16  (GPU only) outputs and states: 2e-2, gradients: 5e-2
+
+d(log-decay) gets more room in float32 because it is a reverse cumulative sum of
+q.dq - k.dk, whose terms largely cancel; for a per-head decay it is further summed over T.
+Its error is measured against the size of those terms (see `rel_decay_grad`).
+
+The shapes are awkward on purpose: T in {1, 17, 63, 64, 65, 200} around the chunk of 64, head
+dims 16, 48, 64 and 128 (48 is padded to 64 and masked), several heads and batches, resumed
+from a non-zero state, decays from none to extreme (exp(g * 64) underflows to 0). The grid
+is a hand-picked cover, not the full product: each case is cheap in the interpreter.
+
+Two corners are ill-conditioned for the *relative* metric and avoided on purpose: normalised
+attention with T = 1 and no initial state, or with an extreme decay, outputs
+o_t ~ (q.k_t) v_t / (q.k_t + eps) ~ v_t, whose gradients in q and k are O(eps) differences of
+O(1) terms (the reference's own rounding is then of the order of the result).
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from linattn_lib import LinearAttentionState, linear_attention  # noqa: E402
+from linattn_lib._triton import linear_attention_decode_step, triton_available  # noqa: E402
+from linattn_lib.attention import reference_linear_attention  # noqa: E402
+
+if not triton_available():  # pragma: no cover - triton imports but the kernels do not
+    pytest.skip("the Triton kernels do not import here", allow_module_level=True)
+
+DEVICE = torch.device(os.environ.get("LINATTN_KERNEL_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"))
+DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
+
+# (outputs and states, gradients, gradient of the log-decay)
+TOL = {
+    torch.float32: (1e-5, 1e-5, 1e-4),
+    torch.float16: (3e-3, 1e-2, 1e-2),
+    torch.bfloat16: (2e-2, 5e-2, 5e-2),
+}
+
+# log-decay per token drawn from -U(lo, hi); "head" variants use one value per head.
+DECAYS = {
+    None: None,
+    "head-weak": (0.0, 0.05),
+    "head": (0.0, 1.0),
+    "token": (0.0, 1.0),
+    "token-strong": (1.0, 4.0),
+    "token-extreme": (20.0, 40.0),  # every chunk-crossing factor underflows to exactly 0
+}
+
+# B, H, T, Dk, Dv, decay, normalize, resume from a non-zero state
+CAUSAL_CASES = [
+    (1, 2, 1, 16, 16, None, True, True),
+    (2, 1, 1, 48, 64, "token", False, True),
+    (2, 1, 17, 48, 16, "head", True, True),
+    (1, 2, 63, 16, 48, "token", False, True),
+    (2, 2, 64, 64, 64, "token-strong", True, True),
+    (1, 3, 65, 128, 48, "head-weak", False, False),
+    (1, 2, 65, 48, 48, "token-extreme", False, True),
+    (1, 2, 200, 48, 128, "token", True, True),
+    (2, 1, 200, 16, 64, None, False, True),
+    (1, 2, 200, 64, 16, "head", True, False),
+    (1, 1, 130, 128, 128, "token-strong", False, True),
+    (2, 1, 100, 16, 48, None, True, True),
+]
+# cases also run in half precision (and bfloat16 on GPU)
+HALF_CASES = [0, 2, 4, 7, 9, 11]
+
+NONCAUSAL_CASES = [
+    (1, 2, 1, 16, 48, True, True),
+    (2, 1, 65, 48, 16, False, True),
+    (1, 2, 200, 64, 128, True, False),
+    (2, 2, 63, 128, 64, True, True),
+]
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative RMS error ||a - b|| / ||b|| (computed in float64)."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def rel_decay_grad(dg: torch.Tensor, dg_ref: torch.Tensor, x: dict, grads: dict) -> float:
+    """Error of d(log-decay) relative to the size of the terms it is made of.
+
+    dL/dg_s = sum_{t >= s} (q_t . dq_t - k_t . dk_t) (+ the final-state term at t = T). When the
+    decay is extreme, the true result is exp(-20)-small while each term is O(1): a relative
+    error would then compare rounding noise with nothing. So the denominator is
+    ||dg_ref|| + ||reverse-cumsum(|q . dq| + |k . dk|)||, which is ||dg_ref|| up to a small
+    factor in every ordinary case.
+    """
+    terms = (x["q"] * grads["q"]).sum(-1).abs() + (x["k"] * grads["k"]).sum(-1).abs()
+    terms = terms.detach().flip(-1).cumsum(-1).flip(-1)
+    if dg_ref.dim() == 1:  # per head: summed over batch and time
+        terms = terms.sum((0, 2))
+    scale = dg_ref.detach().double().norm() + terms.double().norm()
+    return float((dg.detach().double().cpu() - dg_ref.detach().double().cpu()).norm() / scale.cpu())
+
+
+def make_inputs(B, H, T, Dk, Dv, decay, normalize, resume, dtype, seed=0):
+    """Inputs rounded to `dtype`, as float64 leaves (reference) and `dtype` leaves (kernel)."""
+    gen = torch.Generator().manual_seed(seed)
+    # Normalised attention needs positive features (a positive denominator); unnormalised
+    # (RetNet / SSD style) gets signed ones, which exercises cancellation.
+    if normalize:
+        q = torch.rand(B, H, T, Dk, generator=gen)
+        k = torch.rand(B, H, T, Dk, generator=gen)
+    else:
+        q = torch.randn(B, H, T, Dk, generator=gen) / Dk**0.5
+        k = torch.randn(B, H, T, Dk, generator=gen)
+    v = torch.randn(B, H, T, Dv, generator=gen)
+    x = {"q": q.to(dtype), "k": k.to(dtype), "v": v.to(dtype)}
+    if decay is not None:
+        lo, hi = DECAYS[decay]
+        shape = (H,) if decay.startswith("head") else (B, H, T)
+        x["g"] = -(lo + (hi - lo) * torch.rand(shape, generator=gen))
+    if resume:
+        x["S0"] = torch.randn(B, H, Dk, Dv, generator=gen)
+        if normalize:
+            x["z0"] = torch.rand(B, H, Dk, generator=gen) * 5
+    ref = {n: t.double().requires_grad_() for n, t in x.items()}
+    dev = {n: t.to(DEVICE).requires_grad_() for n, t in x.items()}
+    return ref, dev
+
+
+def call(x, *, causal, normalize, backend):
+    state = None
+    if "S0" in x:
+        state = LinearAttentionState(x["S0"], x.get("z0"))
+    kwargs = dict(causal=causal, normalize=normalize, log_decay=x.get("g"), initial_state=state, return_state=True)
+    if backend == "reference":
+        return reference_linear_attention(x["q"], x["k"], x["v"], form="quadratic", **kwargs)
+    return linear_attention(x["q"], x["k"], x["v"], backend="triton", **kwargs)
+
+
+def loss(o, state, seed=1):
+    """A random linear functional of the output and the final state (checks dS_T, dz_T paths)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = lambda t: torch.randn(t.shape, generator=gen, dtype=torch.float64).to(t.device)  # noqa: E731
+    total = (o.double() * w(o)).sum() + (state.S.double() * w(state.S)).sum()
+    if state.z is not None:
+        total = total + (state.z.double() * w(state.z)).sum()
+    return total
+
+
+def check_against_reference(case, dtype, causal):
+    B, H, T, Dk, Dv, decay, normalize, resume = case
+    ref_in, dev_in = make_inputs(B, H, T, Dk, Dv, decay, normalize, resume, dtype)
+    o, state = call(dev_in, causal=causal, normalize=normalize, backend="triton")
+    o_ref, state_ref = call(ref_in, causal=causal, normalize=normalize, backend="reference")
+
+    assert o.dtype == dtype and o.shape == (B, H, T, Dv)
+    assert state.S.dtype == torch.float32 and state.S.shape == (B, H, Dk, Dv)
+    assert (state.z is None) == (not normalize)
+    tol_out, tol_grad, tol_dg = TOL[dtype]
+    errors = {"o": rel(o, o_ref), "S_T": rel(state.S, state_ref.S)}
+    if normalize:
+        errors["z_T"] = rel(state.z, state_ref.z)
+    for name, err in errors.items():
+        assert err < tol_out, f"{name}: rel {err:.2e} >= {tol_out:.0e}"
+
+    names = list(dev_in)
+    grads = torch.autograd.grad(loss(o, state), [dev_in[n] for n in names])
+    grads_ref = torch.autograd.grad(loss(o_ref, state_ref), [ref_in[n] for n in names])
+    ref_grads = dict(zip(names, grads_ref))
+    for name, g, g_ref in zip(names, grads, grads_ref):
+        assert g.dtype == dev_in[name].dtype and g.shape == dev_in[name].shape
+        assert torch.isfinite(g).all(), f"d{name} is not finite"
+        if name == "g":
+            err = rel_decay_grad(g, g_ref, ref_in, ref_grads)
+            tol = tol_dg
+        else:
+            err, tol = rel(g, g_ref), tol_grad
+        assert err < tol, f"d{name}: rel {err:.2e} >= {tol:.0e}"
+
+
+def _id(case):
+    B, H, T, Dk, Dv, decay, normalize, resume = case
+    return f"B{B}H{H}T{T}-k{Dk}v{Dv}-{decay or 'nodecay'}-{'norm' if normalize else 'unnorm'}{'-resume' if resume else ''}"
+
+
+@pytest.mark.parametrize("case", CAUSAL_CASES, ids=_id)
+def test_causal_fp32(case):
+    check_against_reference(case, torch.float32, causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES[1:], ids=str)
+@pytest.mark.parametrize("case", [CAUSAL_CASES[i] for i in HALF_CASES], ids=_id)
+def test_causal_half(case, dtype):
+    check_against_reference(case, dtype, causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", NONCAUSAL_CASES, ids=lambda c: f"B{c[0]}H{c[1]}T{c[2]}-k{c[3]}v{c[4]}-{'norm' if c[5] else 'unnorm'}{'-resume' if c[6] else ''}")
+def test_noncausal(case, dtype):
+    B, H, T, Dk, Dv, normalize, resume = case
+    check_against_reference((B, H, T, Dk, Dv, None, normalize, resume), dtype, causal=False)
+
+
+def test_chunked_resume_equals_one_pass():
+    """Two calls, the second resumed from the first's state, equal one call on the whole."""
+    _, x = make_inputs(1, 2, 150, 48, 48, "token", True, False, torch.float32)
+    q, k, v, g = (x[n].detach() for n in ("q", "k", "v", "g"))
+    whole, s_whole = linear_attention(q, k, v, log_decay=g, backend="triton", return_state=True)
+    a, s_a = linear_attention(q[:, :, :70], k[:, :, :70], v[:, :, :70], log_decay=g[:, :, :70], backend="triton", return_state=True)
+    b, s_b = linear_attention(q[:, :, 70:], k[:, :, 70:], v[:, :, 70:], log_decay=g[:, :, 70:], backend="triton",
+                              initial_state=s_a, return_state=True)
+    assert rel(torch.cat([a, b], dim=2), whole) < 1e-5
+    assert rel(s_b.S, s_whole.S) < 1e-5 and rel(s_b.z, s_whole.z) < 1e-5
+
+
+def test_matches_torch_backend_without_state():
+    """The plain call (no state in or out) agrees with the torch backend, in value and grads."""
+    _, x = make_inputs(2, 2, 90, 16, 48, "head", True, False, torch.float32)
+    leaves = [x[n] for n in ("q", "k", "v", "g")]
+    o = linear_attention(*leaves[:3], log_decay=leaves[3], backend="triton")
+    o_t = linear_attention(*leaves[:3], log_decay=leaves[3], backend="torch")
+    assert o.shape == o_t.shape and rel(o, o_t) < 1e-5
+    w = torch.randn_like(o)
+    for g1, g2 in zip(torch.autograd.grad((o * w).sum(), leaves), torch.autograd.grad((o_t * w).sum(), leaves)):
+        assert rel(g1, g2) < 1e-4
+
+
+def test_gradient_of_state_only():
+    """A loss on the final state alone (no gradient reaches the output) still differentiates."""
+    _, x = make_inputs(1, 2, 40, 16, 16, "token", True, True, torch.float32)
+    ref = {n: t.detach().double().cpu().requires_grad_() for n, t in x.items()}
+    _, st = call(x, causal=True, normalize=True, backend="triton")
+    _, st_ref = call(ref, causal=True, normalize=True, backend="reference")
+    grads = torch.autograd.grad(st.S.sum() + st.z.sum(), list(x.values()), allow_unused=True)
+    grads_ref = torch.autograd.grad(st_ref.S.sum() + st_ref.z.sum(), list(ref.values()), allow_unused=True)
+    for name, g, g_ref in zip(x, grads, grads_ref):
+        if g_ref is None:  # q does not reach the final state
+            assert name == "q" and (g is None or not g.any())
+        else:
+            assert rel(g, g_ref) < (1e-4 if name == "g" else 1e-5), name
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="checks the CPU dispatch")
+def test_auto_backend_on_cpu_does_not_use_triton(monkeypatch):
+    import linattn_lib._triton as T
+
+    def boom(*args, **kwargs):
+        raise AssertionError("backend='auto' must not run Triton on CPU tensors")
+
+    monkeypatch.setattr(T, "linear_attention_triton", boom)
+    q = torch.rand(1, 1, 8, 16)
+    linear_attention(q, q, q)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="CPU-only restrictions")
+def test_unsupported_dtypes_raise_clear_errors():
+    q = torch.rand(1, 1, 8, 16)
+    with pytest.raises(TypeError, match="bfloat16 on CPU"):
+        linear_attention(q.bfloat16(), q.bfloat16(), q.bfloat16(), backend="triton")
+    with pytest.raises(TypeError, match="float64"):
+        linear_attention(q.double(), q.double(), q.double(), backend="triton")
+    big = torch.rand(1, 1, 4, 300)
+    with pytest.raises(ValueError, match="head dims up to"):
+        linear_attention(big, big, big, backend="triton")
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="fakes the GPU generation on CPU")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+def test_sm75_configs(monkeypatch, dtype):
+    """The configs a T4 (sm_75) would pick: 32-token chunks, and 16-token chunks for fp32 with a
+    head dim above 128. The interpreter runs them when told the GPU is an sm_75."""
+    from linattn_lib._triton import _load_kernels
+
+    configs = _load_kernels().configs
+    monkeypatch.setattr(configs, "device_capability", lambda device: (7, 5))
+    assert configs.select_config("chunk_fwd", 200, dtype, torch.device("cpu"))["BT"] == (16 if dtype == torch.float32 else 32)
+    check_against_reference((1, 1, 40, 200, 136, "token", True, True), dtype, causal=True)
+
+
+# --------------------------------------------------------------------------------------
+# decoding
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("backend", ["triton", "torch"])
+@pytest.mark.parametrize(
+    "normalize,decay,dtype",
+    [(True, None, torch.float32), (True, "token", torch.float32), (False, "head", torch.float32), (True, "token", torch.float16)],
+    ids=["norm", "norm-token", "unnorm-head", "norm-token-fp16"],
+)
+def test_decode_steps_match_parallel_form(backend, normalize, decay, dtype):
+    """Prefill with the chunked kernel, then decode token by token: every step equals the
+    parallel form at that position, and the state is updated in place."""
+    B, H, T, Dk, Dv, T0 = 2, 3, 24, 48, 80, 10
+    ref, x = make_inputs(B, H, T, Dk, Dv, decay, normalize, False, dtype)
+    q, k, v = (x[n].detach() for n in ("q", "k", "v"))
+    g = x["g"].detach() if "g" in x else None
+    full = reference_linear_attention(*(ref[n].detach() for n in ("q", "k", "v")), normalize=normalize,
+                                      log_decay=ref["g"].detach() if "g" in ref else None)
+    g_pre = None if g is None else (g if g.dim() == 1 else g[:, :, :T0])
+    _, state = linear_attention(q[:, :, :T0], k[:, :, :T0], v[:, :, :T0], normalize=normalize, log_decay=g_pre,
+                                backend="triton", return_state=True)
+    S_ptr = state.S.data_ptr()
+    outs = []
+    for t in range(T0, T):
+        g_t = None if g is None else (g if g.dim() == 1 else g[:, :, t])
+        o_t = linear_attention_decode_step(q[:, :, t], k[:, :, t], v[:, :, t], state, log_decay_t=g_t,
+                                           normalize=normalize, backend=backend)
+        assert o_t.shape == (B, H, Dv) and o_t.dtype == dtype
+        outs.append(o_t)
+    assert state.S.data_ptr() == S_ptr  # in place
+    tol = 1e-5 if dtype == torch.float32 else 3e-3
+    assert rel(torch.stack(outs, dim=2), full[:, :, T0:]) < tol
+    _, final = reference_linear_attention(*(ref[n].detach() for n in ("q", "k", "v")), normalize=normalize,
+                                          log_decay=ref["g"].detach() if "g" in ref else None, return_state=True)
+    assert rel(state.S, final.S) < tol
+
+
+def test_decode_step_checks_its_inputs():
+    q = torch.rand(1, 2, 16)
+    state = LinearAttentionState(torch.zeros(1, 2, 16, 8), torch.zeros(1, 2, 16))
+    with pytest.raises(ValueError, match="state.S"):
+        linear_attention_decode_step(q, q, torch.rand(1, 2, 9), state)
+    with pytest.raises(ValueError, match="state.z"):
+        linear_attention_decode_step(q, q, torch.rand(1, 2, 8), LinearAttentionState(state.S, None))
+    with pytest.raises(ValueError, match="log_decay_t"):
+        linear_attention_decode_step(q, q, torch.rand(1, 2, 8), state, log_decay_t=torch.ones(2))
+    with pytest.raises(ValueError, match="backend"):
+        linear_attention_decode_step(q, q, torch.rand(1, 2, 8), state, backend="cuda")
+
+
+# --------------------------------------------------------------------------------------
+# configs
+# --------------------------------------------------------------------------------------
+
+
+def test_selected_configs_come_from_the_table():
+    """Whatever the head dim, dtype or GPU, a launcher picks a config listed in CONFIGS (the
+    list the ahead-of-time compile test builds and checks)."""
+    from linattn_lib._triton import _load_kernels
+
+    K = _load_kernels()
+    for kernel, table in K.CONFIGS.items():
+        for cap in [None, *K.TARGETS.values()]:
+            for dtype in (torch.float32, torch.float16, torch.bfloat16):
+                for d in range(1, K.MAX_HEAD_DIM + 1):
+                    assert K.select_config(kernel, d, dtype, cap) in table, (kernel, cap, dtype, d)
