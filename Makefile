@@ -16,7 +16,7 @@ NB ?=
 MATHJAX_VERSION := 3.2.2
 MATHJAX_DIR := book/_static/mathjax
 
-.PHONY: help install book test lab execute bench gpu-check mathjax clean distclean
+.PHONY: help install book test browser-deps lab execute bench gpu-check mathjax clean distclean
 
 help:  ## list the targets
 	@grep -E '^[a-z.-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -38,8 +38,22 @@ book: $(STAMP)  ## build the HTML book into _build/html (warnings are errors)
 	@echo "open _build/html/index.html"
 
 # pytest exits 5 when it collects nothing (e.g. a fresh skeleton): not a failure.
-test: $(STAMP)  ## run the library tests and check every notebook's outputs (nbval)
-	$(BIN)/python -m pytest -p no:cacheprovider --nbval tests book || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
+# The browser test (tests/test_browser.py) opens the book just built into _build/html in
+# headless Chromium and saves screenshots to _build/screenshots.
+test: $(STAMP) browser-deps book  ## run the library tests, check every notebook's outputs (nbval) and read the built book in Chromium
+	LINATTN_BOOK_HTML=_build/html LINATTN_REQUIRE_BROWSER=1 CHROMIUM=$(CHROMIUM) \
+		$(BIN)/python -m pytest -p no:cacheprovider --nbval tests book || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
+
+# Debian's chromium for the browser test (Playwright drives it; `playwright install` is not
+# used), plus a CJK font so that the glossary's Chinese shows in the screenshots. apt-get runs
+# only when the browser is missing.
+CHROMIUM ?= /usr/bin/chromium
+browser-deps:  ## install Chromium for the browser test if it is missing (apt-get; root or sudo)
+	@if [ -x "$(CHROMIUM)" ]; then exit 0; fi; \
+	command -v apt-get >/dev/null || { echo "no Chromium at $(CHROMIUM) and no apt-get: install Chromium and run make test CHROMIUM=/path/to/chromium" >&2; exit 1; }; \
+	sudo=; [ "$$(id -u)" -eq 0 ] || sudo=sudo; \
+	echo "installing Debian's chromium for the browser test"; \
+	$$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq chromium fonts-wqy-microhei >/dev/null
 
 lab: $(STAMP)  ## open the notebooks in JupyterLab
 	cd book && ../$(BIN)/jupyter lab

@@ -1,0 +1,336 @@
+"""The built book, opened the way a reader opens it: in a real browser, with no network.
+
+Every page of `_toc.yml` is served from the built HTML on 127.0.0.1 and opened in headless
+Chromium (Debian's `chromium`, driven by Playwright). Requests to any other host are blocked,
+and recorded. For each page the test asserts:
+
+* nothing was requested from the network (MathJax, fonts, widget managers: all vendored);
+* no console errors, no uncaught exceptions, no failed or 4xx/5xx requests;
+* the math is typeset: every `.math` element holds MathJax output, none holds a TeX error;
+* every image (figure, slider frame) decoded, and chapters have figures;
+* every static slider changes the frame it shows when moved with the keyboard, and chapters
+  3, 5 and 6 have one (m, lambda, decay);
+* no dead widget view (live ipywidgets need a kernel; their cells are tagged remove-output);
+* every same-site link resolves to a file, and every #fragment to an id on the target page;
+* notebook pages have a Colab launch link built from `_config.yml`.
+
+A full-page screenshot of each page (and one of each slider after moving it) is saved next to
+the HTML: `<build>/screenshots/` (`_build/screenshots/` under `make test`), with report.json.
+
+Environment:
+  LINATTN_BOOK_HTML          the built HTML folder; `make test` builds the book and passes
+                             _build/html. Unset: the book is built into a temporary folder.
+  LINATTN_REQUIRE_BROWSER=1  fail instead of skipping when Chromium or Playwright is missing
+                             (`make test` sets it, after `make browser-deps` installed Chromium).
+  CHROMIUM                   the browser binary, /usr/bin/chromium by default.
+"""
+from __future__ import annotations
+
+import functools
+import html.parser
+import http.server
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import threading
+from pathlib import Path
+from urllib.parse import unquote, urlsplit
+
+import pytest
+
+yaml = pytest.importorskip("yaml")
+
+ROOT = Path(__file__).resolve().parents[1]
+CHROMIUM = os.environ.get("CHROMIUM", "/usr/bin/chromium")
+REQUIRE = os.environ.get("LINATTN_REQUIRE_BROWSER", "") not in ("", "0")
+CHROMIUM_ARGS = [
+    "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
+    "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-extensions",
+    "--disable-default-apps", "--no-default-browser-check", "--mute-audio",
+]
+PAGE_TIMEOUT_MS = 120_000
+# Chapters whose parameter sweeps must be explorable without a kernel (issue: m, lambda, decay).
+SLIDER_CHAPTERS = {"03": "m (random features)", "05": "lambda (cosFormer)", "06": "the decay"}
+
+
+def _toc_files() -> list[str]:
+    toc = yaml.safe_load((ROOT / "_toc.yml").read_text())
+    files = [toc["root"]]
+
+    def walk(entries):
+        for entry in entries or []:
+            if "file" in entry:
+                files.append(entry["file"])
+            walk(entry.get("sections"))
+            walk(entry.get("chapters"))
+
+    walk(toc.get("chapters"))
+    for part in toc.get("parts", []):
+        walk(part.get("chapters"))
+    return files
+
+
+PAGES = _toc_files()
+
+
+def _unavailable(reason: str):
+    if REQUIRE:
+        pytest.fail(f"{reason} (LINATTN_REQUIRE_BROWSER is set; `make browser-deps` installs Chromium)")
+    pytest.skip(reason)
+
+
+def _expected_colab_url(page: str) -> str:
+    config = yaml.safe_load((ROOT / "_config.yml").read_text())
+    repo = config["repository"]
+    owner_repo = urlsplit(repo["url"]).path.strip("/")
+    path_to_book = (repo.get("path_to_book") or "").strip("/")
+    path = f"{path_to_book}/{page}.ipynb" if path_to_book else f"{page}.ipynb"
+    colab = config["launch_buttons"]["colab_url"].rstrip("/")
+    return f"{colab}/github/{owner_repo}/blob/{repo.get('branch', 'master')}/{path}"
+
+
+class _Ids(html.parser.HTMLParser):
+    def __init__(self):
+        super().__init__()
+        self.ids: set[str] = set()
+
+    def handle_starttag(self, tag, attrs):
+        for key, value in attrs:
+            if key == "id" or (key == "name" and tag == "a"):
+                self.ids.add(value or "")
+
+
+@functools.lru_cache(maxsize=None)
+def _ids_of(path: Path) -> frozenset[str]:
+    parser = _Ids()
+    parser.feed(path.read_text(encoding="utf-8", errors="replace"))
+    return frozenset(parser.ids)
+
+
+def _resolve(html_dir: Path, url_path: str) -> Path:
+    target = html_dir / unquote(url_path).lstrip("/")
+    return target / "index.html" if target.is_dir() else target
+
+
+@pytest.fixture(scope="module")
+def html_dir(tmp_path_factory) -> Path:
+    given = os.environ.get("LINATTN_BOOK_HTML")
+    if given:
+        path = Path(given)
+        if not path.is_absolute():
+            path = ROOT / path
+        if not (path / "index.html").exists():
+            pytest.fail(f"LINATTN_BOOK_HTML={given}: no index.html there; run `make book` first")
+        return path
+    jb = Path(sys.executable).with_name("jupyter-book")
+    jb = str(jb) if jb.exists() else shutil.which("jupyter-book")
+    if jb is None:
+        _unavailable("jupyter-book is not installed, and LINATTN_BOOK_HTML does not point to a built book")
+    out = tmp_path_factory.mktemp("book")
+    proc = subprocess.run(
+        [jb, "build", str(ROOT), "--all", "-W", "-n", "--keep-going", "--path-output", str(out)],
+        capture_output=True, text=True, timeout=900,
+    )
+    assert proc.returncode == 0, f"the book does not build:\n{proc.stdout[-4000:]}\n{proc.stderr[-4000:]}"
+    return out / "_build" / "html"
+
+
+class _QuietHandler(http.server.SimpleHTTPRequestHandler):
+    def log_message(self, *args):  # keep the test output clean
+        pass
+
+
+@pytest.fixture(scope="module")
+def server(html_dir):
+    handler = functools.partial(_QuietHandler, directory=str(html_dir))
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), handler)
+    thread = threading.Thread(target=httpd.serve_forever, daemon=True)
+    thread.start()
+    yield f"http://127.0.0.1:{httpd.server_port}"
+    httpd.shutdown()
+    httpd.server_close()
+
+
+@pytest.fixture(scope="module")
+def browser_context():
+    try:
+        from playwright.sync_api import sync_playwright
+    except ImportError:
+        _unavailable("playwright is not installed (pip install playwright; no browser download is needed)")
+    if not os.access(CHROMIUM, os.X_OK):
+        _unavailable(f"no Chromium at {CHROMIUM}: `make browser-deps` (apt-get install chromium) or set CHROMIUM")
+    blocked: list[str] = []
+
+    def route(route):
+        url = route.request.url
+        if urlsplit(url).hostname == "127.0.0.1":
+            route.continue_()
+        else:
+            blocked.append(url)
+            route.abort()
+
+    with sync_playwright() as p:
+        browser = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        context = browser.new_context(viewport={"width": 1280, "height": 900}, service_workers="block")
+        context.set_default_timeout(PAGE_TIMEOUT_MS)
+        context.route("**/*", route)
+        yield context, blocked
+        context.close()
+        browser.close()
+
+
+_PAGE_SCRIPT = """async () => {
+  const mathEls = [...document.querySelectorAll('.math')];
+  const imgs = [...document.images];
+  await Promise.all(imgs.map(img => { img.loading = 'eager'; return img.decode().catch(() => null); }));
+  const out = {
+    math_total: mathEls.length,
+    math_untypeset: mathEls.filter(e => !e.querySelector('mjx-container')).map(e => e.textContent.slice(0, 80)),
+    math_errors: [...document.querySelectorAll('mjx-merror')].map(e => e.getAttribute('data-mjx-error') || e.textContent.slice(0, 80)),
+    mjx_containers: document.querySelectorAll('mjx-container').length,
+    images: imgs.map(img => ({src: img.currentSrc.startsWith('data:') ? 'data:…' + img.alt : img.currentSrc,
+                              ok: img.complete && img.naturalWidth > 0})),
+    links: [...document.querySelectorAll('a[href]')].map(a => a.href),
+    dead_widgets: document.querySelectorAll('script[type="application/vnd.jupyter.widget-view+json"], .jupyter-widgets-disconnected').length,
+    sliders: document.querySelectorAll('.linattn-slider').length,
+    title: document.title,
+  };
+  return out;
+}"""
+
+_VISIBLE_FRAME = """el => {
+  const frames = [...el.querySelectorAll('img.frame')];
+  const shown = frames.map((f, i) => [i, getComputedStyle(f).display !== 'none' && f.naturalWidth > 0]).filter(x => x[1]).map(x => x[0]);
+  return {shown, n: frames.length, value: el.querySelector('input[type=range]').value,
+          label: el.querySelector('.linattn-value').textContent,
+          labels: JSON.parse(el.dataset.labels)};
+}"""
+
+
+def _check_sliders(page, shots: Path, stem: str) -> list[dict]:
+    results = []
+    sliders = page.locator(".linattn-slider")
+    for k in range(sliders.count()):
+        slider = sliders.nth(k)
+        slider.scroll_into_view_if_needed()
+        before = slider.evaluate(_VISIBLE_FRAME)
+        range_input = slider.locator("input[type=range]")
+        range_input.focus()
+        key = "Home" if int(before["value"]) == before["n"] - 1 else "End"
+        page.keyboard.press(key)
+        after = slider.evaluate(_VISIBLE_FRAME)
+        page.keyboard.press("ArrowLeft" if key == "End" else "ArrowRight")
+        step = slider.evaluate(_VISIBLE_FRAME)
+        shot = shots / f"{stem}--slider{k}.png"
+        slider.screenshot(path=str(shot))
+        target = int(after["value"])
+        ok = (
+            len(before["shown"]) == 1 and len(after["shown"]) == 1 and len(step["shown"]) == 1
+            and after["shown"] != before["shown"] and after["shown"] == [target]
+            and after["label"] == after["labels"][target]
+            and step["shown"] == [int(step["value"])] and step["shown"] != after["shown"]
+        )
+        results.append({"frames": before["n"], "before": before["shown"], "after": after["shown"],
+                        "after_one_step": step["shown"], "label_after": after["label"], "ok": ok,
+                        "screenshot": str(shot)})
+    return results
+
+
+@pytest.fixture(scope="module")
+def reports(html_dir, server, browser_context) -> dict[str, dict]:
+    context, blocked = browser_context
+    shots = html_dir.parent / "screenshots"
+    shots.mkdir(exist_ok=True)
+    reports = {}
+    for name in PAGES:
+        page = context.new_page()
+        rep = {"console_errors": [], "page_errors": [], "bad_responses": [], "failed_requests": []}
+        page.on("console", lambda msg, rep=rep: rep["console_errors"].append(msg.text) if msg.type == "error" else None)
+        page.on("pageerror", lambda exc, rep=rep: rep["page_errors"].append(str(exc)))
+        page.on("response", lambda r, rep=rep: rep["bad_responses"].append(f"{r.status} {r.url}")
+                if r.status >= 400 and not r.url.endswith("/favicon.ico") else None)
+        page.on("requestfailed", lambda r, rep=rep: rep["failed_requests"].append(f"{r.failure} {r.url}")
+                if urlsplit(r.url).hostname == "127.0.0.1" else None)
+        n_blocked = len(blocked)
+        page.goto(f"{server}/{name}.html", wait_until="load")
+        # Sphinx adds MathJax only to pages that contain math.
+        rep["mathjax_loaded"] = page.locator('script[src*="mathjax"]').count() > 0
+        if rep["mathjax_loaded"]:
+            page.wait_for_function("() => window.MathJax && MathJax.startup && MathJax.startup.promise")
+            page.evaluate("() => MathJax.startup.promise")
+        page.evaluate("() => document.fonts.ready.then(() => true)")
+        rep.update(page.evaluate(_PAGE_SCRIPT))
+        stem = name.replace("/", "__")
+        rep["slider_checks"] = _check_sliders(page, shots, stem)
+        page.evaluate("() => window.scrollTo(0, 0)")
+        rep["screenshot"] = str(shots / f"{stem}.jpg")
+        page.screenshot(path=rep["screenshot"], full_page=True, type="jpeg", quality=70)
+        colab = _expected_colab_url(name)
+        rep["colab_link"] = (colab if page.locator(f'a[href="{colab}"]').count() else None) \
+            if (ROOT / f"{name}.ipynb").exists() else "n/a"
+        rep["blocked"] = blocked[n_blocked:]
+        page.close()
+        # Links: same-site targets must exist, and their fragments must be ids there.
+        broken, checked = [], 0
+        for href in sorted(set(rep.pop("links"))):
+            parts = urlsplit(href)
+            if parts.scheme not in ("http", "https") or parts.netloc != urlsplit(server).netloc:
+                continue
+            checked += 1
+            target = _resolve(html_dir, parts.path)
+            if not target.exists():
+                broken.append(f"{href} (no file {target.relative_to(html_dir)})")
+            elif parts.fragment and target.suffix == ".html" and unquote(parts.fragment) not in _ids_of(target):
+                broken.append(f"{href} (no id {parts.fragment!r} in {target.relative_to(html_dir)})")
+        rep["links_checked"], rep["broken_links"] = checked, broken
+        reports[name] = rep
+    (shots / "report.json").write_text(json.dumps(reports, indent=1, ensure_ascii=False))
+    return reports
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_page_reads_offline(reports, name):
+    rep = reports[name]
+    assert rep["blocked"] == [], f"{name} tried to load from the network: {rep['blocked']}"
+    assert rep["console_errors"] == [] and rep["page_errors"] == [], \
+        f"{name}: console errors {rep['console_errors']}, exceptions {rep['page_errors']}"
+    assert rep["bad_responses"] == [] and rep["failed_requests"] == [], \
+        f"{name}: failed requests {rep['bad_responses'] + rep['failed_requests']}"
+    assert rep["math_untypeset"] == [], f"{name}: math not typeset: {rep['math_untypeset'][:5]}"
+    assert rep["math_errors"] == [], f"{name}: TeX errors: {rep['math_errors'][:5]}"
+    bad_images = [img["src"] for img in rep["images"] if not img["ok"]]
+    assert bad_images == [], f"{name}: images that did not load: {bad_images[:5]}"
+    assert rep["dead_widgets"] == 0, f"{name}: {rep['dead_widgets']} widget views that cannot render without a kernel"
+    assert rep["broken_links"] == [], f"{name}: broken internal links: {rep['broken_links'][:10]}"
+    assert rep["colab_link"] is not None, f"{name}: no Colab launch link to {_expected_colab_url(name)}"
+
+
+@pytest.mark.parametrize("name", [p for p in PAGES if re.match(r"book/\d\d_", p)])
+def test_chapter_has_math_and_figures(reports, name):
+    rep = reports[name]
+    assert rep["math_total"] > 0 and rep["mjx_containers"] >= rep["math_total"], \
+        f"{name}: {rep['math_total']} math elements, {rep['mjx_containers']} typeset"
+    assert sum(img["ok"] for img in rep["images"]) > 0, f"{name}: no figure was displayed"
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_static_sliders_move(reports, name):
+    rep = reports[name]
+    chapter = re.match(r"book/(\d\d)_", name)
+    if chapter and chapter.group(1) in SLIDER_CHAPTERS:
+        assert rep["slider_checks"], f"{name} needs a static slider over {SLIDER_CHAPTERS[chapter.group(1)]}"
+    failed = [s for s in rep["slider_checks"] if not s["ok"]]
+    assert not failed, f"{name}: sliders that did not change the shown frame: {failed}"
+
+
+def test_root_redirects_to_the_introduction(server, browser_context, html_dir):
+    context, blocked = browser_context
+    page = context.new_page()
+    n_blocked = len(blocked)
+    page.goto(f"{server}/index.html")
+    page.wait_for_url(re.compile(re.escape(PAGES[0]) + r"\.html$"))
+    page.close()
+    assert blocked[n_blocked:] == []
