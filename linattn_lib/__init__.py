@@ -46,6 +46,7 @@ from .ssm import (
     zoh_discretize,
 )
 from .decoding import KVCacheDecoder, RecurrentDecoder
+from .models import LinearAttention, ModelConfig, TinyLM
 
 __version__ = "0.1.0"
 
@@ -101,6 +102,9 @@ __all__ = [
     "zoh_discretize",
     "KVCacheDecoder",
     "RecurrentDecoder",
+    "LinearAttention",
+    "ModelConfig",
+    "TinyLM",
     "sequence_parallel_linear_attention",
     "ring_attention",
     "launch",
