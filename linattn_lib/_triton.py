@@ -85,6 +85,13 @@ def triton_available() -> bool:
     return _load_kernels() is not None
 
 
+def triton_supports(q: Tensor, v: Tensor) -> bool:
+    """True when the kernels are available and take these inputs: float32, float16 or bfloat16,
+    and head dims Dk = q.shape[-1], Dv = v.shape[-1] up to `MAX_HEAD_DIM` (256)."""
+    K = _load_kernels()
+    return K is not None and q.dtype in SUPPORTED_DTYPES and max(q.shape[-1], v.shape[-1]) <= K.MAX_HEAD_DIM
+
+
 def _require_kernels(fn: str):
     K = _load_kernels()
     if K is None:

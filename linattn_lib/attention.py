@@ -270,12 +270,12 @@ def linear_attention(
     if not isinstance(eps, (int, float)) or eps < 0:
         raise ValueError(f"{fn}: `eps` must be a non-negative number, got {eps!r}")
 
-    from ._triton import linear_attention_triton, triton_available
+    from ._triton import linear_attention_triton, triton_available, triton_supports
 
-    # auto: the compiled kernels on CUDA for the dtypes they support; float64 stays on torch
-    kernel_dtype = q.dtype in (torch.float16, torch.bfloat16, torch.float32)
+    # auto: the compiled kernels on CUDA for the inputs they support (fp16/bf16/fp32, head dims
+    # up to 256); float64 and wider heads stay on torch
     use_triton = backend == "triton" or (
-        backend == "auto" and q.is_cuda and form == "chunked" and kernel_dtype and triton_available()
+        backend == "auto" and q.is_cuda and form == "chunked" and triton_supports(q, v)
     )
     if use_triton:
         if form != "chunked":

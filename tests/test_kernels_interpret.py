@@ -263,6 +263,16 @@ def test_auto_backend_on_cpu_does_not_use_triton(monkeypatch):
     linear_attention(q, q, q)
 
 
+def test_auto_dispatch_knows_what_the_kernels_take():
+    """backend='auto' sends CUDA tensors to Triton only when the kernels support them."""
+    from linattn_lib._triton import triton_supports
+
+    x = torch.rand(1, 1, 4, 64)
+    assert triton_supports(x, x) and triton_supports(x.half(), x.half()) and triton_supports(x.bfloat16(), x.bfloat16())
+    assert not triton_supports(x.double(), x.double())
+    assert not triton_supports(x, torch.rand(1, 1, 4, 257))
+
+
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="CPU-only restrictions")
 def test_unsupported_dtypes_raise_clear_errors():
     q = torch.rand(1, 1, 8, 16)
