@@ -1,0 +1,460 @@
+"""Looking inside the Triton kernels: what they keep on chip, what they move, what they compile to.
+
+Used by the book's appendix on the kernels (book/appendix_kernels.ipynb).
+
+* `memory_map(kernel)` reads a `@triton.jit` kernel's source and sorts its `tl.load` / `tl.store`
+  calls into those inside the chunk loop and those outside it, and finds the loop-carried
+  values: what a program keeps in registers from one chunk to the next.
+* `count_interpreter_traffic()` counts, while kernels run in the Triton interpreter, the bytes
+  every `tl.load` / `tl.store` moves (masked-off elements excluded) and the FLOPs of every
+  `tl.dot`: a measurement of the kernel's memory traffic on CPU.
+* `chunk_fwd_traffic` is the same count in closed form for `chunk_fwd_kernel`, and
+  `flash_attention_cost`, `token_loop_cost` and `decode_step_cost` give FLOPs and bytes of the
+  alternatives; `roofline_time` and `GPU_PEAKS` turn them into roofline bounds.
+* `compile_report` compiles a kernel ahead of time for a GPU target (no GPU needed) and reports
+  the sizes of its PTX and SASS, its shared memory, registers and spills.
+* `draw_chunk_algorithm` and `plot_roofline` draw the appendix's two figures.
+"""
+from __future__ import annotations
+
+import ast
+import contextlib
+import inspect
+import math
+import os
+import re
+import subprocess
+import tempfile
+import textwrap
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Optional
+
+# --------------------------------------------------------------------------------------
+# rooflines
+# --------------------------------------------------------------------------------------
+
+# Dense 16-bit tensor-core throughput (FLOP/s) and memory bandwidth (B/s) from the vendor's
+# datasheets (keys of book/references.bib in `source`).
+GPU_PEAKS = {
+    "T4": {"flops": 65e12, "bandwidth": 320e9, "source": "nvidia2019t4"},
+    "A100 SXM 80GB": {"flops": 312e12, "bandwidth": 2.039e12, "source": "nvidia2021a100"},
+    "H100 SXM": {"flops": 989.4e12, "bandwidth": 3.35e12, "source": "nvidia2023h100"},
+}
+
+
+@dataclass(frozen=True)
+class Cost:
+    """FLOPs and bytes of memory traffic of a computation (totals, or per token)."""
+
+    flops: float
+    bytes: float
+
+    @property
+    def intensity(self) -> float:
+        """Arithmetic intensity, FLOPs per byte moved."""
+        return self.flops / self.bytes
+
+    def __truediv__(self, n: float) -> "Cost":
+        return Cost(self.flops / n, self.bytes / n)
+
+
+def ridge_point(gpu: str) -> float:
+    """The intensity (FLOP/B) above which `gpu` is compute-bound: peak FLOP/s over bandwidth."""
+    p = GPU_PEAKS[gpu]
+    return p["flops"] / p["bandwidth"]
+
+
+def roofline_time(cost: Cost, gpu: str) -> float:
+    """Lower bound on the run time (s): max(FLOPs / peak FLOP/s, bytes / bandwidth)."""
+    p = GPU_PEAKS[gpu]
+    return max(cost.flops / p["flops"], cost.bytes / p["bandwidth"])
+
+
+def chunk_fwd_traffic(
+    T: int, Dk: int, Dv: int, config: dict, dtype_bytes: int, *, normalize: bool = True,
+    decay: Optional[str] = None,
+) -> Cost:
+    """Bytes moved and tensor-core FLOPs of one (batch, head) of `chunk_fwd_kernel`.
+
+    Counted the way the kernel issues them: each of the ceil(Dv / BV) programs of a head loads
+    all of q and k and its own columns of v, chunk by chunk; o is stored once, the fp32
+    denominators once (by the first value tile). `tl.dot` works on padded tiles, so the FLOPs
+    use BT, BK and BV, not T, Dk and Dv: per chunk and program, q k^T (2 BT^2 BK), A v
+    (2 BT^2 BV), the inter-chunk product q S (2 BT BK BV) and the state update k^T v
+    (2 BK BT BV). `decay` is None, "head" (one scalar load per chunk) or "token" (T fp32 loads).
+    No initial or final state (the default call).
+    """
+    BT, BK, BV = config["BT"], config["BK"], config["BV"]
+    n_tiles = math.ceil(Dv / BV)
+    n_chunks = math.ceil(T / BT)
+    loads = n_tiles * 2 * T * Dk * dtype_bytes + T * Dv * dtype_bytes
+    if decay == "head":
+        loads += n_tiles * n_chunks * 4
+    elif decay == "token":
+        loads += n_tiles * T * 4
+    elif decay is not None:
+        raise ValueError(f"decay must be None, 'head' or 'token', got {decay!r}")
+    stores = T * Dv * dtype_bytes + (T * 4 if normalize else 0)
+    flops = n_tiles * n_chunks * (2 * BT * BT * BK + 2 * BT * BT * BV + 4 * BT * BK * BV)
+    return Cost(flops=flops, bytes=loads + stores)
+
+
+def chunk_fwd_min_traffic(T: int, Dk: int, Dv: int, BT: int, dtype_bytes: int) -> Cost:
+    """The same kernel if every input were read once (no re-reads across value tiles, no padding)."""
+    return Cost(flops=T * (2 * BT * Dk + 2 * BT * Dv + 4 * Dk * Dv),
+                bytes=T * (2 * Dk + 2 * Dv) * dtype_bytes + T * 4)
+
+
+def token_loop_cost(T: int, Dk: int, Dv: int, dtype_bytes: int) -> Cost:
+    """A kernel that walks the tokens one by one with its fp32 state in global memory.
+
+    Per token it reads q, k, v, writes o, and reads and writes the Dk x Dv state (and z):
+    2 Dk Dv FLOPs for the update and 2 Dk Dv for the read-out.
+    """
+    per = Cost(flops=4 * Dk * Dv + 4 * Dk,
+               bytes=(2 * Dk + 2 * Dv) * dtype_bytes + 2 * 4 * (Dk * Dv + Dk))
+    return Cost(per.flops * T, per.bytes * T)
+
+
+def decode_step_cost(Dk: int, Dv: int, dtype_bytes: int) -> Cost:
+    """One generated token with `decode_kernel`: the state is read and written once."""
+    return Cost(flops=4 * Dk * Dv + 4 * Dk,
+                bytes=(2 * Dk + 2 * Dv) * dtype_bytes + 2 * 4 * (Dk * Dv + Dk))
+
+
+def flash_attention_cost(T: int, D: int, dtype_bytes: int, *, causal: bool = True) -> Cost:
+    """Exact softmax attention computed block by block (FlashAttention), one (batch, head).
+
+    FLOPs: 4 T^2 D (two matmuls), halved by a causal mask. Bytes: q, k, v read and o written
+    once, the ideal an IO-aware kernel approaches (real kernels re-read k and v once per block
+    of queries, from L2 mostly).
+    """
+    flops = 4 * T * T * D * (0.5 if causal else 1.0)
+    return Cost(flops=flops, bytes=4 * T * D * dtype_bytes)
+
+
+# --------------------------------------------------------------------------------------
+# measuring the traffic in the Triton interpreter
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class Traffic:
+    """What kernels did while `count_interpreter_traffic` was active."""
+
+    load_bytes: int = 0
+    store_bytes: int = 0
+    dot_flops: int = 0
+    loads: int = 0
+    stores: int = 0
+    dots: int = 0
+    dot_shapes: Counter = field(default_factory=Counter)
+
+    @property
+    def bytes(self) -> int:
+        return self.load_bytes + self.store_bytes
+
+    def cost(self) -> Cost:
+        return Cost(flops=self.dot_flops, bytes=self.bytes)
+
+
+@contextlib.contextmanager
+def count_interpreter_traffic():
+    """Count the bytes of every tl.load / tl.store and the FLOPs of every tl.dot.
+
+    Works for kernels that run in the Triton interpreter (CPU tensors); masked-off elements
+    are not counted, exactly as a GPU would not move them. Yields a `Traffic` that fills up
+    while the block runs.
+    """
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    traffic = Traffic()
+    orig_load, orig_store, orig_dot = (InterpreterBuilder.create_masked_load,
+                                       InterpreterBuilder.create_masked_store, InterpreterBuilder.create_dot)
+
+    def load(self, ptrs, mask, other, *args, **kwargs):
+        ret = orig_load(self, ptrs, mask, other, *args, **kwargs)
+        traffic.loads += 1
+        traffic.load_bytes += int(mask.data.sum()) * ret.data.dtype.itemsize
+        return ret
+
+    def store(self, ptrs, value, mask, *args, **kwargs):
+        traffic.stores += 1
+        traffic.store_bytes += int(mask.data.sum()) * ptrs.get_element_ty().primitive_bitwidth // 8
+        return orig_store(self, ptrs, value, mask, *args, **kwargs)
+
+    def dot(self, a, b, d, *args, **kwargs):
+        (m, k), n = a.data.shape[-2:], b.data.shape[-1]
+        traffic.dots += 1
+        traffic.dot_flops += 2 * m * n * k
+        traffic.dot_shapes[(m, k, n)] += 1
+        return orig_dot(self, a, b, d, *args, **kwargs)
+
+    InterpreterBuilder.create_masked_load = load
+    InterpreterBuilder.create_masked_store = store
+    InterpreterBuilder.create_dot = dot
+    try:
+        yield traffic
+    finally:
+        InterpreterBuilder.create_masked_load = orig_load
+        InterpreterBuilder.create_masked_store = orig_store
+        InterpreterBuilder.create_dot = orig_dot
+
+
+# --------------------------------------------------------------------------------------
+# reading the kernel source
+# --------------------------------------------------------------------------------------
+
+@dataclass
+class MemoryMap:
+    """Where a kernel touches global memory, relative to its main loop."""
+
+    loads_in_loop: list
+    stores_in_loop: list
+    loads_outside: list
+    stores_outside: list
+    loop_carried: list   # assigned before the loop and reassigned inside it: kept on chip
+
+
+def _source_fn(kernel):
+    fn = getattr(kernel, "fn", kernel)
+    return textwrap.dedent(inspect.getsource(fn))
+
+
+def _root_name(node, aliases: dict) -> str:
+    """The pointer argument a load/store address is built from: q_base + ... -> q_ptr."""
+    while isinstance(node, (ast.BinOp, ast.Subscript, ast.Attribute)):
+        node = node.left if isinstance(node, ast.BinOp) else node.value
+    name = node.id if isinstance(node, ast.Name) else ast.unparse(node)
+    seen = set()
+    while name in aliases and name not in seen:
+        seen.add(name)
+        name = aliases[name]
+    return name
+
+
+def memory_map(kernel) -> MemoryMap:
+    """Sort a `@triton.jit` kernel's loads and stores into inside/outside its (first) for loop.
+
+    Pointers are named by the kernel argument they are computed from (`q_base = q_ptr + ...`
+    makes a load from `q_base + ...` a load of `q_ptr`), in source order, without repeats.
+    """
+    tree = ast.parse(_source_fn(kernel))
+    func = tree.body[0]
+    aliases = {}
+    for node in ast.walk(func):
+        if isinstance(node, ast.Assign) and len(node.targets) == 1 and isinstance(node.targets[0], ast.Name):
+            root = _root_name(node.value, {})
+            if root.endswith("_ptr"):
+                aliases[node.targets[0].id] = root
+    loop = next(node for node in ast.walk(func) if isinstance(node, ast.For))
+    inside = {id(n) for n in ast.walk(loop)}
+
+    def calls(op):
+        out_in, out_out = [], []
+        for node in ast.walk(func):
+            if (isinstance(node, ast.Call) and isinstance(node.func, ast.Attribute)
+                    and node.func.attr == op and isinstance(node.func.value, ast.Name) and node.func.value.id == "tl"):
+                name = _root_name(node.args[0], aliases)
+                target = out_in if id(node) in inside else out_out
+                target.append((node.lineno, name))
+        order = lambda xs: list(dict.fromkeys(name for _, name in sorted(xs)))  # noqa: E731
+        return order(out_in), order(out_out)
+
+    loads_in, loads_out = calls("load")
+    stores_in, stores_out = calls("store")
+
+    def assigned(nodes):
+        names = set()
+        for n in nodes:
+            for sub in ast.walk(n):
+                if isinstance(sub, (ast.Assign, ast.AugAssign)):
+                    for t in (sub.targets if isinstance(sub, ast.Assign) else [sub.target]):
+                        if isinstance(t, ast.Name):
+                            names.add(t.id)
+        return names
+
+    before = assigned([n for n in func.body if n.lineno < loop.lineno])
+    in_loop = assigned(loop.body)
+    read_in_loop = {n.id for n in ast.walk(loop) if isinstance(n, ast.Name) and isinstance(n.ctx, ast.Load)}
+    carried = sorted(before & in_loop & read_in_loop)
+    return MemoryMap(loads_in, stores_in, loads_out, stores_out, carried)
+
+
+# --------------------------------------------------------------------------------------
+# ahead-of-time compilation
+# --------------------------------------------------------------------------------------
+
+_TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
+
+
+def _nvidia_tool(name: str) -> Optional[str]:
+    import triton
+
+    path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
+    return path if os.access(path, os.X_OK) else None
+
+
+def compile_report(kernel: str, target: str, dtype: str, d_whole: int, *, config: Optional[dict] = None) -> dict:
+    """Compile `kernel` (a name of `linattn_lib.kernels.KERNELS`) for `target` ("sm_80") ahead of time.
+
+    The config is the one the launcher picks for a head dim of `d_whole` and inputs of `dtype`
+    ("bf16", "fp16", "fp32") on that target, unless given; the variant compiled is the
+    kernel's heaviest (its `compile_spec`). No GPU is needed: Triton lowers to PTX and runs
+    ptxas. Returns the config, the shared memory per block (bytes), the PTX (lines), the SASS
+    (instructions, from cuobjdump), registers and stack (spill) bytes per thread, the number of
+    tensor-core MMA instructions, the cubin size, and the shared-memory limit of the target.
+    """
+    import torch
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from ._triton import _require_kernels
+
+    K = _require_kernels("compile_report")
+    fn, spec = K.KERNELS[kernel]
+    if not isinstance(fn, JITFunction):  # TRITON_INTERPRET=1 made it an InterpretedFunction
+        fn = JITFunction(fn.fn)
+    cap = K.TARGETS[target]
+    cfg = config or K.select_config(kernel, d_whole, getattr(torch, _TORCH_DTYPES[dtype]), cap)
+    signature, constexprs = spec(cfg, dtype)
+    compiled = triton.compile(
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+        target=GPUTarget("cuda", cap[0] * 10 + cap[1], 32),
+        options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
+    )
+    report = {
+        "kernel": kernel, "target": target, "dtype": dtype, "config": dict(cfg),
+        "shared_bytes": int(compiled.metadata.shared), "smem_limit": K.SMEM_LIMITS[target],
+        "ptx_lines": len(compiled.asm["ptx"].splitlines()), "cubin_bytes": len(compiled.asm["cubin"]),
+        "registers": None, "stack_bytes": None, "sass_instructions": None, "mma_instructions": None,
+        "spill_instructions": None,
+    }
+    cuobjdump = _nvidia_tool("cuobjdump")
+    if cuobjdump is not None:
+        with tempfile.TemporaryDirectory() as tmp:
+            path = os.path.join(tmp, "kernel.cubin")
+            with open(path, "wb") as f:
+                f.write(compiled.asm["cubin"])
+            usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True).stdout
+            sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True).stdout
+        m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+        if m:
+            report["registers"], report["stack_bytes"] = int(m.group(1)), int(m.group(2))
+        ops = [re.sub(r"^\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", line).split(" ")[0].split(".")[0]
+               for line in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+\S", line)]
+        counts = Counter(ops)
+        report["sass_instructions"] = len(ops)
+        report["mma_instructions"] = sum(v for k, v in counts.items() if k in ("HMMA", "HGMMA", "IMMA"))
+        report["spill_instructions"] = counts["STL"] + counts["LDL"]
+    return report
+
+
+# --------------------------------------------------------------------------------------
+# figures
+# --------------------------------------------------------------------------------------
+
+def draw_chunk_algorithm(T: int = 8, BT: int = 2, current: int = 2):
+    """The chunked algorithm in two panels, for T / BT chunks with chunk `current` in flight.
+
+    Left: the T x T causal mixing matrix. Blocks on the diagonal are computed as masked
+    BT x BT matmuls in registers; blocks below it are never formed, their contribution arrives
+    through the state. Right: one program's data flow: the chunk's q, k, v tiles come from
+    global memory (HBM), the state S (Dk x BV, fp32) stays in registers for the whole
+    sequence, and only the output tile (and the denominators) go back to memory.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
+    n = T // BT
+    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4.6), gridspec_kw={"width_ratios": [1, 1.45]})
+    # left: the mixing matrix, in chunk units
+    for i in range(n):
+        for j in range(i + 1):
+            if i == j:
+                tri = plt.Polygon([(j, n - i), (j, n - i - 1), (j + 1, n - i - 1)], closed=True,
+                                  facecolor="tab:orange", edgecolor="none", alpha=0.9 if i == current else 0.45)
+                ax0.add_patch(tri)
+                ax0.add_patch(Rectangle((j, n - i - 1), 1, 1, fill=False, edgecolor="tab:orange", lw=1.5))
+            else:
+                ax0.add_patch(Rectangle((j, n - i - 1), 1, 1, facecolor="tab:blue",
+                                        alpha=0.35 if i == current else 0.15, hatch="//", edgecolor="tab:blue", lw=0.8))
+    ax0.add_patch(Rectangle((0, 0), n, n, fill=False, edgecolor="black", lw=1))
+    ax0.set_xlim(-0.1, n + 0.1)
+    ax0.set_ylim(-0.1, n + 0.1)
+    ax0.set_aspect("equal")
+    ax0.set_xticks([c + 0.5 for c in range(n)], [f"c{c}" for c in range(n)])
+    ax0.set_yticks([n - c - 0.5 for c in range(n)], [f"c{c}" for c in range(n)])
+    ax0.set_xlabel("key chunk")
+    ax0.set_ylabel("query chunk")
+    ax0.set_title("mixing matrix, chunk by chunk")
+    ax0.text(n * 0.97, n * 0.93, "diagonal blocks: masked\nBT×BT matmuls, on chip\n\n"
+             "blocks below: never formed;\nthey reach the query\nthrough the state S",
+             ha="right", va="top", fontsize=8.5)
+
+    # right: memory hierarchy of one program
+    ax1.set_xlim(0, 10)
+    ax1.set_ylim(0, 7)
+    ax1.axis("off")
+    ax1.set_title(f"one program: chunk c{current}, one tile of value columns")
+    ax1.add_patch(Rectangle((0.2, 5.0), 9.6, 1.7, facecolor="#e8e8e8", edgecolor="gray"))
+    ax1.text(0.35, 6.45, "global memory (HBM)", fontsize=9, weight="bold", va="center")
+    ax1.add_patch(Rectangle((0.2, 0.2), 9.6, 4.3, facecolor="#fff4e0", edgecolor="tab:orange"))
+    ax1.text(0.35, 4.25, "on chip: registers / shared memory of one program", fontsize=9, weight="bold", va="center")
+
+    def box(x, y, w, h, label, color):
+        ax1.add_patch(Rectangle((x, y), w, h, facecolor=color, edgecolor="black", lw=0.8))
+        ax1.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=8.5)
+
+    def arrow(x0, y0, x1, y1, color="black"):
+        ax1.add_patch(FancyArrowPatch((x0, y0), (x1, y1), arrowstyle="-|>", mutation_scale=11, color=color, lw=1.2))
+
+    for x, lab in [(0.5, "q chunk\nBT×Dk"), (2.3, "k chunk\nBT×Dk"), (4.1, "v tile\nBT×BV")]:
+        box(x, 5.2, 1.5, 0.95, lab, "white")
+        arrow(x + 0.75, 5.2, x + 0.75, 3.75, "tab:gray")
+    box(6.4, 5.2, 1.5, 0.95, "o tile\nBT×BV", "white")
+    box(8.1, 5.2, 1.5, 0.95, "den\nBT (fp32)", "white")
+    box(0.5, 2.75, 3.3, 0.95, "A = (q kᵀ) ∘ decay\nBT×BT, masked", "#ffd8a8")
+    box(4.1, 2.75, 1.5, 0.95, "o = A v\n+ q S", "#ffd8a8")
+    box(0.5, 0.55, 4.2, 1.25, "state S: Dk×BV fp32  (and z: Dk)\nkept for the whole sequence\n"
+        "S ← e^{g} S + kᵀ v  after each chunk", "#ffe066")
+    arrow(3.8, 3.2, 4.1, 3.2)
+    arrow(4.85, 1.8, 4.85, 2.75, "tab:olive")
+    arrow(5.6, 3.2, 7.15, 5.2, "tab:red")
+    arrow(5.6, 3.0, 8.85, 5.2, "tab:red")
+    ax1.text(6.0, 1.2, "per chunk:\nread q, k, v tiles\nwrite o tile (+ den)\n"
+             "the state never\ngoes to memory", fontsize=8.5, va="center")
+    fig.tight_layout()
+    return fig
+
+
+def plot_roofline(points: dict, gpus=("T4", "A100 SXM 80GB", "H100 SXM"), *, ax=None):
+    """Rooflines of `gpus` (log-log: attainable TFLOP/s against FLOP/byte) with `points`,
+    a dict label -> Cost (or intensity), drawn as markers on the x axis of their intensity."""
+    import matplotlib.pyplot as plt
+    import numpy as np
+
+    if ax is None:
+        fig, ax = plt.subplots(figsize=(8, 4.6))
+    else:
+        fig = ax.figure
+    x = np.logspace(-1, 4.3, 200)
+    for name, style in zip(gpus, ("-", "--", "-.")):
+        p = GPU_PEAKS[name]
+        ax.plot(x, np.minimum(p["flops"], p["bandwidth"] * x) / 1e12, style, color="black", lw=1.2,
+                label=f"{name}: ridge {p['flops'] / p['bandwidth']:.0f} FLOP/B")
+    markers = iter("osD^vP*X")
+    top = GPU_PEAKS[gpus[-1]]
+    for label, cost in points.items():
+        intensity = cost.intensity if isinstance(cost, Cost) else float(cost)
+        y = min(top["flops"], top["bandwidth"] * intensity) / 1e12
+        ax.plot([intensity], [y], next(markers), ms=8, label=f"{label}: {intensity:.3g} FLOP/B")
+    ax.set_xscale("log")
+    ax.set_yscale("log")
+    ax.set_xlabel("arithmetic intensity (FLOP per byte of memory traffic)")
+    ax.set_ylabel("attainable TFLOP/s (16-bit tensor cores)")
+    ax.grid(True, which="major", alpha=0.3)
+    ax.legend(fontsize=7.5, loc="lower right")
+    return fig

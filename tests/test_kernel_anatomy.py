@@ -1,0 +1,92 @@
+"""linattn_lib.kernel_anatomy: the traffic model against the interpreter, the source map, the compile report."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from linattn_lib import kernel_anatomy as ka
+
+
+def test_cost_arithmetic_and_rooflines():
+    c = ka.Cost(flops=300.0, bytes=100.0)
+    assert c.intensity == 3.0
+    assert (c / 10).flops == 30.0 and (c / 10).bytes == 10.0
+    assert ka.ridge_point("H100 SXM") == pytest.approx(989.4e12 / 3.35e12)
+    # memory-bound: the time is bytes / bandwidth; compute-bound: FLOPs / peak
+    assert ka.roofline_time(ka.Cost(1e9, 1e9), "A100 SXM 80GB") == pytest.approx(1e9 / 2.039e12)
+    assert ka.roofline_time(ka.Cost(1e15, 1e9), "A100 SXM 80GB") == pytest.approx(1e15 / 312e12)
+
+
+def test_closed_forms_by_hand():
+    cfg = {"BT": 64, "BK": 128, "BV": 64}
+    c = ka.chunk_fwd_traffic(128, 128, 128, cfg, 2)
+    # two value tiles, each reads q and k (128 x 128 x 2 B each); v read and o written once; den fp32
+    assert c.bytes == 2 * 2 * 128 * 128 * 2 + 2 * 128 * 128 * 2 + 128 * 4
+    # per chunk and tile: 2*64*64*128 + 2*64*64*64 + 4*64*128*64; 2 chunks x 2 tiles
+    assert c.flops == 4 * (2 * 64 * 64 * 128 + 2 * 64 * 64 * 64 + 4 * 64 * 128 * 64)
+    assert ka.chunk_fwd_traffic(128, 128, 128, cfg, 2, decay="head").bytes == c.bytes + 2 * 2 * 4
+    assert ka.chunk_fwd_traffic(128, 128, 128, cfg, 2, decay="token").bytes == c.bytes + 2 * 128 * 4
+    with pytest.raises(ValueError):
+        ka.chunk_fwd_traffic(128, 128, 128, cfg, 2, decay="bogus")
+    fa = ka.flash_attention_cost(1024, 64, 2)
+    assert fa.flops == 2 * 1024 * 1024 * 64 and fa.bytes == 4 * 1024 * 64 * 2
+    assert ka.decode_step_cost(64, 64, 2).intensity < 1          # the state dominates the bytes
+    assert ka.token_loop_cost(10, 64, 64, 2).bytes == 10 * ka.decode_step_cost(64, 64, 2).bytes
+
+
+triton = pytest.importorskip("triton")
+from linattn_lib._triton import _load_kernels  # noqa: E402
+
+K = _load_kernels()
+needs_kernels = pytest.mark.skipif(K is None, reason="the Triton kernels do not import here")
+
+
+@needs_kernels
+@pytest.mark.parametrize("B,H,T,Dk,Dv,dtype,decay", [
+    (1, 2, 128, 64, 64, torch.float32, None),
+    (1, 1, 200, 48, 100, torch.float16, "token"),   # partial last chunk, padded Dk, two value tiles
+    (2, 1, 96, 64, 128, torch.float32, "head"),
+])
+def test_interpreter_traffic_matches_the_model(B, H, T, Dk, Dv, dtype, decay):
+    torch.manual_seed(0)
+    q, k = torch.rand(B, H, T, Dk, dtype=dtype), torch.rand(B, H, T, Dk, dtype=dtype)
+    v = torch.randn(B, H, T, Dv, dtype=dtype)
+    g = None if decay is None else (-torch.rand(H) if decay == "head" else -torch.rand(B, H, T))
+    with ka.count_interpreter_traffic() as traffic:
+        K.chunk_fwd(q, k, v, log_decay=g)
+    model = ka.chunk_fwd_traffic(T, Dk, Dv, K.select_config("chunk_fwd", Dk, dtype, None), q.element_size(), decay=decay)
+    assert traffic.bytes == B * H * model.bytes
+    assert traffic.dot_flops == B * H * model.flops
+    assert traffic.stores == B * H * math.ceil(Dv / 64) * math.ceil(T / K.select_config("chunk_fwd", Dk, dtype, None)["BT"]) * 2
+
+
+@needs_kernels
+def test_counting_is_undone_afterwards():
+    from triton.runtime.interpreter import InterpreterBuilder
+
+    before = InterpreterBuilder.create_masked_load
+    with ka.count_interpreter_traffic():
+        assert InterpreterBuilder.create_masked_load is not before
+    assert InterpreterBuilder.create_masked_load is before
+
+
+@needs_kernels
+def test_memory_map_of_the_forward_kernel():
+    mm = ka.memory_map(K.chunk_fwd_kernel)
+    assert mm.loop_carried == ["S", "z"]                      # the state stays on chip
+    assert {"q_ptr", "k_ptr", "v_ptr"} <= set(mm.loads_in_loop)
+    assert set(mm.stores_in_loop) == {"o_ptr", "den_ptr"}    # only outputs are written per chunk
+    assert set(mm.stores_outside) == {"st_ptr", "zt_ptr"}    # the final state, once
+    assert set(mm.loads_outside) == {"s0_ptr", "z0_ptr"}
+
+
+@needs_kernels
+def test_compile_report_for_a100():
+    rep = ka.compile_report("chunk_fwd", "sm_80", "bf16", 128)
+    assert rep["config"] == K.select_config("chunk_fwd", 128, torch.bfloat16, (8, 0))
+    assert 0 < rep["shared_bytes"] <= rep["smem_limit"]
+    assert rep["ptx_lines"] > 100 and rep["cubin_bytes"] > 0
+    if rep["sass_instructions"] is not None:  # cuobjdump ships with Triton's NVIDIA backend
+        assert rep["mma_instructions"] > 0 and rep["registers"] <= 255
