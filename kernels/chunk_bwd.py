@@ -105,14 +105,14 @@ def chunk_bwd_dqk_kernel(
         gc = tl.cumsum(g, axis=0)
         g_last = tl.sum(tl.where(o_t == BT - 1, gc, 0.0), axis=0)
         if REVERSE:
-            rel = gc[None, :] - gc[:, None]
+            log_w = gc[None, :] - gc[:, None]   # log of the decay from i to j >= i
             row_decay = tl.exp(g_last - gc)
             col_decay = tl.exp(gc)
         else:
-            rel = gc[:, None] - gc[None, :]
+            log_w = gc[:, None] - gc[None, :]   # log of the decay from j to i >= j
             row_decay = tl.exp(gc)
             col_decay = tl.exp(g_last - gc)
-        decay = tl.exp(tl.where(visible, rel, float("-inf")))
+        decay = tl.exp(tl.where(visible, log_w, float("-inf")))
 
         # Scores of the gradient: (dO_i . v_j) for dq, (v_j . dO_i) for dk, both a (BT x BT)
         # masked matmul, plus dden where the normaliser is on (row side for dq, column side for dk).

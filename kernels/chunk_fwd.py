@@ -125,16 +125,16 @@ def chunk_fwd_kernel(
         # decayed by gc_i and a key at j reaches the chunk end decayed by g_last - gc_j;
         # reverse mode swaps the two ends of the chunk.
         if REVERSE:
-            rel = gc[None, :] - gc[:, None]
+            log_w = gc[None, :] - gc[:, None]   # log of the decay from i to j >= i
             q_decay = tl.exp(g_last - gc)
             k_decay = tl.exp(gc)
         else:
-            rel = gc[:, None] - gc[None, :]
+            log_w = gc[:, None] - gc[None, :]   # log of the decay from j to i >= j
             q_decay = tl.exp(gc)
             k_decay = tl.exp(g_last - gc)
         # exp(-inf) = 0 outside the visible triangle: masked before exponentiating, so an
         # invisible pair can never produce exp(+large) = inf and then inf * 0 = NaN.
-        decay = tl.exp(tl.where(visible, rel, float("-inf")))
+        decay = tl.exp(tl.where(visible, log_w, float("-inf")))
 
         # Intra-chunk: scores (q k^T) * decay, a (BT x BT) masked matmul, fp32 accumulator.
         A = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * decay

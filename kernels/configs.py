@@ -166,11 +166,16 @@ class _Interpreted:
             original = JITFunction.__call__
 
             def device_call(fn, *a, **kw):  # a call of a @triton.jit helper inside a kernel
-                scope = interpreter._patch_lang(fn.fn)
+                twin = _twin(fn.fn)
+                patch_lang = getattr(interpreter, "_patch_lang", None)
+                if patch_lang is None or not hasattr(twin, "rewrite"):  # other Triton versions
+                    return twin(*a, **kw)
+                scope = patch_lang(fn.fn)  # what InterpretedFunction.__call__ does, but undone after
                 try:
-                    return _twin(fn.fn).rewrite()(*a, **kw)
+                    return twin.rewrite()(*a, **kw)
                 finally:
-                    scope.restore()
+                    if scope is not None:
+                        scope.restore()
 
             JITFunction.__call__ = device_call
             try:

@@ -79,7 +79,7 @@ CAUSAL_CASES = [
     (2, 1, 100, 16, 48, None, True, True),
 ]
 # cases also run in half precision (and bfloat16 on GPU)
-HALF_CASES = [0, 2, 4, 7, 9, 11]
+HALF_CASES = [0, 2, 3, 4, 7, 9, 10]
 
 NONCAUSAL_CASES = [
     (1, 2, 1, 16, 48, True, True),
@@ -261,6 +261,31 @@ def test_auto_backend_on_cpu_does_not_use_triton(monkeypatch):
     monkeypatch.setattr(T, "linear_attention_triton", boom)
     q = torch.rand(1, 1, 8, 16)
     linear_attention(q, q, q)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1",
+                    reason="needs compiled-kind kernels next to the interpreter")
+def test_interpreter_leaves_the_compiler_intact():
+    """Running a kernel in the interpreter patches triton.language only for the duration of the
+    launch: afterwards the same process still compiles kernels for a GPU."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+    from triton.runtime.jit import JITFunction
+
+    from linattn_lib._triton import _load_kernels
+
+    K = _load_kernels()
+    call_before = JITFunction.__call__
+    state = LinearAttentionState(torch.zeros(1, 1, 16, 16), torch.zeros(1, 1, 16))
+    x = torch.rand(1, 1, 16)
+    linear_attention_decode_step(x, x, x, state, backend="triton")
+    assert JITFunction.__call__ is call_before
+    cfg = K.CONFIGS["decode"][0]
+    signature, constexprs = K.KERNELS["decode"][1](cfg, "fp32")
+    compiled = triton.compile(ASTSource(fn=K.decode_kernel, signature=signature, constexprs=constexprs),
+                              target=GPUTarget("cuda", 80, 32), options={"num_warps": cfg["num_warps"]})
+    assert len(compiled.asm["cubin"]) > 0
 
 
 def test_auto_dispatch_knows_what_the_kernels_take():
