@@ -8,36 +8,37 @@ Same semantics as `reference_linear_attention` (see the top of `attention.py`):
 computed in float32 (float64 for float64 input) and returned in the dtype of v. What makes it
 fast, and what makes its memory O(T):
 
-1. **Normalisation is one extra column.** With v' = [v, 1] and the state S' = [S, z],
-   q_t S'_t = [q_t S_t, q_t . z_t]: numerator and denominator come out of the same matmuls. So
-   there is one engine, for the unnormalised form, and `normalize=True` is "append a ones column
-   to v, divide by the last output column".
+1. **Chunks, and blocks of chunks.** T is cut into chunks of C tokens. Inside a chunk the
+   output is two matmuls, (q k^T * M) v + q E, where M is the causal (decay) mask and E the
+   state entering the chunk. All chunks of a *block* (a few thousand tokens of one head, or
+   several short heads) go through each matmul together, as one `torch.bmm` over a
+   (chunks, C, D) batch; the entry states of the block's chunks come from the per-chunk
+   increments k^T v (one more bmm) by a scan written as a small matmul (`_Scan`). Blocks are
+   walked in order, carrying the state from one to the next, so every temporary is
+   block-sized: it stays in cache, and memory does not grow with T beyond the inputs, the
+   output and the gradients.
 
-2. **Chunks, and blocks of chunks.** T is cut into chunks of C tokens. Inside a chunk the
-   output is two matmuls, (q k^T * M) v' + q E, where M is the causal (decay) mask and E the
-   state entering the chunk. All chunks of a *block* (a few thousand tokens) go through each
-   matmul together, as one `torch.bmm` over a (chunks, C, D) batch, and the entry states of a
-   block's chunks come from one cumulative sum over the per-chunk increments k^T v' (with decay,
-   from one small matmul with the chunk-level decay mask). Blocks are walked in order, carrying
-   the state from one to the next, so every temporary is block-sized: it stays in cache, and
-   memory does not grow with T beyond the inputs, the output and the gradients.
+2. **The normaliser rides along.** The denominator q_t . z_t is the numerator with v replaced
+   by ones: q z + (q k^T * M) 1, i.e. a row sum of the masked scores the numerator needed
+   anyway, plus one matrix-vector product per chunk; its state z is scanned like S.
 
 3. **The backward recomputes.** Autograd would keep every per-chunk state (T/C of them, each
-   Dk x Dv'). The custom `torch.autograd.Function` keeps only q, k, v, the output, the
-   denominators, and the state at each *block* boundary (a few per sequence), and the backward
-   recomputes the per-chunk states of one block at a time -- the same trade Katharopoulos et al.
-   (2020) make in their CUDA kernel. It walks the blocks backwards, carrying dL/dS the way the
-   forward carries S.
+   Dk x Dv) and every C x C score matrix. The custom `torch.autograd.Function` keeps only q, k,
+   v, the output, the denominators and the state at each *block* boundary (a handful per
+   sequence); the backward recomputes the per-chunk states and scores of one block at a time --
+   the trade Katharopoulos et al. (2020) make in their kernels. It walks the blocks backwards,
+   carrying dL/dS the way the forward carries S.
 
-4. **Decay gradient without extra passes.** With the cumulative log-decay c_t = g_1 + ... + g_t,
-   every output and state term depends on c only through exp(c_i - c_j), which gives
-   dL/dc_t = q_t . dq_t - k_t . dk_t (+ <dS_T, S_T> at t = T), and dL/dg is its reverse
-   cumulative sum (as in flash-linear-attention's GLA / Mamba-2 kernels).
+4. **The decay gradient comes for free.** With the cumulative log-decay c_t = g_1 + ... + g_t,
+   every term depends on c only through exp(c_i - c_j), which gives
+   dL/dc_t = q_t . dq_t - k_t . dk_t (+ <dS_T, S_T> at the last step), and dL/dg is its
+   reverse cumulative sum (as in flash-linear-attention's GLA and Mamba-2 kernels).
 
 Every exponent is a sum of log-decays over a forward interval, hence <= 0: nothing overflows.
 """
 from __future__ import annotations
 
+import math
 from typing import Iterator, Optional
 
 import torch
@@ -132,7 +133,12 @@ class _Decay:
         b = g.cumsum(-1)  # b_i = g_1 + ... + g_i: decay from the chunk start, <= 0
         self.q_scale = b.exp().unsqueeze(-1)  # exp(b_i): the entry state as seen by query i
         self.k_scale = (b[:, -1:] - b).exp().unsqueeze(-1)  # exp(b_C - b_j): key j decayed to the chunk end
-        self.mask = decay_mask(g)  # (G, C, C): exp(b_i - b_j) for i >= j, 0 above the diagonal
+        # (G, C, C): exp(b_i - b_j) for i >= j, 0 above the diagonal. Inside one chunk the prefix
+        # sums b stay small (C terms), so their difference is accurate; across a whole sequence it
+        # would not be, which is why the reference builds its mask with `segsum`.
+        C = g.shape[-1]
+        upper = torch.ones(C, C, dtype=torch.bool, device=g.device).triu_(1)
+        self.mask = (b.unsqueeze(-1) - b.unsqueeze(-2)).masked_fill_(upper, -math.inf).exp_()
         self.gamma = b[:, -1].view(h, -1)  # (h, n): the decay across each whole chunk
 
 
@@ -142,38 +148,70 @@ def _apply_mask(A: Tensor, decay: Optional[_Decay]) -> Tensor:
 
 
 class _Scan:
-    """E_0 = carry, E_{i+1} = exp(gamma_i) E_i + inc_i over the n chunks of a block, for h heads.
+    """The state passing between the n chunks of a block, for h heads, in either direction.
 
-    This is the state passing between chunks. Written as a matrix, E = L X with
-    X = [carry, inc_0, ..., inc_{n-2}] and L the decay mask of the chunk-level decays gamma
-    (lower-triangular ones without decay): one small matmul instead of a loop over chunks
-    (torch's cumsum over a non-last axis is a slow strided loop; a matmul runs at full speed).
+    Forwards, E_0 = carry and E_{i+1} = exp(gamma_i) E_i + inc_i: the state entering each chunk.
+    Unrolled, E = c carry + L inc with c_i = exp(gamma_0 + ... + gamma_{i-1}) and the strictly
+    lower-triangular L_im = exp(gamma_{m+1} + ... + gamma_{i-1}) (without decay: c = 1, L = ones,
+    a cumulative sum). So all n entry states come out of one `baddbmm` (torch's cumsum over a
+    non-last axis is a slow strided loop; a small matmul runs at full speed) -- Mamba-2's
+    "state passing" step.
+
+    Backwards (reverse=True), F_{n-1} = carry and F_{i-1} = exp(gamma_i) F_i + inc_i: how dL/dS
+    flows from the end of the block to its start. It is the same matrix transposed,
+    F = c' carry + L^T inc with c'_i = exp(gamma_{i+1} + ... + gamma_{n-1}).
+
+    The matmul costs 2 n^2 per state entry. Long blocks are scanned in two levels instead (the
+    classic blocked prefix sum): inside groups of s chunks from a zero state, then over the
+    groups' totals, then each group adds its entry state times its decay: 2 n (s + n / s^2).
     """
 
-    def __init__(self, gamma: Optional[Tensor], h: int, n: int, dtype, device, reverse: bool = False):
+    def __init__(self, gamma: Optional[Tensor], h: int, n: int, dtype, device):
         self.h, self.n = h, n
+        s = math.isqrt(n)
+        while n % s:
+            s -= 1  # s: a divisor of n near sqrt(n) (1 when n is prime)
+        self.two_level = n > 16 and s > 1
+        if self.two_level:
+            self.s, self.g = s, n // s
+            self.inner = _Scan(None if gamma is None else gamma.reshape(h * self.g, s), h * self.g, s, dtype, device)
+            totals = None if gamma is None else gamma.view(h, self.g, s).sum(-1)  # decay across a group
+            self.outer = _Scan(totals, h, self.g, dtype, device)
+            return
         if gamma is None:
-            self.L = torch.ones(1, n, n, dtype=dtype, device=device).tril_()
-            self.last = None
+            self.L = torch.ones(1, n, n, dtype=dtype, device=device).tril_(-1).expand(h, n, n)
+            self.c = self.c_rev = self.first = self.last = None
         else:
-            gamma = gamma.flip(1) if reverse else gamma
-            self.L = decay_mask(F.pad(gamma[:, :-1], (1, 0)))  # L[i, p] = exp(gamma_p + ... + gamma_{i-1})
-            self.last = gamma[:, -1].exp()  # (h,)
+            self.L = F.pad(decay_mask(gamma)[:, :-1], (0, 0, 1, 0))  # row i: decay_mask row i - 1
+            self.c = F.pad(gamma[:, :-1].cumsum(1), (1, 0)).exp().unsqueeze(-1)  # (h, n, 1)
+            self.c_rev = F.pad(gamma[:, 1:].flip(1).cumsum(1).flip(1), (0, 1)).exp().unsqueeze(-1)
+            self.first, self.last = gamma[:, :1].exp(), gamma[:, -1:].exp()  # (h, 1)
 
-    def __call__(self, carry: Tensor, inc: Tensor) -> tuple[Tensor, Tensor]:
-        """carry: (h, *F); inc: (h*n, *F). Returns the entry states (h*n, *F) and the state after."""
-        h, n = self.h, self.n
-        inc = inc.view(h, n, -1)
-        X = torch.cat([carry.reshape(h, 1, -1), inc[:, :-1]], dim=1)
-        E = self.L @ X
-        E_last = E[:, -1] if self.last is None else E[:, -1] * self.last.unsqueeze(-1)
-        return E.view((h * n,) + carry.shape[1:]), (E_last + inc[:, -1]).view_as(carry)
+    def __call__(self, carry: Optional[Tensor], inc: Tensor, reverse: bool = False) -> tuple[Tensor, Tensor]:
+        """carry: (h, *F) or None (zero); inc: (h*n, *F), one increment per chunk.
 
-    def reverse(self, carry: Tensor, inc: Tensor) -> tuple[Tensor, Tensor]:
-        """The same recurrence run from the last chunk to the first (build with reverse=True)."""
+        Returns the n states (h*n, *F) -- entering each chunk, or with reverse=True leaving it --
+        and the state past the block's far end (h, *F): after its last chunk, or before its first.
+        """
         h, n = self.h, self.n
-        E, after = self(carry, inc.view((h, n) + inc.shape[1:]).flip(1).reshape(inc.shape))
-        return E.view((h, n) + inc.shape[1:]).flip(1).reshape(inc.shape), after
+        inc3 = inc.reshape(h, n, -1)
+        if self.two_level:
+            inner = self.inner
+            E, totals = inner(None, inc3.view(h * n, -1), reverse)  # each group from zero
+            G, beyond = self.outer(carry, totals, reverse)  # the state at each group's near end
+            E3, G3 = E.view(h * self.g, self.s, -1), G.view(h * self.g, 1, -1)
+            coef = inner.c_rev if reverse else inner.c
+            E3.add_(G3) if coef is None else E3.addcmul_(coef, G3)
+        else:
+            L = self.L.transpose(1, 2) if reverse else self.L
+            if carry is None:
+                E = torch.bmm(L, inc3)
+            else:
+                start, coef = carry.reshape(h, 1, -1), self.c_rev if reverse else self.c
+                E = torch.baddbmm(start.expand(h, n, -1) if coef is None else start * coef, L, inc3)
+            end, decay = (0, self.first) if reverse else (-1, self.last)
+            beyond = (E[:, end] if decay is None else E[:, end] * decay) + inc3[:, end]
+        return E.view(inc.shape), beyond.view((h,) + inc.shape[1:])
 
 
 def _prepare(q, k, v, log_decay, C):
@@ -236,7 +274,10 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         qc, kc, vc, out, den, log_decay, S0, z0 = ctx.saved_tensors
         B, H, T, Dk, Dv, C, N = ctx.shape
         BH, dtype, gc = B * H, qc.dtype, ctx.gc
-        do = F.pad(do.to(dtype), (0, 0, 0, N * C - T)).reshape(BH * N, C, Dv)
+        do = do.to(dtype)
+        if N * C > T:
+            do = F.pad(do, (0, 0, 0, N * C - T))
+        do = do.reshape(BH * N, C, Dv)
         dS_T = dS_T.to(dtype).reshape(BH, Dk, Dv)
         dz_T = None if den is None else dz_T.to(dtype).reshape(BH, Dk)
 
@@ -319,7 +360,6 @@ def _backward_block(q, k, v, decay, carry, h, do, o, den, dcarry, dq, dk, dv, dc
     n = G // h
     gamma = None if decay is None else decay.gamma
     scan = _Scan(gamma, h, n, q.dtype, q.device)
-    rscan = _Scan(gamma, h, n, q.dtype, q.device, reverse=True)
     (S, z), (dS, dz) = carry, dcarry
     if den is not None:
         # o = num / den: dnum = do / den, dden = -(do . o) / den
@@ -333,7 +373,7 @@ def _backward_block(q, k, v, decay, carry, h, do, o, den, dcarry, dq, dk, dv, dc
     # recompute the state entering every chunk, as the forward did ...
     E, _ = scan(S, torch.bmm(k_in.transpose(1, 2), v))
     # ... and dL/d(state leaving every chunk): the same scan, run backwards
-    dE, dS = rscan.reverse(dS, torch.bmm(q_in.transpose(1, 2), dnum))
+    dE, dS = scan(dS, torch.bmm(q_in.transpose(1, 2), dnum), reverse=True)
     # the intra-chunk matrices, recomputed: A = q k^T * M and dA = (dnum v^T + dden 1^T) * M
     A = _apply_mask(torch.bmm(q, k.transpose(1, 2)), decay)
     dA = torch.bmm(dnum, v.transpose(1, 2))
@@ -351,7 +391,7 @@ def _backward_block(q, k, v, decay, carry, h, do, o, den, dcarry, dq, dk, dv, dc
     # dk = dA^T q + exp(b_C - b) * (v dE^T + 1 dZ^T)
     torch.bmm(v, dE.transpose(1, 2), out=dk)
     if den is not None:
-        dZ, dz = rscan.reverse(dz, (q_in * dden.unsqueeze(-1)).sum(1))
+        dZ, dz = scan(dz, (q_in * dden.unsqueeze(-1)).sum(1), reverse=True)
         dk.add_(dZ.unsqueeze(1))
     if decay is not None:
         dk.mul_(decay.k_scale)

@@ -251,7 +251,7 @@ class SweepConfig:
     device: str = "cpu"
     repeats: int = 5
     budget_s: float = 10.0
-    max_quadratic_gib: float = 2.0
+    max_quadratic_gib: float = 4.0
 
 
 def run_sweep(cfg: SweepConfig, *, progress: bool = True) -> list[dict]:
@@ -303,7 +303,8 @@ def format_sweep(records: list[dict], providers: list[str], on_cuda: bool) -> st
     keys = sorted({(r["T"], r["D"], r["chunk_size"] or 0, r["mode"]) for r in records if r["chunk_size"]})
     if not keys:
         keys = sorted({(r["T"], r["D"], 0, r["mode"]) for r in records})
-    head = f"{'mode':8s} {'T':>7s} {'D':>4s} {'C':>4s} " + " ".join(f"{p:>16s}" for p in providers)
+    width = 28 if on_cuda else 16
+    head = f"{'mode':8s} {'T':>7s} {'D':>4s} {'C':>4s} " + " ".join(f"{p:>{width}s}" for p in providers)
     lines = [head, "-" * len(head)]
     for T, D, C, mode in keys:
         cells = []
@@ -314,12 +315,14 @@ def format_sweep(records: list[dict], providers: list[str], on_cuda: bool) -> st
                 None,
             )
             if rec is None or "median_s" not in rec:
-                cells.append(f"{'skip':>16s}")
+                cells.append(f"{'skip':>{width}s}")
                 continue
             cell = f"{rec['median_s'] * 1e3:.2f} ms"
             if on_cuda and "gbps" in rec:
-                cell += f" {rec['gbps']:.0f}GB/s"
-            cells.append(f"{cell:>16s}")
+                cell += f" {rec['gbps']:.0f} GB/s"
+                if rec.get("peak_gbps"):
+                    cell += f" ({100 * rec['gbps'] / rec['peak_gbps']:.0f}%)"
+            cells.append(f"{cell:>{width}s}")
         lines.append(f"{mode:8s} {T:7d} {D:4d} {C or '':>4} " + " ".join(cells))
     lines.append("times: median wall clock (ms); 'skip': not run, see the JSON for why.")
     if on_cuda:

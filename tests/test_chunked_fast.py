@@ -116,6 +116,32 @@ def test_many_blocks_and_multi_head_blocks(monkeypatch):
             assert all(torch.isfinite(x.grad).all() for x in (q, k, v))
 
 
+@pytest.mark.parametrize("n", (1, 5, 16, 36, 61, 64, 256))
+@pytest.mark.parametrize("decay", (False, True))
+def test_state_scan_equals_the_recurrence(n, decay):
+    """_Scan (one matmul, or two levels for long blocks) == the loop E_{i+1} = e^g_i E_i + inc_i,
+    forwards and backwards."""
+    h, F = 3, 5
+    gen = torch.Generator().manual_seed(n)
+    gamma = -torch.rand(h, n, generator=gen, dtype=torch.float64) if decay else None
+    carry = torch.randn(h, F, generator=gen, dtype=torch.float64)
+    inc = torch.randn(h * n, F, generator=gen, dtype=torch.float64)
+    a = (lambda i: gamma[:, i : i + 1].exp()) if decay else (lambda i: 1.0)
+    steps = inc.view(h, n, F)
+    E, after = fast._Scan(gamma, h, n, torch.float64, "cpu")(carry, inc)
+    S, want = carry, []
+    for i in range(n):
+        want.append(S)
+        S = a(i) * S + steps[:, i]
+    assert torch.allclose(E, torch.stack(want, 1).view(h * n, F)) and torch.allclose(after, S)
+    E, before = fast._Scan(gamma, h, n, torch.float64, "cpu")(carry, inc, reverse=True)
+    S, want = carry, [None] * n
+    for i in reversed(range(n)):
+        want[i] = S
+        S = a(i) * S + steps[:, i]
+    assert torch.allclose(E, torch.stack(want, 1).view(h * n, F)) and torch.allclose(before, S)
+
+
 def test_low_precision_inputs_compute_in_float32():
     for dtype in (torch.float16, torch.bfloat16):
         q, k, v, g, init = make(T=65, decay="token", dtype=dtype, grad=True)
