@@ -5,79 +5,195 @@ model must produce that key's value:
 
     k1 v1 k2 v2 ... kn vn | q1 v(q1) q2 v(q2) ...      (loss and accuracy only on the v(q))
 
-Softmax attention can look the pair up exactly. A linear-attention layer must store all n pairs
+Softmax attention can look a pair up exactly. A linear-attention layer must store all n pairs
 in its fixed-size state S = sum_j phi(k_j) v_j^T; once n exceeds what the state can hold
-without interference, recall degrades (Arora et al. 2023, "Zoology"). This module generates
-MQAR data on the fly and trains the zoo's models on it.
+without interference, recall degrades (Arora et al. 2023, "Zoology"; Arora et al. 2024,
+"Based"). This module generates MQAR data on the fly, trains the zoo's models on it, and
+sweeps the number of pairs and the model width (hence the state size).
 
-CLI: `python -m linattn_lib.experiments.mqar --out book/results/mqar.json` (full sweep) or
-`--quick` (a smoke run in seconds).
+Every model gets the same *token shift* in front of its first layer: the embedding of token
+t-1, mixed by a learned d x d matrix, is added to the embedding of token t (RWKV's token shift;
+H3, Mamba and Based use short convolutions for the same purpose). A value token then carries
+its key, so one attention layer can bind the pair; without it a model first has to learn a
+previous-token head, which on a CPU budget it does not (see `MQARConfig.token_shift`).
+
+CLI: `python -m linattn_lib.experiments.mqar --out book/results/mqar.json` (the full sweep,
+about half an hour on two CPU cores) or `--quick` (a smoke run in seconds).
 """
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import time
 from dataclasses import asdict, dataclass
-from typing import Optional
+from pathlib import Path
+from typing import Optional, Sequence
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
 
 from ..models import ModelConfig, TinyLM
 from .common import progress_bar, run_metadata, seed_everything, train, write_json
 
 IGNORE = -100
+KINDS = ("softmax", "performer", "linear", "cosformer", "retnet", "ssd", "hybrid")
 
 
 @dataclass
 class MQARConfig:
-    """One MQAR run: the task (pairs, length, vocabulary) and the model trained on it."""
+    """One MQAR run: the task (pairs, length, vocabulary), the model and its training.
 
-    attention: str = "linear"
-    num_pairs: int = 8
-    seq_len: int = 64
-    vocab_size: int = 128  # keys use the lower half, values the upper half
+    The vocabulary is split in two halves: keys are drawn from [0, vocab_size/2), values from
+    [vocab_size/2, vocab_size). `kind` is an attention kind of the zoo or "hybrid" (linear
+    attention with the layers in `softmax_layers` using softmax).
+    """
+
+    kind: str = "linear"
+    train_pairs: tuple = (4, 8, 16, 32)
+    eval_pairs: tuple = (4, 8, 16, 32)
+    seq_len: int = 128
+    vocab_size: int = 128
     d_model: int = 64
     n_layer: int = 2
     n_head: int = 2
     softmax_layers: tuple = ()
-    steps: int = 600
+    token_shift: bool = True
+    steps: int = 1500
     batch_size: int = 32
     lr: float = 3e-3
+    warmup: int = 50
     seed: int = 0
-    eval_batches: int = 8
+    eval_batches: int = 4
+    eval_batch_size: int = 128
+
+    @property
+    def attention(self) -> str:
+        return "linear" if self.kind == "hybrid" else self.kind
+
+    @property
+    def hybrid_layers(self) -> tuple:
+        if self.kind == "hybrid" and not self.softmax_layers:
+            return (0,)  # default hybrid: the first layer softmax, the rest linear
+        return tuple(self.softmax_layers)
+
+
+# --------------------------------------------------------------------------------------
+# the data
+# --------------------------------------------------------------------------------------
+
+
+def num_queries(num_pairs: int, seq_len: int) -> int:
+    """Queries that fit after the pairs: (seq_len - 2 n) // 2 (each query is a key and its value)."""
+    return (seq_len - 2 * num_pairs) // 2
+
+
+def make_mixed_batch(batch: int, pairs: Sequence[int], seq_len: int, vocab_size: int, *, generator: torch.Generator):
+    """A batch whose rows are split evenly over the pair counts in `pairs` (in that order).
+
+    Training on a mixture of difficulties, as Zoology does, lets a model learn the lookup on
+    few pairs and use it on many; every step sees every pair count.
+    """
+    if batch % len(pairs):
+        raise ValueError(f"make_mixed_batch: batch={batch} must be a multiple of len(pairs)={len(pairs)}")
+    parts = [make_mqar_batch(batch // len(pairs), n, seq_len, vocab_size, generator=generator) for n in pairs]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
 def make_mqar_batch(batch: int, num_pairs: int, seq_len: int, vocab_size: int, *, generator: torch.Generator):
-    """(inputs, targets) of shape (batch, seq_len - 1); targets are -100 except after query keys.
+    """(inputs, targets), both (batch, seq_len - 1); targets are -100 except after queried keys.
 
-    Keys are drawn without replacement from [0, vocab_size/2), values with replacement from
-    [vocab_size/2, vocab_size). The query section fills the rest of the sequence with keys drawn
-    (with replacement) from the listed ones, each followed by its value.
+    Each sequence lists `num_pairs` distinct keys (drawn without replacement from
+    [0, vocab_size/2)) each followed by its value (drawn with replacement from
+    [vocab_size/2, vocab_size)), then fills the rest with queries: listed keys drawn with
+    replacement, each followed by its value. The target at position t is the next token, kept
+    only where token t is a queried key (so the target is that key's value). An odd leftover
+    token at the end is a padding 0 with no target.
     """
     half = vocab_size // 2
-    if num_pairs > half:
-        raise ValueError(f"make_mqar_batch: num_pairs={num_pairs} needs vocab_size >= {2 * num_pairs}, got {vocab_size}")
-    n_queries = (seq_len - 2 * num_pairs) // 2
-    if n_queries < 1:
-        raise ValueError(f"make_mqar_batch: seq_len={seq_len} leaves no room for queries after {num_pairs} pairs")
+    if num_pairs < 1 or num_pairs > half:
+        raise ValueError(
+            f"make_mqar_batch: num_pairs={num_pairs} must be in [1, vocab_size/2 = {half}] (distinct keys)"
+        )
+    n_q = num_queries(num_pairs, seq_len)
+    if n_q < 1:
+        raise ValueError(f"make_mqar_batch: seq_len={seq_len} leaves no room for a query after {num_pairs} pairs")
     keys = torch.argsort(torch.rand(batch, half, generator=generator), dim=1)[:, :num_pairs]
     values = torch.randint(half, vocab_size, (batch, num_pairs), generator=generator)
-    which = torch.randint(0, num_pairs, (batch, n_queries), generator=generator)
+    which = torch.randint(0, num_pairs, (batch, n_q), generator=generator)
     q_keys, q_vals = keys.gather(1, which), values.gather(1, which)
     context = torch.stack([keys, values], dim=2).reshape(batch, 2 * num_pairs)
-    queries = torch.stack([q_keys, q_vals], dim=2).reshape(batch, 2 * n_queries)
+    queries = torch.stack([q_keys, q_vals], dim=2).reshape(batch, 2 * n_q)
     seq = torch.cat([context, queries], dim=1)
-    pad = seq_len - seq.shape[1]
-    if pad:
-        seq = torch.cat([torch.zeros(batch, pad, dtype=seq.dtype), seq], dim=1)  # left-pad with key 0
+    seq = F.pad(seq, (0, seq_len - seq.shape[1]))  # right-pad: nothing before it changes
     inputs, targets = seq[:, :-1], seq[:, 1:].clone()
-    mask = torch.zeros_like(targets, dtype=torch.bool)
-    first_answer = pad + 2 * num_pairs  # index in `seq` of the first queried key
-    mask[:, first_answer::2] = True  # targets[t] = seq[t+1]: the value right after a queried key
-    targets[~mask] = IGNORE
+    answer = torch.zeros_like(targets, dtype=torch.bool)
+    answer[:, 2 * num_pairs : 2 * num_pairs + 2 * n_q : 2] = True  # input = queried key, target = its value
+    targets[~answer] = IGNORE
     return inputs, targets
 
 
-def recall_accuracy(model: TinyLM, inputs: torch.Tensor, targets: torch.Tensor) -> float:
+# --------------------------------------------------------------------------------------
+# the model
+# --------------------------------------------------------------------------------------
+
+
+class ShiftedEmbedding(nn.Module):
+    """Token embedding plus a learned mix of the previous token's embedding (a token shift).
+
+    e_t = E[x_t] + W E[x_{t-1}] (E[x_{-1}] = 0). It shares `weight` with the embedding it
+    wraps, so a tied output head stays tied. It sees one sequence at a time in parallel form
+    only: a model using it must not be run token by token (its generate() would lose the
+    shift), which MQAR never does.
+    """
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.weight = embedding.weight
+        d = embedding.weight.shape[1]
+        self.mix = nn.Linear(d, d, bias=False)
+        nn.init.normal_(self.mix.weight, std=0.02)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        e = F.embedding(idx, self.weight)
+        prev = F.pad(e, (0, 0, 1, 0))[:, :-1]  # e_{t-1}, zero at t = 0
+        return e + self.mix(prev)
+
+
+def build_model(cfg: MQARConfig) -> TinyLM:
+    """The zoo's TinyLM for `cfg` (seeded), with the token shift when cfg.token_shift."""
+    model = TinyLM(ModelConfig(
+        vocab_size=cfg.vocab_size, block_size=cfg.seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head,
+        d_model=cfg.d_model, attention=cfg.attention, softmax_layers=cfg.hybrid_layers, seed=cfg.seed,
+    ))
+    if cfg.token_shift:
+        torch.manual_seed(cfg.seed + 1)
+        model.tok = ShiftedEmbedding(model.tok)
+    return model
+
+
+def state_numbers(cfg: MQARConfig) -> int:
+    """Numbers one linear layer keeps as its recurrent state (all heads: S and, if normalised, z).
+
+    For softmax this is the KV cache of one layer at the full sequence length, 2 * T * d_model.
+    Performer uses floor(d_head ln d_head) random features per head; cosFormer 2 d_head
+    (the cos and sin halves); the others d_head.
+    """
+    d_head = cfg.d_model // cfg.n_head
+    if cfg.attention == "softmax":
+        return 2 * cfg.seq_len * cfg.d_model
+    if cfg.attention == "performer":
+        from ..features import default_num_features
+
+        m = default_num_features(d_head)
+    else:
+        m = 2 * d_head if cfg.attention == "cosformer" else d_head
+    normalised = cfg.attention in ("performer", "linear", "cosformer")
+    return cfg.n_head * m * (d_head + (1 if normalised else 0))
+
+
+def recall_accuracy(model: nn.Module, inputs: Tensor, targets: Tensor) -> float:
     """Fraction of queried values predicted exactly (argmax) at the answer positions."""
     with torch.no_grad():
         pred = model(inputs).argmax(-1)
@@ -85,80 +201,186 @@ def recall_accuracy(model: TinyLM, inputs: torch.Tensor, targets: torch.Tensor) 
     return (pred[mask] == targets[mask]).float().mean().item()
 
 
-def state_numbers(cfg: MQARConfig) -> int:
-    """Numbers a linear layer's recurrent state holds per layer (all heads; S and z)."""
-    d_head = cfg.d_model // cfg.n_head
-    feat = {"linear": d_head, "cosformer": 2 * d_head, "retnet": d_head, "ssd": d_head}
-    if cfg.attention == "performer":
-        from ..features import default_num_features
+def evaluate(model: nn.Module, cfg: MQARConfig, pairs: Optional[Sequence[int]] = None) -> dict[int, float]:
+    """Recall accuracy at each pair count (default cfg.eval_pairs) on fresh held-out batches.
 
-        feat["performer"] = default_num_features(d_head)
-    if cfg.attention not in feat:  # softmax: the KV cache at this length
-        return 2 * cfg.seq_len * cfg.d_model
-    return cfg.n_head * feat[cfg.attention] * (d_head + 1)
+    The held-out data come from their own generator, seeded from cfg.seed, never from the
+    training stream.
+    """
+    pairs = cfg.eval_pairs if pairs is None else pairs
+    out = {}
+    for n in pairs:
+        gen = torch.Generator().manual_seed(10_000 + 100 * cfg.seed + n)
+        accs = [
+            recall_accuracy(model, *make_mqar_batch(cfg.eval_batch_size, n, cfg.seq_len, cfg.vocab_size, generator=gen))
+            for _ in range(cfg.eval_batches)
+        ]
+        out[n] = sum(accs) / len(accs)
+    return out
 
 
-def run(cfg: MQARConfig, *, progress: bool = False) -> dict:
-    """Train one model on fresh MQAR batches; return its final recall accuracy and losses."""
+def run(cfg: MQARConfig, *, progress: bool = False, return_model: bool = False, eval_every: int = 0):
+    """Train one model on fresh mixed MQAR batches; return its recall accuracy per pair count.
+
+    Deterministic for a given cfg (seeded model, data and evaluation) on a given machine and
+    thread count. eval_every > 0 also records the accuracy every that many steps
+    ("accuracy_curve"). With return_model=True, returns (result, model).
+    """
+    if cfg.kind not in KINDS:
+        raise ValueError(f"run: kind={cfg.kind!r} is not one of {KINDS}")
     gen = seed_everything(cfg.seed)
-    model = TinyLM(ModelConfig(
-        vocab_size=cfg.vocab_size, block_size=cfg.seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head,
-        d_model=cfg.d_model, attention=cfg.attention, softmax_layers=tuple(cfg.softmax_layers), seed=cfg.seed,
-    ))
-    batch = lambda step: make_mqar_batch(cfg.batch_size, cfg.num_pairs, cfg.seq_len, cfg.vocab_size, generator=gen)
-    bar = progress_bar(range(cfg.steps), desc=f"{cfg.attention} n={cfg.num_pairs}", enabled=progress)
+    model = build_model(cfg)
+    batches = lambda step: make_mixed_batch(cfg.batch_size, cfg.train_pairs, cfg.seq_len, cfg.vocab_size, generator=gen)
+    bar = progress_bar(range(cfg.steps), desc=f"{cfg.kind} d={cfg.d_model}", enabled=progress)
     it = iter(bar)
-    losses = train(model, batch, steps=cfg.steps, lr=cfg.lr, progress=(lambda s, l: next(it, None)) if progress else None)
+    curve = []
+
+    def on_step(step: int, loss: float) -> None:
+        if progress:
+            next(it, None)
+        if eval_every and (step + 1) % eval_every == 0:
+            model.eval()
+            curve.append({"step": step + 1, "accuracy": evaluate(model, cfg)})
+            model.train()
+
+    t0, c0 = time.perf_counter(), time.process_time()
+    losses = train(model, batches, steps=cfg.steps, lr=cfg.lr, warmup=cfg.warmup, progress=on_step)
     if progress and hasattr(bar, "close"):
         bar.close()
-    eval_gen = torch.Generator().manual_seed(10_000 + cfg.seed)
-    accs = [
-        recall_accuracy(model, *make_mqar_batch(cfg.batch_size, cfg.num_pairs, cfg.seq_len, cfg.vocab_size, generator=eval_gen))
-        for _ in range(cfg.eval_batches)
-    ]
-    return {
+    train_s, train_cpu = time.perf_counter() - t0, time.process_time() - c0
+    acc = evaluate(model, cfg)
+    tail = losses[-max(1, cfg.steps // 20):]
+    result = {
+        "kind": cfg.kind,
+        "d_model": cfg.d_model,
         "config": asdict(cfg),
-        "accuracy": sum(accs) / len(accs),
-        "final_loss": sum(losses[-20:]) / len(losses[-20:]),
-        "first_loss": losses[0],
+        "accuracy": {str(n): round(a, 4) for n, a in acc.items()},
+        "chance": 2.0 / cfg.vocab_size,  # a uniform guess among the vocab_size/2 values
+        "final_loss": round(sum(tail) / len(tail), 4),
+        "first_loss": round(losses[0], 4),
+        "loss_curve": [round(sum(losses[i:i + 50]) / len(losses[i:i + 50]), 4) for i in range(0, len(losses), 50)],
         "state_numbers_per_layer": state_numbers(cfg),
         "parameters": model.num_parameters(),
+        "train_seconds": round(train_s, 2),
+        "train_cpu_seconds": round(train_cpu, 2),  # CPU time of this process: the wall time on an idle core
     }
-
-
-KINDS = ("softmax", "performer", "linear", "cosformer", "retnet", "ssd", "hybrid")
+    if eval_every:
+        result["accuracy_curve"] = [{"step": c["step"], "accuracy": {str(n): round(a, 4) for n, a in c["accuracy"].items()}} for c in curve]
+    return (result, model) if return_model else result
 
 
 def config_for(kind: str, **kw) -> MQARConfig:
-    """`kind` may be "hybrid": linear attention with its first layer softmax."""
-    if kind == "hybrid":
-        return MQARConfig(attention="linear", softmax_layers=(0,), **kw)
-    return MQARConfig(attention=kind, **kw)
+    """MQARConfig of one of KINDS ("hybrid": linear attention with its first layer softmax)."""
+    if kind not in KINDS:
+        raise ValueError(f"config_for: kind={kind!r} is not one of {KINDS}")
+    return MQARConfig(kind=kind, **kw)
+
+
+# --------------------------------------------------------------------------------------
+# committed results
+# --------------------------------------------------------------------------------------
+
+RESULTS_URL = "https://raw.githubusercontent.com/linattn/linear-attention-hands-on/main/book/results/"
+
+
+def results_path(name: str = "mqar.json") -> Optional[Path]:
+    """The committed results file `name` under book/results, searched from the working
+    directory (the book's notebooks run in book/) and from the package's own checkout."""
+    here = Path.cwd()
+    for base in (here / "results", here / "book" / "results", Path(__file__).resolve().parents[2] / "book" / "results"):
+        if (base / name).is_file():
+            return base / name
+    return None
+
+
+def load_results(name: str = "mqar.json") -> dict:
+    """Load a committed results JSON of the book (default: the MQAR sweep).
+
+    Looks in book/results (see `results_path`); in an installed copy without the book (e.g. on
+    Colab) it downloads the file from the book's repository.
+    """
+    path = results_path(name)
+    if path is not None:
+        return json.loads(path.read_text())
+    import urllib.request
+
+    with urllib.request.urlopen(RESULTS_URL + name, timeout=30) as f:  # pragma: no cover - network
+        return json.loads(f.read().decode())
+
+
+# --------------------------------------------------------------------------------------
+# the sweep
+# --------------------------------------------------------------------------------------
+
+
+def sweep_grid(kinds, d_models, state_kinds, seeds, base_d_model: int) -> list[tuple[str, int, int]]:
+    """(kind, d_model, seed) of every run: all kinds at `base_d_model`, and the `state_kinds`
+    also at every other width in `d_models` (the state-size axis)."""
+    grid = []
+    for seed in seeds:
+        for kind in kinds:
+            for d in sorted(set(d_models) | {base_d_model}) if kind in state_kinds else [base_d_model]:
+                grid.append((kind, d, seed))
+    return grid
+
+
+def _run_one(job: tuple) -> dict:
+    kind, d, seed, common = job
+    common = dict(common)
+    torch.set_num_threads(common.pop("threads", 1))
+    return run(config_for(kind, d_model=d, seed=seed, **common))
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
+    """Run the sweep and write JSON: {"meta": command, versions, hardware, runtime, "results": [...]}."""
     p = argparse.ArgumentParser(prog="python -m linattn_lib.experiments.mqar", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default="book/results/mqar.json", help="where to write the JSON results")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
-    p.add_argument("--pairs", nargs="+", type=int, default=[4, 8, 16, 24])
-    p.add_argument("--d-models", nargs="+", type=int, default=[64])
+    p.add_argument("--pairs", nargs="+", type=int, default=list(MQARConfig.train_pairs), help="pair counts (trained on as a mixture, evaluated one by one)")
+    p.add_argument("--d-model", type=int, default=MQARConfig.d_model, help="width of every kind")
+    p.add_argument("--d-models", nargs="+", type=int, default=[32, 64, 128], help="widths of the state-size axis")
+    p.add_argument("--state-kinds", nargs="+", default=["linear", "retnet"], choices=KINDS, help="kinds swept over --d-models")
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
-    p.add_argument("--seq-len", type=int, default=64)
-    p.add_argument("--steps", type=int, default=600)
+    p.add_argument("--seq-len", type=int, default=MQARConfig.seq_len)
+    p.add_argument("--vocab-size", type=int, default=MQARConfig.vocab_size)
+    p.add_argument("--steps", type=int, default=MQARConfig.steps)
+    p.add_argument("--batch-size", type=int, default=MQARConfig.batch_size)
+    p.add_argument("--lr", type=float, default=MQARConfig.lr)
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel, one thread each")
     p.add_argument("--quick", action="store_true", help="tiny sweep for a smoke test (seconds)")
+    p.add_argument("--no-progress", action="store_true")
     args = p.parse_args(argv)
     if args.quick:
-        args.kinds, args.pairs, args.d_models, args.steps, args.seq_len = ["linear", "softmax"], [2], [16], 5, 16
-    grid = [(k, n, d, s) for k in args.kinds for n in args.pairs for d in args.d_models for s in args.seeds]
-    results = []
-    for kind, n, d, seed in progress_bar(grid, desc="MQAR sweep"):
-        cfg = config_for(kind, num_pairs=n, d_model=d, seed=seed, seq_len=args.seq_len, steps=args.steps)
-        r = run(cfg)
-        r["kind"] = kind
-        results.append(r)
-    payload = {"meta": run_metadata("linattn_lib.experiments.mqar", argv), "results": results}
+        args.kinds, args.pairs, args.d_models, args.state_kinds = ["softmax", "linear"], [2, 3], [16], []
+        args.d_model, args.steps, args.seq_len, args.vocab_size, args.batch_size, args.jobs = 16, 5, 16, 16, 8, 1
+    common = dict(
+        train_pairs=tuple(args.pairs), eval_pairs=tuple(args.pairs), seq_len=args.seq_len, vocab_size=args.vocab_size,
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+    )
+    grid = sweep_grid(args.kinds, args.d_models, args.state_kinds, args.seeds, args.d_model)
+    # the widest (slowest) runs first, so parallel workers finish together; results keep grid order
+    order = sorted(range(len(grid)), key=lambda i: -grid[i][1] * (2 if grid[i][0] == "performer" else 1))
+    jobs = [(*grid[i], dict(common, threads=1)) for i in order]
+    t0 = time.perf_counter()
+    if args.jobs > 1:
+        import multiprocessing as mp
+
+        with mp.get_context("spawn").Pool(args.jobs) as pool:
+            done = list(progress_bar(pool.imap(_run_one, jobs), desc="MQAR sweep", total=len(jobs), enabled=not args.no_progress))
+    else:
+        done = [_run_one(j) for j in progress_bar(jobs, desc="MQAR sweep", enabled=not args.no_progress)]
+    results = [None] * len(grid)
+    for i, r in zip(order, done):
+        results[i] = r
+    meta = run_metadata("linattn_lib.experiments.mqar", argv)
+    meta.update(
+        sweep_seconds=round(time.perf_counter() - t0, 1), jobs=args.jobs, threads_per_job=1,
+        cpu_count=os.cpu_count(), seeds=args.seeds,
+        config={k: v for k, v in vars(args).items() if k not in ("out", "no_progress")},
+    )
+    payload = {"meta": meta, "results": results}
     write_json(args.out, payload)
-    print(f"wrote {len(results)} runs to {args.out}")
+    print(f"wrote {len(results)} runs to {args.out} in {meta['sweep_seconds']:.0f} s")
     return payload
 
 

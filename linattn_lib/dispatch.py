@@ -1,0 +1,223 @@
+"""Choose softmax or linear attention by sequence length (chapter 7).
+
+Linear attention wins on cost only past some length T*: below it, exact attention's fused
+kernels and small constant factors beat the linear algorithm's bookkeeping (features, the
+normaliser, the chunk loop). This module measures T* on a device and states the dispatch
+rule explicitly:
+
+    use exact (softmax) attention while T < T*(device, d); use linear attention from T* on,
+    with T*(device, d) = ratio(device) * d.
+
+The FLOP counts of both grow like T^2 d and T d m (m = d for elu+1 features), so the FLOP
+crossover is proportional to d; the factor `ratio(device)` folds in everything the FLOP count
+leaves out and is measured (`measure_crossover`). The measured defaults live in
+`MEASURED_RATIO`; a device without a committed measurement uses `FALLBACK_RATIO`, a stated
+guess, until you calibrate it.
+
+Caution: softmax and linear attention compute *different functions*. Switching between them
+by length is only sound for a model trained to run both (a hybrid over lengths). Within one
+mechanism the switch is exact: linear attention's quadratic and chunked forms agree, and
+`choose_form` picks between those.
+
+CLI: `python -m linattn_lib.dispatch --out book/results/crossover_cpu.json` measures the
+crossover on this device and records it with its hardware.
+"""
+from __future__ import annotations
+
+import argparse
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Callable, Optional, Sequence
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from . import _validate as V
+from .attention import linear_attention
+from .features import elu_plus_one
+from .measure import time_fn
+
+# T* / d measured with `python -m linattn_lib.dispatch` (causal, B=1, H=4, fp32, forward, one
+# CPU thread), recorded in book/results/crossover_cpu.json. Keys are torch device types.
+MEASURED_RATIO: dict[str, float] = {"cpu": 16.0}
+# no GPU measurement is committed yet: a stated guess (fused GPU softmax kernels are strong)
+FALLBACK_RATIO: float = 64.0
+DEFAULT_LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096)
+
+
+def _device_type(device) -> str:
+    return torch.device(device).type if device is not None else "cpu"
+
+
+def crossover_length(d: int, device="cpu", *, ratio: Optional[float] = None) -> int:
+    """T*(device, d) = ratio * d, rounded up: the first length at which linear attention is used."""
+    V.check_positive_int("crossover_length", "d", d)
+    r = ratio if ratio is not None else MEASURED_RATIO.get(_device_type(device), FALLBACK_RATIO)
+    if not r > 0:
+        raise ValueError(f"crossover_length: `ratio` must be positive, got {r!r}")
+    return max(1, math.ceil(r * d))
+
+
+def choose_attention(T: int, d: int, device="cpu", *, crossover: Optional[int] = None) -> str:
+    """"softmax" if T < T*, else "linear" (T* = `crossover`, or `crossover_length(d, device)`)."""
+    V.check_positive_int("choose_attention", "T", T)
+    t_star = crossover if crossover is not None else crossover_length(d, device)
+    return "softmax" if T < t_star else "linear"
+
+
+def auto_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = True,
+    feature_map: Callable[[Tensor], Tensor] = elu_plus_one,
+    crossover: Optional[int] = None,
+    return_choice: bool = False,
+):
+    """Softmax attention (PyTorch's fused SDPA) below T*, linear attention with `feature_map` above.
+
+    q, k, v: (B, H, T, d). Returns the output [, the choice]. The two branches are different
+    functions of (q, k, v); see the module docstring.
+    """
+    V.check_qkv("auto_attention", q, k, v)
+    choice = choose_attention(q.shape[2], q.shape[-1], q.device, crossover=crossover)
+    if choice == "softmax":
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    else:
+        o = linear_attention(feature_map(q), feature_map(k), v, causal=causal)
+    return (o, choice) if return_choice else o
+
+
+def choose_form(T: int, m: int, dv: int, *, chunk_size: int = 64) -> str:
+    """For linear attention itself (an exact switch): "quadratic" when the whole sequence fits in
+    one chunk (T <= chunk_size), where materialising the masked T x T matrix is one matmul,
+    "chunked" otherwise. m and dv are checked but do not move the rule at these sizes."""
+    for name, val in (("T", T), ("m", m), ("dv", dv), ("chunk_size", chunk_size)):
+        V.check_positive_int("choose_form", name, val)
+    return "quadratic" if T <= chunk_size else "chunked"
+
+
+# --------------------------------------------------------------------------------------
+# measuring the crossover
+# --------------------------------------------------------------------------------------
+
+
+@dataclass
+class Crossover:
+    """Forward times of both mechanisms over `lengths`, and the interpolated crossover T*."""
+
+    device: str
+    d: int
+    heads: int
+    batch: int
+    causal: bool
+    lengths: list = field(default_factory=list)
+    softmax_s: list = field(default_factory=list)
+    linear_s: list = field(default_factory=list)
+    t_star: Optional[float] = None
+    threads: Optional[int] = None
+
+    @property
+    def ratio(self) -> Optional[float]:
+        """T*/d, the number the dispatch rule uses."""
+        return None if self.t_star is None else self.t_star / self.d
+
+    def to_dict(self) -> dict:
+        return dict(asdict(self), ratio=self.ratio)
+
+
+def crossover_from_times(lengths: Sequence[int], softmax_s: Sequence[float], linear_s: Sequence[float]) -> Optional[float]:
+    """The length where linear attention becomes faster, interpolated in log-log coordinates.
+
+    Uses the *last* change from "softmax faster" to "linear faster" (timing noise can flip a
+    single point early on), interpolating log(t_lin / t_soft) linearly in log T between the two
+    lengths around it. Returns lengths[0] if linear is faster everywhere from the start, None if
+    softmax is faster at the longest length.
+    """
+    if not (len(lengths) == len(softmax_s) == len(linear_s) >= 1):
+        raise ValueError("crossover_from_times: lengths, softmax_s and linear_s must have the same, non-zero length")
+    g = [math.log(l / s) for s, l in zip(softmax_s, linear_s)]  # < 0: linear faster
+    if g[-1] >= 0:
+        return None
+    i = len(g) - 1
+    while i > 0 and g[i - 1] < 0:
+        i -= 1
+    if i == 0:
+        return float(lengths[0])
+    x0, x1 = math.log(lengths[i - 1]), math.log(lengths[i])
+    x = x0 + (x1 - x0) * g[i - 1] / (g[i - 1] - g[i])
+    return math.exp(x)
+
+
+def _inputs(T: int, d: int, heads: int, batch: int, device) -> tuple[Tensor, Tensor, Tensor]:
+    gen = torch.Generator().manual_seed(T)
+    return tuple(torch.randn(batch, heads, T, d, generator=gen).to(device) for _ in range(3))
+
+
+def time_attention(kind: str, T: int, d: int, *, device="cpu", heads: int = 4, batch: int = 1, causal: bool = True,
+                   repeats: int = 5) -> float:
+    """Median forward time (s) of "softmax" (fused SDPA) or "linear" (elu+1 features included, chunked)."""
+    V.check_choice("time_attention", "kind", kind, ("softmax", "linear"))
+    q, k, v = _inputs(T, d, heads, batch, device)
+    if kind == "softmax":
+        fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+    else:
+        fn = lambda: linear_attention(elu_plus_one(q), elu_plus_one(k), v, causal=causal)
+    with torch.no_grad():
+        return time_fn(fn, warmup=1, repeats=repeats, device=device)
+
+
+def measure_crossover(d: int = 64, *, device="cpu", lengths: Sequence[int] = DEFAULT_LENGTHS, heads: int = 4,
+                      batch: int = 1, causal: bool = True, repeats: int = 5, threads: Optional[int] = 1) -> Crossover:
+    """Time both mechanisms at every length and locate the crossover T* (see `crossover_from_times`).
+
+    threads: CPU threads for the measurement (restored afterwards); the default, one thread,
+    gives stable timings on a shared machine, where oversubscribed threads make small calls
+    erratic. None keeps torch's current setting. Ignored on CUDA.
+    """
+    before = torch.get_num_threads()
+    if threads is not None and _device_type(device) == "cpu":
+        torch.set_num_threads(threads)
+    try:
+        soft = [time_attention("softmax", T, d, device=device, heads=heads, batch=batch, causal=causal, repeats=repeats) for T in lengths]
+        lin = [time_attention("linear", T, d, device=device, heads=heads, batch=batch, causal=causal, repeats=repeats) for T in lengths]
+    finally:
+        torch.set_num_threads(before)
+    return Crossover(
+        device=_device_type(device), d=d, heads=heads, batch=batch, causal=causal, lengths=list(lengths),
+        softmax_s=soft, linear_s=lin, t_star=crossover_from_times(lengths, soft, lin),
+        threads=threads if _device_type(device) == "cpu" else None,
+    )
+
+
+def main(argv: Optional[list[str]] = None) -> dict:
+    """Measure the crossover for several head dimensions and write JSON with the hardware."""
+    from .experiments.common import run_metadata, write_json
+    from .measure import default_device, device_name
+
+    p = argparse.ArgumentParser(prog="python -m linattn_lib.dispatch", description="measure the softmax/linear crossover length")
+    p.add_argument("--out", default=None, help="JSON file to write (default: print only)")
+    p.add_argument("--d", nargs="+", type=int, default=[32, 64, 128])
+    p.add_argument("--lengths", nargs="+", type=int, default=list(DEFAULT_LENGTHS) + [8192])
+    p.add_argument("--heads", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--device", default=None)
+    p.add_argument("--threads", type=int, default=1, help="CPU threads while timing (default 1: stable on a shared machine)")
+    args = p.parse_args(argv)
+    device = torch.device(args.device) if args.device else default_device()
+    runs = []
+    for d in args.d:
+        c = measure_crossover(d, device=device, lengths=args.lengths, heads=args.heads, repeats=args.repeats, threads=args.threads)
+        runs.append(c.to_dict())
+        print(f"d={d}: T* = {c.t_star if c.t_star is None else round(c.t_star)}  (T*/d = {c.ratio if c.ratio is None else round(c.ratio, 1)})")
+    meta = dict(run_metadata("linattn_lib.dispatch", argv), device=device_name(device), timing_threads=args.threads)
+    payload = {"meta": meta, "crossovers": runs}
+    if args.out:
+        write_json(args.out, payload)
+    return payload
+
+
+if __name__ == "__main__":
+    main()

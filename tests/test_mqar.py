@@ -1,0 +1,101 @@
+"""MQAR: the data format, the token shift, the CLI's JSON, and that a tiny model learns."""
+import json
+
+import pytest
+import torch
+
+from linattn_lib.experiments import mqar
+from linattn_lib.experiments.mqar import (
+    IGNORE,
+    MQARConfig,
+    build_model,
+    make_mixed_batch,
+    make_mqar_batch,
+    num_queries,
+    run,
+    state_numbers,
+)
+
+
+def test_batch_format_targets_only_after_queried_keys():
+    g = torch.Generator().manual_seed(0)
+    B, n, T, V = 16, 5, 32, 20
+    x, y = make_mqar_batch(B, n, T, V, generator=g)
+    assert x.shape == y.shape == (B, T - 1)
+    half = V // 2
+    for b in range(B):
+        seq = torch.cat([x[b], y[b, -1:].clamp(min=0)])
+        keys, vals = seq[0:2 * n:2], seq[1:2 * n:2]
+        assert len(set(keys.tolist())) == n and (keys < half).all()  # distinct keys from the lower half
+        assert ((vals >= half) & (vals < V)).all()
+        table = dict(zip(keys.tolist(), vals.tolist()))
+        answered = (y[b] != IGNORE).nonzero().flatten()
+        assert len(answered) == num_queries(n, T)
+        for t in answered.tolist():
+            assert t >= 2 * n and (t - 2 * n) % 2 == 0  # only at queried keys, after the context
+            assert y[b, t].item() == table[x[b, t].item()]  # the target is that key's value
+        assert (y[b, : 2 * n] == IGNORE).all()
+
+
+def test_batch_is_reproducible_and_checks_sizes():
+    a = make_mqar_batch(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    b = make_mqar_batch(4, 3, 16, 16, generator=torch.Generator().manual_seed(1))
+    assert all(torch.equal(u, w) for u, w in zip(a, b))
+    with pytest.raises(ValueError, match="num_pairs"):
+        make_mqar_batch(2, 9, 64, 16, generator=torch.Generator())
+    with pytest.raises(ValueError, match="no room"):
+        make_mqar_batch(2, 8, 17, 64, generator=torch.Generator())
+
+
+def test_token_shift_is_causal_and_keeps_the_head_tied():
+    cfg = MQARConfig(kind="linear", d_model=16, n_head=2, seq_len=12, vocab_size=16)
+    model = build_model(cfg)
+    assert model.head.weight is model.tok.weight
+    x = torch.randint(0, 16, (2, 11))
+    x2 = x.clone()
+    x2[:, 6] = (x2[:, 6] + 1) % 16
+    with torch.no_grad():
+        a, b = model(x), model(x2)
+    torch.testing.assert_close(a[:, :6], b[:, :6])  # changing token 6 leaves earlier logits alone
+    assert not torch.allclose(a[:, 6:], b[:, 6:])
+
+
+def test_state_numbers():
+    assert state_numbers(MQARConfig(kind="linear", d_model=64, n_head=2)) == 2 * 32 * 33
+    assert state_numbers(MQARConfig(kind="retnet", d_model=64, n_head=2)) == 2 * 32 * 32
+    assert state_numbers(MQARConfig(kind="cosformer", d_model=64, n_head=2)) == 2 * 64 * 33
+    assert state_numbers(MQARConfig(kind="softmax", d_model=64, seq_len=128)) == 2 * 128 * 64
+
+
+def test_quick_cli_writes_json_with_metadata(tmp_path):
+    out = tmp_path / "mqar.json"
+    payload = mqar.main(["--quick", "--out", str(out), "--no-progress"])
+    data = json.loads(out.read_text())
+    assert data == json.loads(json.dumps(payload))
+    meta = data["meta"]
+    assert meta["command"].startswith("python -m linattn_lib.experiments.mqar --quick")
+    for key in ("library_version", "torch_version", "hardware", "date_utc", "sweep_seconds", "seeds", "config"):
+        assert key in meta
+    assert {r["kind"] for r in data["results"]} == {"softmax", "linear"}
+    for r in data["results"]:
+        assert set(r["accuracy"]) == {"2", "3"}  # one accuracy per evaluated pair count
+        assert all(0.0 <= a <= 1.0 for a in r["accuracy"].values()) and r["config"]["seed"] == 0
+
+
+def test_mixed_batch_splits_rows_over_pair_counts():
+    x, y = make_mixed_batch(6, (2, 4, 6), 24, 16, generator=torch.Generator().manual_seed(0))
+    assert x.shape == (6, 23)
+    # rows 0-1 have 2 pairs: their first answer comes at position 4; rows 4-5 at position 12
+    assert (y[:2, 4] != IGNORE).all() and (y[4:, :12] == IGNORE).all() and (y[4:, 12] != IGNORE).all()
+    with pytest.raises(ValueError, match="multiple"):
+        make_mixed_batch(5, (2, 4), 24, 16, generator=torch.Generator())
+
+
+def test_tiny_softmax_run_learns_the_lookup():
+    torch.set_num_threads(1)
+    cfg = MQARConfig(kind="softmax", train_pairs=(2, 4), eval_pairs=(2, 4), seq_len=16, vocab_size=16, d_model=32,
+                     steps=150, batch_size=32, lr=1e-2, warmup=10, eval_batches=2, eval_batch_size=64)
+    r = run(cfg)
+    # guessing one of the 8 values scores 1/8; guessing among the listed ones 1/2 or 1/4
+    assert r["accuracy"]["4"] > 0.6, r["accuracy"]
+    assert r["final_loss"] < 0.5 * r["first_loss"]
