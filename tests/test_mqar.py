@@ -61,10 +61,12 @@ def test_token_shift_is_causal_and_keeps_the_head_tied():
 
 
 def test_state_numbers():
-    assert state_numbers(MQARConfig(kind="linear", d_model=64, n_head=2)) == 2 * 32 * 33
-    assert state_numbers(MQARConfig(kind="retnet", d_model=64, n_head=2)) == 2 * 32 * 32
-    assert state_numbers(MQARConfig(kind="cosformer", d_model=64, n_head=2)) == 2 * 64 * 33
-    assert state_numbers(MQARConfig(kind="softmax", d_model=64, seq_len=128)) == 2 * 128 * 64
+    cfg = lambda kind, **kw: MQARConfig(kind=kind, d_model=64, n_head=2, n_layer=2, seq_len=128, **kw)
+    assert state_numbers(cfg("linear")) == 2 * (2 * 32 * 33)           # two layers of S and z, two heads of 32
+    assert state_numbers(cfg("retnet")) == 2 * (2 * 32 * 32)           # no normaliser
+    assert state_numbers(cfg("cosformer")) == 2 * (2 * 64 * 33)        # cos and sin halves
+    assert state_numbers(cfg("softmax")) == 2 * (2 * 128 * 64)         # KV caches at 128 tokens
+    assert state_numbers(cfg("hybrid")) == 2 * 128 * 64 + 2 * 32 * 33  # one of each
 
 
 def test_quick_cli_writes_json_with_metadata(tmp_path):

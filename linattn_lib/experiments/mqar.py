@@ -173,24 +173,33 @@ def build_model(cfg: MQARConfig) -> TinyLM:
     return model
 
 
-def state_numbers(cfg: MQARConfig) -> int:
-    """Numbers one linear layer keeps as its recurrent state (all heads: S and, if normalised, z).
+def layer_state_numbers(cfg: MQARConfig, kind: str) -> int:
+    """Numbers one layer of attention `kind` keeps for generation after cfg.seq_len tokens.
 
-    For softmax this is the KV cache of one layer at the full sequence length, 2 * T * d_model.
-    Performer uses floor(d_head ln d_head) random features per head; cosFormer 2 d_head
-    (the cos and sin halves); the others d_head.
+    Softmax: its KV cache, 2 * T * d_model. Linear kinds: the recurrent state of all heads,
+    S (m x d_head) and, when normalised, z (m): Performer uses floor(d_head ln d_head) random
+    features per head, cosFormer 2 d_head (the cos and sin halves), the others d_head.
     """
     d_head = cfg.d_model // cfg.n_head
-    if cfg.attention == "softmax":
+    if kind == "softmax":
         return 2 * cfg.seq_len * cfg.d_model
-    if cfg.attention == "performer":
+    if kind == "performer":
         from ..features import default_num_features
 
         m = default_num_features(d_head)
     else:
-        m = 2 * d_head if cfg.attention == "cosformer" else d_head
-    normalised = cfg.attention in ("performer", "linear", "cosformer")
+        m = 2 * d_head if kind == "cosformer" else d_head
+    normalised = kind in ("performer", "linear", "cosformer")
     return cfg.n_head * m * (d_head + (1 if normalised else 0))
+
+
+def state_numbers(cfg: MQARConfig) -> int:
+    """Numbers the whole model keeps for generation after cfg.seq_len tokens (all layers).
+
+    A hybrid pays a KV cache in its softmax layers and a constant state in the others.
+    """
+    layers = cfg.hybrid_layers
+    return sum(layer_state_numbers(cfg, "softmax" if i in layers else cfg.attention) for i in range(cfg.n_layer))
 
 
 def recall_accuracy(model: nn.Module, inputs: Tensor, targets: Tensor) -> float:
@@ -259,7 +268,7 @@ def run(cfg: MQARConfig, *, progress: bool = False, return_model: bool = False, 
         "final_loss": round(sum(tail) / len(tail), 4),
         "first_loss": round(losses[0], 4),
         "loss_curve": [round(sum(losses[i:i + 50]) / len(losses[i:i + 50]), 4) for i in range(0, len(losses), 50)],
-        "state_numbers_per_layer": state_numbers(cfg),
+        "state_numbers": state_numbers(cfg),
         "parameters": model.num_parameters(),
         "train_seconds": round(train_s, 2),
         "train_cpu_seconds": round(train_cpu, 2),  # CPU time of this process: the wall time on an idle core
