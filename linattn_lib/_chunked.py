@@ -38,6 +38,7 @@ Every exponent is a sum of log-decays over a forward interval, hence <= 0: nothi
 """
 from __future__ import annotations
 
+import functools
 import math
 from typing import Iterator, Optional
 
@@ -126,10 +127,29 @@ def _blocks(BH: int, N: int, n_block: int) -> Iterator[tuple[int, int, list[tupl
             yield h, h + 1, ranges
 
 
+class _Workspace:
+    """Scratch tensors that every block of one call reuses.
+
+    Fresh memory from the operating system costs a page fault per 4 KiB page; for block-sized
+    temporaries that is as much time as the arithmetic on them. So each named buffer is
+    allocated once per call (at the size of the largest block) and handed out as a view.
+    """
+
+    def __init__(self, like: Tensor):
+        self.like, self.buffers = like, {}
+
+    def __call__(self, name: str, *shape: int) -> Tensor:
+        numel = math.prod(shape)
+        buf = self.buffers.get(name)
+        if buf is None or buf.numel() < numel:
+            buf = self.buffers[name] = self.like.new_empty(numel)
+        return buf[:numel].view(shape)
+
+
 class _Decay:
     """The decay factors of a block of chunks. g: (G, C) log-decays, G = h heads x n chunks."""
 
-    def __init__(self, g: Tensor, h: int):
+    def __init__(self, g: Tensor, h: int, ws: _Workspace):
         b = g.cumsum(-1)  # b_i = g_1 + ... + g_i: decay from the chunk start, <= 0
         self.q_scale = b.exp().unsqueeze(-1)  # exp(b_i): the entry state as seen by query i
         self.k_scale = (b[:, -1:] - b).exp().unsqueeze(-1)  # exp(b_C - b_j): key j decayed to the chunk end
@@ -138,7 +158,8 @@ class _Decay:
         # would not be, which is why the reference builds its mask with `segsum`.
         C = g.shape[-1]
         upper = torch.ones(C, C, dtype=torch.bool, device=g.device).triu_(1)
-        self.mask = (b.unsqueeze(-1) - b.unsqueeze(-2)).masked_fill_(upper, -math.inf).exp_()
+        mask = torch.sub(b.unsqueeze(-1), b.unsqueeze(-2), out=ws("mask", *g.shape, C))
+        self.mask = mask.masked_fill_(upper, -math.inf).exp_()
         self.gamma = b[:, -1].view(h, -1)  # (h, n): the decay across each whole chunk
 
 
@@ -187,17 +208,21 @@ class _Scan:
             self.c_rev = F.pad(gamma[:, 1:].flip(1).cumsum(1).flip(1), (0, 1)).exp().unsqueeze(-1)
             self.first, self.last = gamma[:, :1].exp(), gamma[:, -1:].exp()  # (h, 1)
 
-    def __call__(self, carry: Optional[Tensor], inc: Tensor, reverse: bool = False) -> tuple[Tensor, Tensor]:
+    def __call__(
+        self, carry: Optional[Tensor], inc: Tensor, reverse: bool = False, out: Optional[Tensor] = None
+    ) -> tuple[Tensor, Tensor]:
         """carry: (h, *F) or None (zero); inc: (h*n, *F), one increment per chunk.
 
-        Returns the n states (h*n, *F) -- entering each chunk, or with reverse=True leaving it --
-        and the state past the block's far end (h, *F): after its last chunk, or before its first.
+        Returns the n states (h*n, *F; written into `out` if given) -- entering each chunk, or
+        with reverse=True leaving it -- and the state past the block's far end (h, *F): after
+        its last chunk, or before its first.
         """
         h, n = self.h, self.n
         inc3 = inc.reshape(h, n, -1)
+        out3 = None if out is None else out.view(h, n, -1)
         if self.two_level:
             inner = self.inner
-            E, totals = inner(None, inc3.view(h * n, -1), reverse)  # each group from zero
+            E, totals = inner(None, inc3.view(h * n, -1), reverse, out3)  # each group from zero
             G, beyond = self.outer(carry, totals, reverse)  # the state at each group's near end
             E3, G3 = E.view(h * self.g, self.s, -1), G.view(h * self.g, 1, -1)
             coef = inner.c_rev if reverse else inner.c
@@ -205,13 +230,23 @@ class _Scan:
         else:
             L = self.L.transpose(1, 2) if reverse else self.L
             if carry is None:
-                E = torch.bmm(L, inc3)
+                E = torch.bmm(L, inc3, out=out3)
             else:
                 start, coef = carry.reshape(h, 1, -1), self.c_rev if reverse else self.c
-                E = torch.baddbmm(start.expand(h, n, -1) if coef is None else start * coef, L, inc3)
+                E = torch.baddbmm(start.expand(h, n, -1) if coef is None else start * coef, L, inc3, out=out3)
             end, decay = (0, self.first) if reverse else (-1, self.last)
             beyond = (E[:, end] if decay is None else E[:, end] * decay) + inc3[:, end]
         return E.view(inc.shape), beyond.view((h,) + inc.shape[1:])
+
+
+@functools.lru_cache(maxsize=64)
+def _plain_scan(h: int, n: int, dtype: torch.dtype, device: torch.device) -> _Scan:
+    """The no-decay scan depends only on the block's shape: build it once."""
+    return _Scan(None, h, n, dtype, device)
+
+
+def _scan_for(decay: Optional[_Decay], h: int, n: int, like: Tensor) -> _Scan:
+    return _plain_scan(h, n, like.dtype, like.device) if decay is None else _Scan(decay.gamma, h, n, like.dtype, like.device)
 
 
 def _prepare(q, k, v, log_decay, C):
@@ -247,16 +282,17 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         out = qc.new_empty(BH * N, C, Dv)
         den = qc.new_empty(BH * N, C) if normalize else None
         checkpoints = []  # the state entering every block: all the backward keeps besides q, k, v, o
+        ws = _Workspace(qc)
         S_T, z_T = torch.empty_like(S), None if z is None else torch.empty_like(z)
         for h0, h1, ranges in _blocks(BH, N, max(1, BLOCK_TOKENS // C)):
             carry = (S[h0:h1], None if z is None else z[h0:h1])
             for n0, n1 in ranges:
                 checkpoints.append(carry)
                 rows = slice(h0 * N + n0, (h1 - 1) * N + n1)  # the block's chunks, in (B*H*N) order
-                decay = None if gc is None else _Decay(gc[h0:h1, n0:n1].reshape(-1, C), h1 - h0)
+                decay = None if gc is None else _Decay(gc[h0:h1, n0:n1].reshape(-1, C), h1 - h0, ws)
                 carry = _forward_block(
                     qc[rows], kc[rows], vc[rows], decay, carry, h1 - h0, out[rows],
-                    None if den is None else den[rows], eps,
+                    None if den is None else den[rows], eps, ws,
                 )
             S_T[h0:h1] = carry[0]
             if z is not None:
@@ -285,17 +321,18 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         dc = None if gc is None else qc.new_empty(BH * N, C)
         dS0, dz0 = torch.empty_like(dS_T), None if dz_T is None else torch.empty_like(dz_T)
         blocks = list(_blocks(BH, N, max(1, BLOCK_TOKENS // C)))
+        ws = _Workspace(qc)
         i = len(ctx.checkpoints)
         for h0, h1, ranges in reversed(blocks):  # the forward's walk, backwards
             dcarry = (dS_T[h0:h1], None if dz_T is None else dz_T[h0:h1])
             for n0, n1 in reversed(ranges):
                 i -= 1
                 rows = slice(h0 * N + n0, (h1 - 1) * N + n1)
-                decay = None if gc is None else _Decay(gc[h0:h1, n0:n1].reshape(-1, C), h1 - h0)
+                decay = None if gc is None else _Decay(gc[h0:h1, n0:n1].reshape(-1, C), h1 - h0, ws)
                 dcarry = _backward_block(
                     qc[rows], kc[rows], vc[rows], decay, ctx.checkpoints[i], h1 - h0,
                     do[rows], out[rows], None if den is None else den[rows], dcarry,
-                    dq[rows], dk[rows], dv[rows], None if dc is None else dc[rows],
+                    dq[rows], dk[rows], dv[rows], None if dc is None else dc[rows], ws,
                 )
             dS0[h0:h1] = dcarry[0]
             if dz0 is not None:
@@ -324,22 +361,24 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         )
 
 
-def _forward_block(q, k, v, decay, carry, h, out, den, eps):
+def _forward_block(q, k, v, decay, carry, h, out, den, eps, ws):
     """One block: h heads x n chunks. q, k: (h*n, C, Dk), v: (h*n, C, Dv), carry = (S, z).
 
     Writes the block's output (and denominators) in place; returns the state after the block.
     """
     G, C, Dk = q.shape
+    Dv = v.shape[-1]
     S, z = carry
-    scan = _Scan(None if decay is None else decay.gamma, h, G // h, q.dtype, q.device)
-    k_in = k if decay is None else k * decay.k_scale  # keys decayed to their chunk's end
+    scan = _scan_for(decay, h, G // h, q)
+    k_in = k if decay is None else torch.mul(k, decay.k_scale, out=ws("k_in", G, C, Dk))  # decayed to the chunk end
     # 1. the state entering each chunk: per-chunk increments k^T v (one bmm), then the scan
-    E, S = scan(S, torch.bmm(k_in.transpose(1, 2), v))
+    inc = torch.bmm(k_in.transpose(1, 2), v, out=ws("inc", G, Dk, Dv))
+    E, S = scan(S, inc, out=ws("E", G, Dk, Dv))
     # 2. the past through the state, o = q E, then this chunk: o += (q k^T * M) v
     torch.bmm(q, E, out=out)
     if decay is not None:
         out.mul_(decay.q_scale)
-    A = _apply_mask(torch.bmm(q, k.transpose(1, 2)), decay)
+    A = _apply_mask(torch.bmm(q, k.transpose(1, 2), out=ws("A", G, C, C)), decay)
     out.baddbmm_(A, v)
     if den is not None:
         # the denominator is the same computation with v = 1: q z + (q k^T * M) 1
@@ -352,31 +391,32 @@ def _forward_block(q, k, v, decay, carry, h, out, den, eps):
     return S, z
 
 
-def _backward_block(q, k, v, decay, carry, h, do, o, den, dcarry, dq, dk, dv, dc):
+def _backward_block(q, k, v, decay, carry, h, do, o, den, dcarry, dq, dk, dv, dc, ws):
     """Gradients of one block, from the state entering it (`carry`, the forward's checkpoint)
     and dL/d(state after it) (`dcarry`). Writes dq, dk, dv (and dc) in place; returns
     dL/d(state before it)."""
     G, C, Dk = q.shape
-    n = G // h
-    gamma = None if decay is None else decay.gamma
-    scan = _Scan(gamma, h, n, q.dtype, q.device)
+    Dv = v.shape[-1]
+    scan = _scan_for(decay, h, G // h, q)
     (S, z), (dS, dz) = carry, dcarry
     if den is not None:
         # o = num / den: dnum = do / den, dden = -(do . o) / den
         rden = den.reciprocal()
-        dnum = do * rden.unsqueeze(-1)
-        dden = (do * o).sum(-1).mul_(rden).neg_()
+        dnum = torch.mul(do, rden.unsqueeze(-1), out=ws("dnum", G, C, Dv))
+        dden = torch.mul(do, o, out=ws("do_o", G, C, Dv)).sum(-1).mul_(rden).neg_()
     else:
         dnum = do
-    k_in = k if decay is None else k * decay.k_scale
-    q_in = q if decay is None else q * decay.q_scale
+    k_in = k if decay is None else torch.mul(k, decay.k_scale, out=ws("k_in", G, C, Dk))
+    q_in = q if decay is None else torch.mul(q, decay.q_scale, out=ws("q_in", G, C, Dk))
     # recompute the state entering every chunk, as the forward did ...
-    E, _ = scan(S, torch.bmm(k_in.transpose(1, 2), v))
+    inc = torch.bmm(k_in.transpose(1, 2), v, out=ws("inc", G, Dk, Dv))
+    E, _ = scan(S, inc, out=ws("E", G, Dk, Dv))
     # ... and dL/d(state leaving every chunk): the same scan, run backwards
-    dE, dS = scan(dS, torch.bmm(q_in.transpose(1, 2), dnum), reverse=True)
+    dinc = torch.bmm(q_in.transpose(1, 2), dnum, out=ws("dinc", G, Dk, Dv))
+    dE, dS = scan(dS, dinc, reverse=True, out=ws("dE", G, Dk, Dv))
     # the intra-chunk matrices, recomputed: A = q k^T * M and dA = (dnum v^T + dden 1^T) * M
-    A = _apply_mask(torch.bmm(q, k.transpose(1, 2)), decay)
-    dA = torch.bmm(dnum, v.transpose(1, 2))
+    A = _apply_mask(torch.bmm(q, k.transpose(1, 2), out=ws("A", G, C, C)), decay)
+    dA = torch.bmm(dnum, v.transpose(1, 2), out=ws("dA", G, C, C))
     if den is not None:
         dA.add_(dden.unsqueeze(-1))
     _apply_mask(dA, decay)
