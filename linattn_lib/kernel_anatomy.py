@@ -38,6 +38,9 @@ from typing import Optional
 # datasheets (keys of book/references.bib in `source`).
 GPU_PEAKS = {
     "T4": {"flops": 65e12, "bandwidth": 320e9, "source": "nvidia2019t4"},
+    # What a kernel gets on a T4 when its matmuls compile to FP32 FMA instructions instead of
+    # tensor-core MMAs (Triton does that on sm_75; see compile_report's mma_instructions).
+    "T4 (FP32 FMA)": {"flops": 8.1e12, "bandwidth": 320e9, "source": "nvidia2019t4"},
     "A100 SXM 80GB": {"flops": 312e12, "bandwidth": 2.039e12, "source": "nvidia2021a100"},
     "H100 SXM": {"flops": 989.4e12, "bandwidth": 3.35e12, "source": "nvidia2023h100"},
 }
@@ -419,9 +422,9 @@ def draw_chunk_algorithm(T: int = 8, BT: int = 2, current: int = 2):
     box(0.5, 2.75, 3.3, 0.95, "A = (q kᵀ) ∘ decay\nBT×BT, masked", "#ffd8a8")
     box(4.1, 2.75, 1.5, 0.95, "o = A v\n+ q S", "#ffd8a8")
     box(0.5, 0.55, 4.2, 1.25, "state S: Dk×BV fp32  (and z: Dk)\nkept for the whole sequence\n"
-        "S ← e^{g} S + kᵀ v  after each chunk", "#ffe066")
+        "S ← exp(g) S + kᵀ v  after each chunk", "#ffe066")
     arrow(3.8, 3.2, 4.1, 3.2)
-    arrow(4.85, 1.8, 4.85, 2.75, "tab:olive")
+    arrow(4.45, 1.8, 4.45, 2.75, "tab:olive")
     arrow(5.6, 3.2, 7.15, 5.2, "tab:red")
     arrow(5.6, 3.0, 8.85, 5.2, "tab:red")
     ax1.text(6.0, 1.2, "per chunk:\nread q, k, v tiles\nwrite o tile (+ den)\n"
@@ -430,7 +433,7 @@ def draw_chunk_algorithm(T: int = 8, BT: int = 2, current: int = 2):
     return fig
 
 
-def plot_roofline(points: dict, gpus=("T4", "A100 SXM 80GB", "H100 SXM"), *, ax=None):
+def plot_roofline(points: dict, gpus=("T4 (FP32 FMA)", "A100 SXM 80GB", "H100 SXM"), *, ax=None):
     """Rooflines of `gpus` (log-log: attainable TFLOP/s against FLOP/byte) with `points`,
     a dict label -> Cost (or intensity), drawn as markers on the x axis of their intensity."""
     import matplotlib.pyplot as plt
@@ -441,7 +444,7 @@ def plot_roofline(points: dict, gpus=("T4", "A100 SXM 80GB", "H100 SXM"), *, ax=
     else:
         fig = ax.figure
     x = np.logspace(-1, 4.3, 200)
-    for name, style in zip(gpus, ("-", "--", "-.")):
+    for name, style in zip(gpus, ("-", "--", "-.", ":")):
         p = GPU_PEAKS[name]
         ax.plot(x, np.minimum(p["flops"], p["bandwidth"] * x) / 1e12, style, color="black", lw=1.2,
                 label=f"{name}: ridge {p['flops'] / p['bandwidth']:.0f} FLOP/B")
@@ -450,11 +453,12 @@ def plot_roofline(points: dict, gpus=("T4", "A100 SXM 80GB", "H100 SXM"), *, ax=
     for label, cost in points.items():
         intensity = cost.intensity if isinstance(cost, Cost) else float(cost)
         y = min(top["flops"], top["bandwidth"] * intensity) / 1e12
-        ax.plot([intensity], [y], next(markers), ms=8, label=f"{label}: {intensity:.3g} FLOP/B")
+        shown = f"{intensity:.3g}" if intensity < 1000 else f"{intensity:,.0f}"
+        ax.plot([intensity], [y], next(markers), ms=8, label=f"{label}: {shown} FLOP/B")
     ax.set_xscale("log")
     ax.set_yscale("log")
     ax.set_xlabel("arithmetic intensity (FLOP per byte of memory traffic)")
-    ax.set_ylabel("attainable TFLOP/s (16-bit tensor cores)")
+    ax.set_ylabel("attainable TFLOP/s")
     ax.grid(True, which="major", alpha=0.3)
     ax.legend(fontsize=7.5, loc="lower right")
     return fig
