@@ -47,6 +47,7 @@ from .ssm import (
 )
 from .decoding import KVCacheDecoder, RecurrentDecoder
 from .models import LinearAttention, ModelConfig, TinyLM
+from ._triton import linear_attention_decode_step
 
 __version__ = "0.1.0"
 
@@ -69,6 +70,7 @@ __all__ = [
     "LinearAttentionState",
     "linear_attention",
     "softmax_attention",
+    "linear_attention_decode_step",
     "softmax_attention_weights",
     "RandomFeatureMap",
     "clipped_trig_features",
