@@ -48,7 +48,7 @@ from torch import Tensor
 
 from .masks import decay_mask
 
-BLOCK_TOKENS = 4096  # tokens per block: big enough for efficient batched matmuls, small enough for cache
+BLOCK_TOKENS = 4096  # tokens per block: enough work per torch call, temporaries of about 1 MiB
 
 
 # --------------------------------------------------------------------------------------
@@ -183,16 +183,17 @@ class _Scan:
     F = c' carry + L^T inc with c'_i = exp(gamma_{i+1} + ... + gamma_{n-1}).
 
     The matmul costs 2 n^2 per state entry. Long blocks are scanned in two levels instead (the
-    classic blocked prefix sum): inside groups of s chunks from a zero state, then over the
-    groups' totals, then each group adds its entry state times its decay: 2 n (s + n / s^2).
+    classic blocked prefix sum): inside groups of s <= 8 chunks from a zero state, then over the
+    groups' totals (itself a scan, in levels again if long), then each group adds its entry
+    state times its decay: about 2 n (s + 1) per state entry.
     """
 
-    def __init__(self, gamma: Optional[Tensor], h: int, n: int, dtype, device):
+    def __init__(self, gamma: Optional[Tensor], h: int, n: int, dtype, device, levels: int = 2):
         self.h, self.n = h, n
-        s = math.isqrt(n)
+        s = min(8, math.isqrt(n))
         while n % s:
-            s -= 1  # s: a divisor of n near sqrt(n) (1 when n is prime)
-        self.two_level = n > 16 and s > 1
+            s -= 1  # s: the largest divisor of n up to 8 (1 when n is prime); long outer scans recurse
+        self.two_level = levels > 1 and n > 16 and s > 1
         if self.two_level:
             self.s, self.g = s, n // s
             self.inner = _Scan(None if gamma is None else gamma.reshape(h * self.g, s), h * self.g, s, dtype, device)
@@ -240,13 +241,16 @@ class _Scan:
 
 
 @functools.lru_cache(maxsize=64)
-def _plain_scan(h: int, n: int, dtype: torch.dtype, device: torch.device) -> _Scan:
+def _plain_scan(h: int, n: int, dtype: torch.dtype, device: torch.device, levels: int) -> _Scan:
     """The no-decay scan depends only on the block's shape: build it once."""
-    return _Scan(None, h, n, dtype, device)
+    return _Scan(None, h, n, dtype, device, levels)
 
 
-def _scan_for(decay: Optional[_Decay], h: int, n: int, like: Tensor) -> _Scan:
-    return _plain_scan(h, n, like.dtype, like.device) if decay is None else _Scan(decay.gamma, h, n, like.dtype, like.device)
+def _scans_for(decay: Optional[_Decay], h: int, n: int, like: Tensor) -> tuple[_Scan, _Scan]:
+    """Scans for the (Dk x Dv) state S, and one-level ones for the small normaliser state z."""
+    if decay is None:
+        return _plain_scan(h, n, like.dtype, like.device, 2), _plain_scan(h, n, like.dtype, like.device, 1)
+    return _Scan(decay.gamma, h, n, like.dtype, like.device), _Scan(decay.gamma, h, n, like.dtype, like.device, 1)
 
 
 def _prepare(q, k, v, log_decay, C):
@@ -369,7 +373,7 @@ def _forward_block(q, k, v, decay, carry, h, out, den, eps, ws):
     G, C, Dk = q.shape
     Dv = v.shape[-1]
     S, z = carry
-    scan = _scan_for(decay, h, G // h, q)
+    scan, zscan = _scans_for(decay, h, G // h, q)
     k_in = k if decay is None else torch.mul(k, decay.k_scale, out=ws("k_in", G, C, Dk))  # decayed to the chunk end
     # 1. the state entering each chunk: per-chunk increments k^T v (one bmm), then the scan
     inc = torch.bmm(k_in.transpose(1, 2), v, out=ws("inc", G, Dk, Dv))
@@ -382,7 +386,7 @@ def _forward_block(q, k, v, decay, carry, h, out, den, eps, ws):
     out.baddbmm_(A, v)
     if den is not None:
         # the denominator is the same computation with v = 1: q z + (q k^T * M) 1
-        Z, z = scan(z, k_in.sum(1))
+        Z, z = zscan(z, k_in.sum(1))
         qz = torch.bmm(q, Z.unsqueeze(-1)).squeeze(-1)
         if decay is not None:
             qz.mul_(decay.q_scale.squeeze(-1))
@@ -397,7 +401,7 @@ def _backward_block(q, k, v, decay, carry, h, do, o, den, dcarry, dq, dk, dv, dc
     dL/d(state before it)."""
     G, C, Dk = q.shape
     Dv = v.shape[-1]
-    scan = _scan_for(decay, h, G // h, q)
+    scan, zscan = _scans_for(decay, h, G // h, q)
     (S, z), (dS, dz) = carry, dcarry
     if den is not None:
         # o = num / den: dnum = do / den, dden = -(do . o) / den
@@ -423,7 +427,7 @@ def _backward_block(q, k, v, decay, carry, h, do, o, den, dcarry, dq, dk, dv, dc
     # dq = dA k + exp(b) * (dnum E^T + dden z^T)
     torch.bmm(dnum, E.transpose(1, 2), out=dq)
     if den is not None:
-        Z, _ = scan(z, k_in.sum(1))
+        Z, _ = zscan(z, k_in.sum(1))
         dq.baddbmm_(dden.unsqueeze(-1), Z.unsqueeze(1))
     if decay is not None:
         dq.mul_(decay.q_scale)
@@ -431,7 +435,7 @@ def _backward_block(q, k, v, decay, carry, h, do, o, den, dcarry, dq, dk, dv, dc
     # dk = dA^T q + exp(b_C - b) * (v dE^T + 1 dZ^T)
     torch.bmm(v, dE.transpose(1, 2), out=dk)
     if den is not None:
-        dZ, dz = scan(dz, (q_in * dden.unsqueeze(-1)).sum(1), reverse=True)
+        dZ, dz = zscan(dz, (q_in * dden.unsqueeze(-1)).sum(1), reverse=True)
         dk.add_(dZ.unsqueeze(1))
     if decay is not None:
         dk.mul_(decay.k_scale)
