@@ -50,6 +50,7 @@ CHROMIUM_ARGS = [
     "--headless", "--no-sandbox", "--disable-gpu", "--disable-background-networking",
     "--disable-component-update", "--disable-sync", "--no-first-run", "--disable-extensions",
     "--disable-default-apps", "--no-default-browser-check", "--mute-audio",
+    "--disable-dev-shm-usage",  # containers often have a tiny /dev/shm; long pages would crash the renderer
 ]
 PAGE_TIMEOUT_MS = 120_000
 # Chapters whose parameter sweeps must be explorable without a kernel (issue: m, lambda, decay).
