@@ -306,22 +306,7 @@ def _check_decode(fn, q, k, v, state, log_decay, normalize):
         raise ValueError(f"{fn}: `k_t` has shape {tuple(k.shape)}; expected (B, H, Dk) = {(B, H, Dk)} like `q_t`")
     if tuple(v.shape[:2]) != (B, H):
         raise ValueError(f"{fn}: `v_t` has shape {tuple(v.shape)}; expected (B, H, Dv) with (B, H) = {(B, H)}")
-    if not isinstance(state, tuple) or len(state) != 2:
-        raise TypeError(f"{fn}: `state` must be a LinearAttentionState(S, z), got {type(state).__name__}")
-    S, z = state
-    V.check_tensor(fn, "state.S", S, ndim=4)
-    if tuple(S.shape) != (B, H, Dk, Dv):
-        raise ValueError(f"{fn}: `state.S` has shape {tuple(S.shape)}; expected (B, H, Dk, Dv) = {(B, H, Dk, Dv)}")
-    if S.device != q.device:
-        raise ValueError(f"{fn}: `state.S` is on {S.device} but `q_t` is on {q.device}")
-    if normalize:
-        if z is None:
-            raise ValueError(f"{fn}: normalize=True needs `state.z` of shape (B, H, Dk) = {(B, H, Dk)}, got None")
-        V.check_tensor(fn, "state.z", z, ndim=3)
-        if tuple(z.shape) != (B, H, Dk):
-            raise ValueError(f"{fn}: `state.z` has shape {tuple(z.shape)}; expected (B, H, Dk) = {(B, H, Dk)}")
-        if z.device != q.device:
-            raise ValueError(f"{fn}: `state.z` is on {z.device} but `q_t` is on {q.device}")
+    V.check_state(fn, "state", state, B=B, H=H, Dk=Dk, Dv=Dv, device=q.device, normalize=normalize)
     if log_decay is not None:
         V.check_tensor(fn, "log_decay_t", log_decay)
         if tuple(log_decay.shape) not in ((H,), (B, H)):

@@ -104,3 +104,23 @@ def check_log_decay(fn: str, log_decay: Tensor, q: Tensor, *, causal: bool) -> N
             f"{fn}: `log_decay` must be <= 0 (a decay factor exp(log_decay) in (0, 1]); "
             f"got a maximum of {float(log_decay.max()):.4g}"
         )
+
+
+def check_state(fn: str, name: str, state, *, B: int, H: int, Dk: int, Dv: int, device, normalize: bool) -> None:
+    """A LinearAttentionState(S, z): S (B, H, Dk, Dv), z (B, H, Dk) when normalising, on `device`."""
+    if not isinstance(state, tuple) or len(state) != 2:
+        raise TypeError(f"{fn}: `{name}` must be a LinearAttentionState(S, z), got {type(state).__name__}")
+    S, z = state
+    check_tensor(fn, f"{name}.S", S, ndim=4)
+    if tuple(S.shape) != (B, H, Dk, Dv):
+        raise ValueError(f"{fn}: `{name}.S` has shape {tuple(S.shape)}; expected (B, H, Dk, Dv) = {(B, H, Dk, Dv)}")
+    if S.device != device:
+        raise ValueError(f"{fn}: `{name}.S` is on {S.device} but the inputs are on {device}")
+    if normalize:
+        if z is None:
+            raise ValueError(f"{fn}: normalize=True needs `{name}.z` of shape (B, H, Dk) = {(B, H, Dk)}, got None")
+        check_tensor(fn, f"{name}.z", z, ndim=3)
+        if tuple(z.shape) != (B, H, Dk):
+            raise ValueError(f"{fn}: `{name}.z` has shape {tuple(z.shape)}; expected (B, H, Dk) = {(B, H, Dk)}")
+        if z.device != device:
+            raise ValueError(f"{fn}: `{name}.z` is on {z.device} but the inputs are on {device}")

@@ -98,25 +98,6 @@ def expand_log_decay(log_decay: Optional[Tensor], B: int, H: int, T: int, *, dty
     return g
 
 
-def _check_state(fn: str, state, q: Tensor, v: Tensor, normalize: bool) -> None:
-    if not isinstance(state, tuple) or len(state) != 2:
-        raise TypeError(f"{fn}: `initial_state` must be a LinearAttentionState(S, z), got {type(state).__name__}")
-    S, z = state
-    B, H, _, Dk = q.shape
-    Dv = v.shape[-1]
-    V.check_tensor(fn, "initial_state.S", S, ndim=4)
-    if tuple(S.shape) != (B, H, Dk, Dv):
-        raise ValueError(f"{fn}: `initial_state.S` has shape {tuple(S.shape)}; expected (B, H, Dk, Dv) = {(B, H, Dk, Dv)}")
-    if S.device != q.device:
-        raise ValueError(f"{fn}: `initial_state.S` is on {S.device} but `q` is on {q.device}")
-    if normalize:
-        if z is None:
-            raise ValueError(f"{fn}: normalize=True needs `initial_state.z` of shape (B, H, Dk) = {(B, H, Dk)}, got None")
-        V.check_tensor(fn, "initial_state.z", z, ndim=3)
-        if tuple(z.shape) != (B, H, Dk):
-            raise ValueError(f"{fn}: `initial_state.z` has shape {tuple(z.shape)}; expected (B, H, Dk) = {(B, H, Dk)}")
-
-
 def _finish(num: Tensor, den: Optional[Tensor], eps: float) -> Tensor:
     return num if den is None else num / (den.unsqueeze(-1) + eps)
 
@@ -266,7 +247,8 @@ def linear_attention(
     if log_decay is not None:
         V.check_log_decay(fn, log_decay, q, causal=causal)
     if initial_state is not None:
-        _check_state(fn, initial_state, q, v, normalize)
+        B, H, _, Dk = q.shape
+        V.check_state(fn, "initial_state", initial_state, B=B, H=H, Dk=Dk, Dv=v.shape[-1], device=q.device, normalize=normalize)
     if not isinstance(eps, (int, float)) or eps < 0:
         raise ValueError(f"{fn}: `eps` must be a non-negative number, got {eps!r}")
 
