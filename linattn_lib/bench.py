@@ -110,9 +110,9 @@ def cpu_time(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5, bud
     """Wall-clock seconds of `repeats` calls of fn() after `warmup` calls (fewer when one call
     alone would exceed the budget). torch's thread count is left untouched."""
     t0 = time.perf_counter()
-    for _ in range(max(1, warmup)):
+    for _ in range(warmup):
         fn()
-    first = (time.perf_counter() - t0) / max(1, warmup)
+    first = (time.perf_counter() - t0) / warmup if warmup else 0.0
     n = max(1, min(repeats, int(budget_s / max(first, 1e-9))))
     times = []
     for _ in range(n):
@@ -254,55 +254,57 @@ class SweepConfig:
     max_quadratic_gib: float = 4.0
 
 
+CHUNKED = ("linattn-torch", "linattn-triton", "fla")  # providers that take a chunk size
+
+
 def run_sweep(cfg: SweepConfig, *, progress: bool = True) -> list[dict]:
-    """Time every (T, D, chunk size, mode, provider); one record per measurement."""
+    """Time every (T, D, mode) for every provider -- the chunked ones at every chunk size --
+    measured side by side; one record per measurement (or per skip, with the reason)."""
     dtype = getattr(torch, cfg.dtype)
     on_cuda = torch.device(cfg.device).type == "cuda"
     peak = cuda_peak_gbps() if on_cuda else None
-    grid = [(T, D, C, m) for T in cfg.T for D in cfg.D for C in cfg.chunk_size for m in cfg.modes]
+    grid = [(T, D, m) for T in cfg.T for D in cfg.D for m in cfg.modes]
     records = []
-    for T, D, C, mode in progress_bar(grid, desc="bench sweep", enabled=progress):
+    for T, D, mode in progress_bar(grid, desc="bench sweep", enabled=progress):
         q, k, v, do = make_inputs(cfg.B, cfg.H, T, D, dtype=dtype, device=cfg.device, grad=mode == "fwd+bwd")
-        calls = {}
+        runs = []  # (record, callable)
         for name in cfg.providers:
-            rec = dict(provider=name, mode=mode, B=cfg.B, H=cfg.H, T=T, D=D, chunk_size=C, dtype=cfg.dtype)
-            if name not in ("linattn-torch", "linattn-triton", "fla"):
-                rec["chunk_size"] = None
-            try:
-                calls[name] = provider_call(
-                    name, mode, q, k, v, do, chunk_size=C, max_quadratic_bytes=cfg.max_quadratic_gib * 2**30
-                )
-                rec["times_s"] = []
-            except Skip as e:
-                rec["skipped"] = str(e)
-            records.append(rec)
-        todo = [r for r in records[-len(cfg.providers):] if "times_s" in r]
+            for C in cfg.chunk_size if name in CHUNKED else [None]:
+                rec = dict(provider=name, mode=mode, B=cfg.B, H=cfg.H, T=T, D=D, chunk_size=C, dtype=cfg.dtype)
+                records.append(rec)
+                try:
+                    call = provider_call(name, mode, q, k, v, do, chunk_size=C or 64,
+                                         max_quadratic_bytes=cfg.max_quadratic_gib * 2**30)
+                except Skip as e:
+                    rec["skipped"] = str(e)
+                    continue
+                runs.append((rec, call))
         if on_cuda:
-            for rec in todo:
-                rec["times_s"] = cuda_time(calls[rec["provider"]], grad_to_none=[q, k, v] if mode != "fwd" else None)
-        else:  # interleaved rounds: provider A, B, C, A, B, C, ...
-            for rec in todo:  # warm-up, and the per-provider repeat count that fits the budget
-                rec["times_s"] = cpu_time(calls[rec["provider"]], warmup=1, repeats=1, budget_s=cfg.budget_s)
+            for rec, call in runs:
+                rec["times_s"] = cuda_time(call, grad_to_none=[q, k, v] if mode != "fwd" else None)
+        else:  # interleaved rounds (A, B, C, A, B, C, ...): a noisy neighbour slows all alike
+            for rec, call in runs:  # one warm-up call and one timed call each
+                rec["times_s"] = cpu_time(call, warmup=1, repeats=1, budget_s=cfg.budget_s)
             for _ in range(cfg.repeats - 1):
-                for rec in todo:
-                    if sum(rec["times_s"]) < cfg.budget_s:
-                        rec["times_s"] += cpu_time(calls[rec["provider"]], warmup=0, repeats=1)
-        for rec in todo:
+                for rec, call in runs:
+                    if sum(rec["times_s"]) < cfg.budget_s:  # slow providers get fewer repeats
+                        rec["times_s"] += cpu_time(call, warmup=0, repeats=1)
+        for rec, _ in runs:
             rec["median_s"] = statistics.median(rec["times_s"])
-            if rec["provider"] in ("linattn-torch", "linattn-triton", "fla"):
-                if mode == "fwd":
-                    rec["gflops"] = chunked_forward_flops(cfg.B, cfg.H, T, D, D, C) / rec["median_s"] / 1e9
-                if on_cuda:
-                    gbps = io_bytes(cfg.B, cfg.H, T, D, D, q.element_size(), mode) / rec["median_s"] / 1e9
-                    rec["gbps"] = gbps
-                    rec["peak_gbps"] = peak
+            if rec["chunk_size"] and mode == "fwd":
+                rec["gflops"] = chunked_forward_flops(cfg.B, cfg.H, T, D, D, rec["chunk_size"]) / rec["median_s"] / 1e9
+            if on_cuda and rec["chunk_size"]:
+                rec["gbps"] = io_bytes(cfg.B, cfg.H, T, D, D, q.element_size(), mode) / rec["median_s"] / 1e9
+                rec["peak_gbps"] = peak
+        del q, k, v, do, runs
     return records
 
 
 def format_sweep(records: list[dict], providers: list[str], on_cuda: bool) -> str:
     keys = sorted({(r["T"], r["D"], r["chunk_size"] or 0, r["mode"]) for r in records if r["chunk_size"]})
-    if not keys:
+    if not keys:  # no chunked provider in this sweep
         keys = sorted({(r["T"], r["D"], 0, r["mode"]) for r in records})
+    keys.sort(key=lambda key: (MODES.index(key[3]), key[1], key[2], key[0]))
     width = 28 if on_cuda else 16
     head = f"{'mode':8s} {'T':>7s} {'D':>4s} {'C':>4s} " + " ".join(f"{p:>{width}s}" for p in providers)
     lines = [head, "-" * len(head)]
