@@ -5,14 +5,15 @@ kernels and small constant factors beat the linear algorithm's bookkeeping (feat
 normaliser, the chunk loop). This module measures T* on a device and states the dispatch
 rule explicitly:
 
-    use exact (softmax) attention while T < T*(device, d); use linear attention from T* on,
-    with T*(device, d) = ratio(device) * d.
+    use exact (softmax) attention while T < T*(device, d), linear attention from T* on, where
+    T*(device, d) is the crossover measured on that device for head dimension d, interpolated
+    linearly in log d between measured head dimensions (and held constant beyond them).
 
-The FLOP counts of both grow like T^2 d and T d m (m = d for elu+1 features), so the FLOP
-crossover is proportional to d; the factor `ratio(device)` folds in everything the FLOP count
-leaves out and is measured (`measure_crossover`). The measured defaults live in
-`MEASURED_RATIO`; a device without a committed measurement uses `FALLBACK_RATIO`, a stated
-guess, until you calibrate it.
+The FLOP counts alone (4 T^2 d against 4 T d m, m = d for elu+1) put the crossover near T = d;
+measured crossovers are far later, because fixed per-call costs dominate short sequences, and
+they grow more slowly than d. The committed measurements live in `MEASURED_CROSSOVER`; a device
+without one uses `FALLBACK_CROSSOVER`, a stated guess, until you calibrate it (pass your own
+table or `crossover=`).
 
 Caution: softmax and linear attention compute *different functions*. Switching between them
 by length is only sound for a model trained to run both (a hybrid over lengths). Within one
@@ -38,11 +39,13 @@ from .attention import linear_attention
 from .features import elu_plus_one
 from .measure import time_fn
 
-# T* / d measured with `python -m linattn_lib.dispatch` (causal, B=1, H=4, fp32, forward, one
-# CPU thread), recorded in book/results/crossover_cpu.json. Keys are torch device types.
-MEASURED_RATIO: dict[str, float] = {"cpu": 16.0}
-# no GPU measurement is committed yet: a stated guess (fused GPU softmax kernels are strong)
-FALLBACK_RATIO: float = 64.0
+# Crossover lengths T* by head dimension d, measured with `python -m linattn_lib.dispatch`
+# (causal, B = 1, H = 4, fp32, forward, one CPU thread) and recorded in
+# book/results/crossover_cpu.json. Keys are torch device types.
+MEASURED_CROSSOVER: dict[str, dict[int, int]] = {"cpu": {32: 363, 64: 393, 128: 477}}
+# No GPU measurement is committed yet: a stated guess (fused GPU softmax kernels are strong
+# and short linear-attention calls are dominated by launch overheads). Calibrate before use.
+FALLBACK_CROSSOVER: int = 2048
 DEFAULT_LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096)
 
 
@@ -50,13 +53,33 @@ def _device_type(device) -> str:
     return torch.device(device).type if device is not None else "cpu"
 
 
-def crossover_length(d: int, device="cpu", *, ratio: Optional[float] = None) -> int:
-    """T*(device, d) = ratio * d, rounded up: the first length at which linear attention is used."""
+def crossover_length(d: int, device="cpu", *, table: Optional[dict[int, float]] = None) -> int:
+    """T*(device, d), rounded to an int: the first length at which the dispatcher uses linear attention.
+
+    table: {head dimension: measured T*}; default MEASURED_CROSSOVER[device type], or the
+    constant FALLBACK_CROSSOVER for a device without a committed measurement. Between measured
+    head dimensions T* is interpolated linearly in log d; outside them the nearest one is used.
+    """
     V.check_positive_int("crossover_length", "d", d)
-    r = ratio if ratio is not None else MEASURED_RATIO.get(_device_type(device), FALLBACK_RATIO)
-    if not r > 0:
-        raise ValueError(f"crossover_length: `ratio` must be positive, got {r!r}")
-    return max(1, math.ceil(r * d))
+    table = table if table is not None else MEASURED_CROSSOVER.get(_device_type(device))
+    if not table:
+        return FALLBACK_CROSSOVER
+    if any(not (t > 0) for t in table.values()):
+        raise ValueError(f"crossover_length: every T* in `table` must be positive, got {table!r}")
+    ds = sorted(table)
+    if d <= ds[0]:
+        return round(table[ds[0]])
+    if d >= ds[-1]:
+        return round(table[ds[-1]])
+    hi = next(i for i, x in enumerate(ds) if x >= d)
+    d0, d1 = ds[hi - 1], ds[hi]
+    w = (math.log(d) - math.log(d0)) / (math.log(d1) - math.log(d0))
+    return round(table[d0] + w * (table[d1] - table[d0]))
+
+
+def crossover_table(crossovers: Sequence["Crossover"]) -> dict[int, float]:
+    """{d: T*} from measurements (those where linear attention won within the measured lengths)."""
+    return {c.d: c.t_star for c in crossovers if c.t_star is not None}
 
 
 def choose_attention(T: int, d: int, device="cpu", *, crossover: Optional[int] = None) -> str:
@@ -121,7 +144,7 @@ class Crossover:
 
     @property
     def ratio(self) -> Optional[float]:
-        """T*/d, the number the dispatch rule uses."""
+        """T*/d (the FLOP count alone would put it near 1)."""
         return None if self.t_star is None else self.t_star / self.d
 
     def to_dict(self) -> dict:

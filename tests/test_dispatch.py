@@ -7,7 +7,10 @@ import torch.nn.functional as F
 
 from linattn_lib import elu_plus_one, linear_attention
 from linattn_lib.dispatch import (
-    MEASURED_RATIO,
+    FALLBACK_CROSSOVER,
+    MEASURED_CROSSOVER,
+    Crossover,
+    crossover_table,
     auto_attention,
     choose_attention,
     choose_form,
@@ -17,14 +20,20 @@ from linattn_lib.dispatch import (
 )
 
 
-def test_rule_is_ratio_times_d():
-    t_star = crossover_length(64, "cpu")
-    assert t_star == math.ceil(MEASURED_RATIO["cpu"] * 64)
-    assert choose_attention(t_star - 1, 64, "cpu") == "softmax"
-    assert choose_attention(t_star, 64, "cpu") == "linear"
-    assert crossover_length(128, "cpu") == 2 * crossover_length(64, "cpu")
+def test_rule_interpolates_the_measured_crossovers():
+    table = MEASURED_CROSSOVER["cpu"]
+    for d, t_star in table.items():
+        assert crossover_length(d, "cpu") == t_star
+        assert choose_attention(t_star - 1, d, "cpu") == "softmax"
+        assert choose_attention(t_star, d, "cpu") == "linear"
+    # log-linear between measured head dimensions, constant outside them
+    assert crossover_length(8, table={16: 100, 64: 300}) == 100
+    assert crossover_length(32, table={16: 100, 64: 300}) == 200
+    assert crossover_length(512, table={16: 100, 64: 300}) == 300
+    assert crossover_length(64, "cuda" if "cuda" not in MEASURED_CROSSOVER else "meta") == FALLBACK_CROSSOVER
     assert choose_attention(100, 64, crossover=100) == "linear"
-    assert crossover_length(10, ratio=2.5) == 25
+    c = [Crossover("cpu", 32, 4, 1, True, t_star=300.0), Crossover("cpu", 64, 4, 1, True, t_star=None)]
+    assert crossover_table(c) == {32: 300.0}
 
 
 def test_crossover_interpolation():

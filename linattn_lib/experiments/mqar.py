@@ -348,7 +348,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--pairs", nargs="+", type=int, default=list(MQARConfig.train_pairs), help="pair counts (trained on as a mixture, evaluated one by one)")
     p.add_argument("--d-model", type=int, default=MQARConfig.d_model, help="width of every kind")
     p.add_argument("--d-models", nargs="+", type=int, default=[32, 64, 128], help="widths of the state-size axis")
-    p.add_argument("--state-kinds", nargs="+", default=["linear", "retnet"], choices=KINDS, help="kinds swept over --d-models")
+    p.add_argument("--state-kinds", nargs="*", default=["linear", "retnet"], choices=KINDS, help="kinds swept over --d-models")
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--seq-len", type=int, default=MQARConfig.seq_len)
     p.add_argument("--vocab-size", type=int, default=MQARConfig.vocab_size)
