@@ -14,14 +14,13 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _checks as X
 from . import _validate as V
 from .attention import DEFAULT_EPS, LinearAttentionState
 
 
 def _check_token(fn: str, name: str, x, expected: tuple[int, int, int], like: Tensor) -> None:
     """One token's (B, H, D) slice, matching the decoder's sizes, dtype and device."""
-    X.check_shape(fn, name, x, expected, ("B", "H", "D"))
+    V.check_shape(fn, name, x, expected, ("B", "H", "D"))
     if x.dtype != like.dtype:
         raise TypeError(f"{fn}: `{name}` has dtype {x.dtype} but the decoder holds {like.dtype}; cast it first")
     if x.device != like.device:
@@ -59,16 +58,16 @@ class RecurrentDecoder:
         for name, value in (("batch", batch), ("heads", heads), ("dk", dk), ("dv", dv)):
             V.check_positive_int(fn, name, value)
         self.normalize = normalize
-        self.eps = X.check_eps(fn, eps)
+        self.eps = V.check_eps(fn, eps)
         self.S = torch.zeros(batch, heads, dk, dv, dtype=dtype, device=device)
         self.z = torch.zeros(batch, heads, dk, dtype=dtype, device=device) if normalize else None
         if initial_state is not None:
-            X.check_shape(fn, "initial_state.S", initial_state.S, tuple(self.S.shape), ("B", "H", "Dk", "Dv"))
+            V.check_shape(fn, "initial_state.S", initial_state.S, tuple(self.S.shape), ("B", "H", "Dk", "Dv"))
             self.S = initial_state.S.to(dtype)
             if normalize:
                 if initial_state.z is None:
                     raise ValueError(f"{fn}: normalize=True needs `initial_state.z` of shape {tuple(self.z.shape)}, got None")
-                X.check_shape(fn, "initial_state.z", initial_state.z, tuple(self.z.shape), ("B", "H", "Dk"))
+                V.check_shape(fn, "initial_state.z", initial_state.z, tuple(self.z.shape), ("B", "H", "Dk"))
                 self.z = initial_state.z.to(dtype)
         self.tokens_seen = 0
 
@@ -94,7 +93,7 @@ class RecurrentDecoder:
                 f"{fn}: `log_decay_t` has shape {tuple(log_decay_t.shape)}; expected (H,) = ({heads},) "
                 f"or (B, H) = {(batch, heads)}"
             )
-        X.check_values(fn, "log_decay_t", log_decay_t, high=0.0, why="a decay factor exp(log_decay_t) in (0, 1]")
+        V.check_values(fn, "log_decay_t", log_decay_t, high=0.0, why="a decay factor exp(log_decay_t) in (0, 1]")
         return torch.exp(log_decay_t.to(self.S.dtype)).expand(batch, heads)
 
     def step(self, q_t: Tensor, k_t: Tensor, v_t: Tensor, log_decay_t: Optional[Tensor] = None) -> Tensor:
@@ -141,7 +140,7 @@ class KVCacheDecoder:
         fn = "KVCacheDecoder"
         for name, value in (("batch", batch), ("heads", heads), ("dk", dk), ("dv", dv), ("capacity", capacity)):
             V.check_positive_int(fn, name, value)
-        self.scale = 1.0 / math.sqrt(dk) if scale is None else X.check_number(fn, "scale", scale)
+        self.scale = 1.0 / math.sqrt(dk) if scale is None else V.check_number(fn, "scale", scale)
         self.keys = torch.zeros(batch, heads, capacity, dk, dtype=dtype, device=device)
         self.values = torch.zeros(batch, heads, capacity, dv, dtype=dtype, device=device)
         self.tokens_seen = 0

@@ -24,7 +24,6 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _checks as X
 from . import _validate as V
 from .attention import DEFAULT_EPS, linear_attention
 
@@ -50,7 +49,7 @@ def sinusoidal_positions(
     fn = "sinusoidal_positions"
     V.check_positive_int(fn, "T", T)
     V.check_positive_int(fn, "d", d)
-    X.check_number(fn, "base", base, low=1.0, strict_low=True)
+    V.check_number(fn, "base", base, low=1.0, strict_low=True)
     pos = torch.arange(T, dtype=torch.float64, device=device).unsqueeze(1)
     two_i = torch.arange(0, d, 2, dtype=torch.float64, device=device)
     angle = pos / base ** (two_i / d)  # (T, ceil(d/2))
@@ -119,8 +118,8 @@ def _cosformer_coefficients(variant: str, lam: float, M: float) -> tuple[float, 
 
 def _check_cosformer_args(fn: str, T: int, variant: str, lam, M) -> tuple[float, float]:
     V.check_choice(fn, "variant", variant, COSFORMER_VARIANTS)
-    lam = X.check_number(fn, "lam", lam, low=0.0, high=1.0)
-    M = float(T) if M is None else X.check_number(fn, "M", M, low=0.0, strict_low=True)
+    lam = V.check_number(fn, "lam", lam, low=0.0, high=1.0)
+    M = float(T) if M is None else V.check_number(fn, "M", M, low=0.0, strict_low=True)
     if M < T:
         raise ValueError(
             f"{fn}: `M` must be >= the sequence length T={T}, got M={M:g}; with M < T the weight stops "
@@ -192,7 +191,7 @@ def cosformer_attention_matrix(
     normalizer = _default_normalizer(variant, normalizer)
     V.check_choice(fn, "normalizer", normalizer, COSFORMER_NORMALIZERS)
     lam, M = _check_cosformer_args(fn, q.shape[2], variant, lam, M)
-    eps = X.check_eps(fn, eps)
+    eps = V.check_eps(fn, eps)
     return _cosformer_matrix(q, k, causal=causal, variant=variant, lam=lam, M=M, normalizer=normalizer, eps=eps)
 
 
@@ -282,7 +281,7 @@ def cosformer_attention(
     normalizer = _default_normalizer(variant, normalizer)
     V.check_choice(fn, "normalizer", normalizer, COSFORMER_NORMALIZERS)
     lam, M = _check_cosformer_args(fn, q.shape[2], variant, lam, M)
-    eps = X.check_eps(fn, eps)
+    eps = V.check_eps(fn, eps)
     if form == "quadratic":
         A = _cosformer_matrix(q, k, causal=causal, variant=variant, lam=lam, M=M, normalizer=normalizer, eps=eps)
         return A @ v
@@ -312,7 +311,7 @@ def key_normalized_attention_matrix(q: Tensor, k: Tensor, *, causal: bool = Fals
     fn = "key_normalized_attention_matrix"
     _check_features(fn, q, k)
     _check_key_normalized(fn, causal)
-    eps = X.check_eps(fn, eps)
+    eps = V.check_eps(fn, eps)
     s = q @ k.transpose(-1, -2)
     z = s.tril().sum(-2, keepdim=True)  # z_j: column sums over i >= j
     return s / (z + eps)
@@ -337,7 +336,7 @@ def key_normalized_attention(
     _check_features(fn, q, k, v)
     _check_key_normalized(fn, causal)
     V.check_choice(fn, "form", form, POSITIONAL_FORMS)
-    eps = X.check_eps(fn, eps)
+    eps = V.check_eps(fn, eps)
     if form == "quadratic":
         return key_normalized_attention_matrix(q, k, eps=eps) @ v
     future_q = torch.flip(torch.cumsum(torch.flip(q, [2]), dim=2), [2])  # sum_{i>=j} q_i
@@ -357,14 +356,14 @@ def _band_offsets(w: Tensor, causal: bool) -> range:
 
 
 def _check_band(fn: str, w, H: int, causal: bool, like: Optional[Tensor] = None) -> None:
-    X.check_layout(fn, "w", w, ("H", "W"))
+    V.check_layout(fn, "w", w, ("H", "W"))
     if w.shape[0] != H:
         raise ValueError(f"{fn}: `w` has {w.shape[0]} rows but there are H={H} heads; expected shape (H, W)")
     if not causal and w.shape[1] % 2 == 0:
         raise ValueError(
             f"{fn}: non-causal `w` must have an odd width 2K+1 (offsets -K..K), got shape {tuple(w.shape)}"
         )
-    X.check_values(fn, "w", w)
+    V.check_values(fn, "w", w)
     if like is not None:
         V.check_same(fn, [("q", like), ("w", w)])
 
@@ -377,7 +376,7 @@ def band_bias_matrix(w: Tensor, T: int, *, causal: bool = True) -> Tensor:
     """
     fn = "band_bias_matrix"
     V.check_positive_int(fn, "T", T)
-    X.check_layout(fn, "w", w, ("H", "W"))
+    V.check_layout(fn, "w", w, ("H", "W"))
     _check_band(fn, w, w.shape[0], causal)
     i = torch.arange(T, device=w.device)
     delta = i[:, None] - i[None, :]  # (T, T)
@@ -439,7 +438,7 @@ def band_bias_attention(
     V.check_qkv(fn, q, k, v)
     _check_band(fn, w, q.shape[1], causal, like=q)
     V.check_choice(fn, "form", form, POSITIONAL_FORMS)
-    eps = X.check_eps(fn, eps)
+    eps = V.check_eps(fn, eps)
     if form == "quadratic":
         A = _masked(q @ k.transpose(-1, -2), causal) + band_bias_matrix(w, q.shape[2], causal=causal)
         num, den = A @ v, A.sum(-1)

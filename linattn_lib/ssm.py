@@ -20,7 +20,6 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _checks as X
 from . import _validate as V
 from .attention import FORMS, LinearAttentionState, expand_log_decay, linear_attention
 from .masks import segsum
@@ -35,18 +34,18 @@ WKV_FORMS = ("recurrent", "quadratic", "naive")
 
 
 def _check_ssd_inputs(fn: str, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor) -> None:
-    X.check_layout(fn, "x", x, ("B", "H", "T", "P"))
+    V.check_layout(fn, "x", x, ("B", "H", "T", "P"))
     batch, H, T, _ = x.shape
     if T == 0:
         raise ValueError(f"{fn}: sequence length T must be at least 1, got `x` with {V.describe(x)}")
-    X.check_shape(fn, "dt", dt, (batch, H, T), ("B", "H", "T"))
-    X.check_shape(fn, "A", A, (H,), ("H",))
-    X.check_layout(fn, "B", B, ("B", "H", "T", "N"))
-    X.check_shape(fn, "B", B, (batch, H, T, B.shape[-1]), ("B", "H", "T", "N"))
-    X.check_shape(fn, "C", C, tuple(B.shape), ("B", "H", "T", "N"))
+    V.check_shape(fn, "dt", dt, (batch, H, T), ("B", "H", "T"))
+    V.check_shape(fn, "A", A, (H,), ("H",))
+    V.check_layout(fn, "B", B, ("B", "H", "T", "N"))
+    V.check_shape(fn, "B", B, (batch, H, T, B.shape[-1]), ("B", "H", "T", "N"))
+    V.check_shape(fn, "C", C, tuple(B.shape), ("B", "H", "T", "N"))
     V.check_same(fn, [("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)])
-    X.check_values(fn, "dt", dt, low=0.0, strict=True, why="a step size; Mamba uses softplus(.) > 0")
-    X.check_values(fn, "A", A, high=0.0, why="the continuous-time decay rate; a_t = exp(dt A) must be <= 1")
+    V.check_values(fn, "dt", dt, low=0.0, strict=True, why="a step size; Mamba uses softplus(.) > 0")
+    V.check_values(fn, "A", A, high=0.0, why="the continuous-time decay rate; a_t = exp(dt A) must be <= 1")
 
 
 def ssd(
@@ -103,8 +102,8 @@ def semiseparable_matrix(C: Tensor, B: Tensor, log_a: Tensor) -> Tensor:
         log_a: (B, H, T) per-token or (H,) per-head log decay, <= 0 (for SSD: dt * A).
     """
     fn = "semiseparable_matrix"
-    X.check_layout(fn, "C", C, ("B", "H", "T", "N"))
-    X.check_shape(fn, "B", B, tuple(C.shape), ("B", "H", "T", "N"))
+    V.check_layout(fn, "C", C, ("B", "H", "T", "N"))
+    V.check_shape(fn, "B", B, tuple(C.shape), ("B", "H", "T", "N"))
     V.check_tensor(fn, "log_a", log_a)
     batch, H, T, _ = C.shape
     if tuple(log_a.shape) not in ((H,), (batch, H, T)):
@@ -112,7 +111,7 @@ def semiseparable_matrix(C: Tensor, B: Tensor, log_a: Tensor) -> Tensor:
             f"{fn}: `log_a` has shape {tuple(log_a.shape)}; expected (H,) = ({H},) or (B, H, T) = {(batch, H, T)}"
         )
     V.check_same(fn, [("C", C), ("B", B), ("log_a", log_a)])
-    X.check_values(fn, "log_a", log_a, high=0.0, why="a decay factor a = exp(log_a) in (0, 1]")
+    V.check_values(fn, "log_a", log_a, high=0.0, why="a decay factor a = exp(log_a) in (0, 1]")
     g = expand_log_decay(log_a, batch, H, T, dtype=C.dtype, device=C.device)
     return (C @ B.transpose(-1, -2)) * torch.exp(segsum(g))  # exp(-inf) = 0 above the diagonal
 
@@ -154,7 +153,7 @@ def zoh_discretize(A: Tensor, B: Tensor, dt: Tensor, *, method: str = "zoh") -> 
     V.check_tensor(fn, "dt", dt)
     if A.dim() == 0:
         raise ValueError(f"{fn}: `A` must have a last axis N (the diagonal), got a 0-d tensor")
-    X.check_same_shape(fn, [("A", A), ("B", B)])
+    V.check_same_shape(fn, [("A", A), ("B", B)])
     if tuple(dt.shape) != tuple(A.shape[:-1]):
         raise ValueError(
             f"{fn}: `dt` has shape {tuple(dt.shape)}; expected A.shape[:-1] = {tuple(A.shape[:-1])} "
@@ -162,8 +161,8 @@ def zoh_discretize(A: Tensor, B: Tensor, dt: Tensor, *, method: str = "zoh") -> 
         )
     V.check_same(fn, [("A", A), ("B", B), ("dt", dt)])
     V.check_choice(fn, "method", method, DISCRETIZATIONS)
-    X.check_values(fn, "A", A)
-    X.check_values(fn, "dt", dt, low=0.0, strict=True, why="a step size")
+    V.check_values(fn, "A", A)
+    V.check_values(fn, "dt", dt, low=0.0, strict=True, why="a step size")
     dtA = dt.unsqueeze(-1) * A
     A_bar = torch.exp(dtA)
     dtB = dt.unsqueeze(-1) * B
@@ -172,14 +171,14 @@ def zoh_discretize(A: Tensor, B: Tensor, dt: Tensor, *, method: str = "zoh") -> 
 
 
 def _check_scan_inputs(fn: str, x, dt, A, B, C) -> None:
-    X.check_layout(fn, "x", x, ("B", "H", "T", "P"))
+    V.check_layout(fn, "x", x, ("B", "H", "T", "P"))
     batch, H, T, P = x.shape
     if T == 0:
         raise ValueError(f"{fn}: sequence length T must be at least 1, got `x` with {V.describe(x)}")
-    X.check_layout(fn, "B", B, ("B", "H", "T", "N"))
+    V.check_layout(fn, "B", B, ("B", "H", "T", "N"))
     N = B.shape[-1]
-    X.check_shape(fn, "B", B, (batch, H, T, N), ("B", "H", "T", "N"))
-    X.check_shape(fn, "C", C, (batch, H, T, N), ("B", "H", "T", "N"))
+    V.check_shape(fn, "B", B, (batch, H, T, N), ("B", "H", "T", "N"))
+    V.check_shape(fn, "C", C, (batch, H, T, N), ("B", "H", "T", "N"))
     V.check_tensor(fn, "dt", dt)
     if tuple(dt.shape) not in ((batch, H, T), (batch, H, T, P)):
         raise ValueError(
@@ -193,8 +192,8 @@ def _check_scan_inputs(fn: str, x, dt, A, B, C) -> None:
             f"(H, P, N) = {(H, P, N)} (Mamba-1: one diagonal per channel)"
         )
     V.check_same(fn, [("x", x), ("dt", dt), ("A", A), ("B", B), ("C", C)])
-    X.check_values(fn, "dt", dt, low=0.0, strict=True, why="a step size")
-    X.check_values(fn, "A", A, high=0.0, why="a decay rate; exp(dt A) must be <= 1")
+    V.check_values(fn, "dt", dt, low=0.0, strict=True, why="a step size")
+    V.check_values(fn, "A", A, high=0.0, why="a decay rate; exp(dt A) must be <= 1")
 
 
 def selective_scan_reference(
@@ -232,7 +231,7 @@ def selective_scan_reference(
     N = B.shape[-1]
     h = x.new_zeros(batch, H, P, N)
     if initial_state is not None:
-        X.check_shape(fn, "initial_state", initial_state, (batch, H, P, N), ("B", "H", "P", "N"))
+        V.check_shape(fn, "initial_state", initial_state, (batch, H, P, N), ("B", "H", "P", "N"))
         h = initial_state.to(x.dtype)
     # bring everything to one (B, H, T, P, N) grid: a state entry per (channel p, state n)
     dt_full = dt if dt.dim() == 4 else dt.unsqueeze(-1).expand(batch, H, T, P)
@@ -266,9 +265,9 @@ def retnet_log_decay(H: int, *, dtype: torch.dtype = torch.float32, device=None)
 
 def _check_gla_inputs(fn: str, q: Tensor, k: Tensor, v: Tensor, log_gates: Tensor) -> None:
     V.check_qkv(fn, q, k, v)
-    X.check_shape(fn, "log_gates", log_gates, tuple(k.shape), ("B", "H", "T", "Dk"))
+    V.check_shape(fn, "log_gates", log_gates, tuple(k.shape), ("B", "H", "T", "Dk"))
     V.check_same(fn, [("q", q), ("log_gates", log_gates)])
-    X.check_values(fn, "log_gates", log_gates, high=0.0, why="a gate exp(g) in (0, 1]")
+    V.check_values(fn, "log_gates", log_gates, high=0.0, why="a gate exp(g) in (0, 1]")
 
 
 def _gla_block(q: Tensor, k: Tensor, v: Tensor, g: Tensor, S: Tensor) -> tuple[Tensor, Tensor]:
@@ -339,7 +338,7 @@ def gla_attention(
     if initial_state is not None:
         if not isinstance(initial_state, LinearAttentionState):
             raise TypeError(f"{fn}: `initial_state` must be a LinearAttentionState(S, None), got {type(initial_state).__name__}")
-        X.check_shape(fn, "initial_state.S", initial_state.S, tuple(S.shape), ("B", "H", "Dk", "Dv"))
+        V.check_shape(fn, "initial_state.S", initial_state.S, tuple(S.shape), ("B", "H", "Dk", "Dv"))
         S = initial_state.S.to(q.dtype)
     if form == "recurrent":
         o, S = _gla_recurrent(q, k, v, log_gates, S)
@@ -356,17 +355,17 @@ def gla_attention(
 
 
 def _check_wkv_inputs(fn: str, w: Tensor, u: Tensor, k: Tensor, v: Tensor) -> None:
-    X.check_layout(fn, "k", k, ("B", "T", "C"))
+    V.check_layout(fn, "k", k, ("B", "T", "C"))
     if k.shape[1] == 0:
         raise ValueError(f"{fn}: sequence length T must be at least 1, got `k` with {V.describe(k)}")
-    X.check_shape(fn, "v", v, tuple(k.shape), ("B", "T", "C"))
+    V.check_shape(fn, "v", v, tuple(k.shape), ("B", "T", "C"))
     channels = k.shape[-1]
-    X.check_shape(fn, "w", w, (channels,), ("C",))
-    X.check_shape(fn, "u", u, (channels,), ("C",))
+    V.check_shape(fn, "w", w, (channels,), ("C",))
+    V.check_shape(fn, "u", u, (channels,), ("C",))
     V.check_same(fn, [("k", k), ("v", v), ("w", w), ("u", u)])
-    X.check_values(fn, "w", w, low=0.0, why="a decay rate: past tokens are weighted by exp(-w) per step")
-    X.check_values(fn, "u", u)
-    X.check_values(fn, "k", k)
+    V.check_values(fn, "w", w, low=0.0, why="a decay rate: past tokens are weighted by exp(-w) per step")
+    V.check_values(fn, "u", u)
+    V.check_values(fn, "k", k)
 
 
 def _wkv_quadratic(w: Tensor, u: Tensor, k: Tensor, v: Tensor) -> Tensor:
