@@ -2,13 +2,18 @@
 Python's standard library.
 
 The corpus is built deterministically (a fixed list of modules, their source parsed with `ast`,
-docstrings in source order), so its size and SHA-256 identify it; results record both. The
-zoo's models (softmax, Performer, elu+1 linear, cosFormer, RetNet-style decay) are trained as
-small character models at a few context lengths and seeds, and compared by validation
-perplexity (bits per character are log2 of it).
+docstrings in source order, ASCII only), so its size and SHA-256 identify it; results record
+both. The split is by position: the first 90% trains, the last 10% validates, no overlap.
 
-CLI: `python -m linattn_lib.experiments.charlm --out book/results/charlm.json` (full sweep) or
-`--quick` (a smoke run in seconds).
+The zoo's models (softmax, Performer, elu+1 linear, cosFormer and a data-dependent decay in the
+style of Mamba-2's SSD) are trained as small character models at a few context lengths and
+seeds, with the same number of tokens per step at every length, and compared by validation
+perplexity on the whole validation split (bits per character are log2 of it). Every run is
+single-threaded, so its numbers do not depend on how many runs share the machine.
+
+CLI: `python -m linattn_lib.experiments.charlm --out book/results/charlm.json` runs the full
+sweep (about 35 minutes on an idle 2-core machine with the default two workers); `--quick` is
+a smoke run of a few seconds.
 """
 from __future__ import annotations
 
@@ -16,15 +21,20 @@ import argparse
 import ast
 import hashlib
 import importlib.util
+import json
 import math
+import os
 import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Optional
 
 import torch
 
 from ..models import ModelConfig, TinyLM
-from .common import progress_bar, run_metadata, seed_everything, train, write_json
+from .common import run_metadata, seed_everything, train, write_json
 
 # Pure-Python standard-library modules with rich docstrings, present in CPython 3.10-3.13.
 CORPUS_MODULES = (
@@ -38,6 +48,13 @@ CORPUS_MODULES = (
     "threading", "timeit", "tokenize", "trace", "traceback", "typing", "unittest.case",
     "urllib.parse", "urllib.request", "uuid", "warnings", "weakref", "xml.dom.minidom", "zipfile",
 )
+
+# The sweep's attention kinds (TinyLM names) and the names the book uses for them.
+KINDS = ("softmax", "performer", "linear", "cosformer", "ssd")
+LABELS = {
+    "softmax": "softmax", "performer": "Performer", "linear": "linear (elu+1)",
+    "cosformer": "cosFormer", "ssd": "decayed (SSD)", "retnet": "decayed (RetNet)",
+}
 
 
 def _docstrings(source: str) -> list[str]:
@@ -54,7 +71,11 @@ def _docstrings(source: str) -> list[str]:
 
 
 def build_corpus(modules=CORPUS_MODULES) -> str:
-    """The corpus text: every docstring of `modules`, separated by blank lines, ASCII only."""
+    """The corpus text: every docstring of `modules`, separated by blank lines, ASCII only.
+
+    The text depends on the Python version (docstrings change between releases); `corpus_info`
+    records the version, size and hash with every result.
+    """
     parts = []
     for name in modules:
         spec = importlib.util.find_spec(name)
@@ -73,6 +94,7 @@ def corpus_info(text: str) -> dict:
         "sha256": hashlib.sha256(text.encode()).hexdigest(),
         "vocab_size": len(set(text)),
         "python_version": sys.version.split()[0],
+        "modules": len(CORPUS_MODULES),
     }
 
 
@@ -97,95 +119,274 @@ class CharData:
         return torch.tensor([self.stoi[c] for c in s if c in self.stoi], dtype=torch.long)
 
     def batch(self, batch_size: int, ctx: int, *, generator: torch.Generator):
+        """`batch_size` random training windows of `ctx` characters and their next characters."""
         ix = torch.randint(0, len(self.train) - ctx - 1, (batch_size,), generator=generator)
         x = torch.stack([self.train[i : i + ctx] for i in ix.tolist()])
         y = torch.stack([self.train[i + 1 : i + ctx + 1] for i in ix.tolist()])
         return x, y
 
-    def val_windows(self, ctx: int, max_windows: int):
-        """Non-overlapping validation windows (deterministic)."""
-        n = min(max_windows, (len(self.val) - 1) // ctx)
+    def val_windows(self, ctx: int, max_windows: Optional[int] = None):
+        """Consecutive non-overlapping validation windows (deterministic); all that fit by default."""
+        n = (len(self.val) - 1) // ctx
+        if max_windows is not None:
+            n = min(n, max_windows)
         x = self.val[: n * ctx].view(n, ctx)
         y = self.val[1 : n * ctx + 1].view(n, ctx)
         return x, y
 
 
 @torch.no_grad()
-def validation_loss(model: TinyLM, data: CharData, ctx: int, *, max_windows: int = 64, batch: int = 16) -> float:
-    """Mean cross-entropy (nats per character) over fixed validation windows."""
+def validation_loss(model: TinyLM, data: CharData, ctx: int, *, max_windows: Optional[int] = None, batch: int = 16) -> float:
+    """Mean cross-entropy (nats per character) over the validation windows of length `ctx`.
+
+    Every window starts from an empty context, so the mean covers positions 0 .. ctx-1: longer
+    windows give the model more context on average (the usual perplexity at context length ctx).
+    """
+    was_training = model.training
+    model.eval()
     x, y = data.val_windows(ctx, max_windows)
     total, count = 0.0, 0
     for i in range(0, len(x), batch):
         logits = model(x[i : i + batch])
         total += torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), y[i : i + batch].reshape(-1), reduction="sum").item()
         count += y[i : i + batch].numel()
+    model.train(was_training)
     return total / count
 
 
 @dataclass
 class CharLMConfig:
+    """One training run. The batch holds `tokens_per_step // ctx` windows, so every context
+    length sees the same number of characters per step and in total."""
+
     attention: str = "softmax"
-    ctx: int = 128
+    ctx: int = 256
     d_model: int = 64
     n_layer: int = 2
     n_head: int = 4
-    steps: int = 400
-    batch_size: int = 16
+    steps: int = 4000
+    tokens_per_step: int = 1024
     lr: float = 3e-3
     seed: int = 0
 
+    @property
+    def batch_size(self) -> int:
+        return max(1, self.tokens_per_step // self.ctx)
 
-def run(cfg: CharLMConfig, data: CharData, *, sample_prompt: Optional[str] = "def ", sample_len: int = 80) -> dict:
-    """Train one model; return validation perplexity, bits per character and a sample."""
-    gen = seed_everything(cfg.seed)
-    model = TinyLM(ModelConfig(
-        vocab_size=data.vocab_size, block_size=cfg.ctx, n_layer=cfg.n_layer, n_head=cfg.n_head,
+
+def make_model(cfg: CharLMConfig, vocab_size: int) -> TinyLM:
+    """The run's TinyLM (its initialisation is seeded by cfg.seed)."""
+    return TinyLM(ModelConfig(
+        vocab_size=vocab_size, block_size=cfg.ctx, n_layer=cfg.n_layer, n_head=cfg.n_head,
         d_model=cfg.d_model, attention=cfg.attention, seed=cfg.seed,
     ))
-    losses = train(model, lambda s: data.batch(cfg.batch_size, cfg.ctx, generator=gen), steps=cfg.steps, lr=cfg.lr)
+
+
+def sample_text(model: TinyLM, data: CharData, prompt: str, length: int, *, seed: int = 0, temperature: float = 0.8) -> str:
+    """Continue `prompt` by up to `length` characters with `TinyLM.generate`: the prompt is read
+    in parallel, then every character is produced from the recurrent state (a KV cache for
+    softmax). Sampling is seeded, so the text is reproducible."""
+    ids = data.encode(prompt)[None]
+    n = max(0, min(length, model.cfg.block_size - ids.shape[1]))
+    out = model.generate(ids, n, temperature=temperature, generator=torch.Generator().manual_seed(seed))
+    return data.decode(out[0])
+
+
+@torch.no_grad()
+def generation_state_bytes(model: TinyLM, T: int) -> int:
+    """Bytes of the per-layer generation states after reading T tokens (batch 1): a KV cache
+    (grows with T) for softmax layers, a constant-size (S, z) state for linear ones."""
+    _, states = model(torch.zeros(1, T, dtype=torch.long), return_states=True)
+    return model.state_nbytes(states)
+
+
+def run(
+    cfg: CharLMConfig,
+    data: CharData,
+    *,
+    sample_prompt: Optional[str] = "Return the ",
+    sample_len: int = 200,
+    curve_every: int = 25,
+    progress: bool = False,
+    return_model: bool = False,
+):
+    """Train one model; return validation loss, perplexity, bits per character, a sample and costs.
+
+    The result holds the config, the parameter count, the training-loss curve (means over
+    blocks of `curve_every` steps), CPU and wall seconds, and the bytes of the generation state
+    after `ctx` tokens. With `return_model=True` the trained model comes back too: (result, model).
+    """
+    gen = seed_everything(cfg.seed)
+    model = make_model(cfg, data.vocab_size)
+    bar = None
+    if progress:
+        from tqdm.auto import tqdm
+
+        bar = tqdm(total=cfg.steps, desc=f"{cfg.attention} ctx={cfg.ctx} seed={cfg.seed}", file=sys.stderr, leave=False, dynamic_ncols=True)
+
+    def tick(step: int, loss: float) -> None:
+        bar.update(1)
+        if step % 20 == 0:
+            bar.set_postfix(bpc=f"{loss / math.log(2):.2f}")
+
+    cpu0, wall0 = time.process_time(), time.perf_counter()
+    losses = train(
+        model, lambda s: data.batch(cfg.batch_size, cfg.ctx, generator=gen),
+        steps=cfg.steps, lr=cfg.lr, progress=tick if bar is not None else None,
+    )
+    cpu_train, wall_train = time.process_time() - cpu0, time.perf_counter() - wall0
+    if bar is not None:
+        bar.close()
     val = validation_loss(model, data, cfg.ctx)
+    curve = [sum(losses[i : i + curve_every]) / len(losses[i : i + curve_every]) for i in range(0, len(losses), curve_every)]
     out = {
-        "config": asdict(cfg),
+        "kind": cfg.attention,
+        "config": {**asdict(cfg), "batch_size": cfg.batch_size},
+        "parameters": model.num_parameters(),
+        "train_tokens": cfg.steps * cfg.batch_size * cfg.ctx,
+        "train_curve": curve,
+        "curve_every": curve_every,
         "train_loss_first": losses[0],
-        "train_loss_last": sum(losses[-20:]) / len(losses[-20:]),
+        "train_loss_last": sum(losses[-curve_every:]) / len(losses[-curve_every:]),
         "val_loss": val,
         "val_perplexity": math.exp(val),
         "bits_per_char": val / math.log(2),
-        "parameters": model.num_parameters(),
+        "cpu_seconds_train": cpu_train,
+        "wall_seconds_train": wall_train,
+        "ms_per_step_cpu": 1000 * cpu_train / max(1, cfg.steps),
+        "state_bytes_at_ctx": generation_state_bytes(model, cfg.ctx),
     }
     if sample_prompt:
-        prompt = data.encode(sample_prompt)[None]
-        n = min(sample_len, cfg.ctx - prompt.shape[1])
-        ids = model.generate(prompt, n, temperature=0.8, generator=torch.Generator().manual_seed(cfg.seed))
-        out["sample"] = data.decode(ids[0])
+        out["sample_prompt"] = sample_prompt
+        out["sample"] = sample_text(model, data, sample_prompt, sample_len, seed=cfg.seed)
+    out["cpu_seconds_total"] = time.process_time() - cpu0
+    return (out, model) if return_model else out
+
+
+# ------------------------------------------------------------------------------------------
+# the sweep
+# ------------------------------------------------------------------------------------------
+
+_WORKER_DATA: Optional[CharData] = None
+
+
+def _worker_init() -> None:
+    global _WORKER_DATA
+    torch.set_num_threads(1)
+    _WORKER_DATA = CharData(build_corpus())
+
+
+def _run_in_worker(cfg_dict: dict) -> dict:
+    torch.set_num_threads(1)
+    return run(CharLMConfig(**cfg_dict), _WORKER_DATA)
+
+
+def sweep_configs(kinds, ctxs, seeds, **overrides) -> list[CharLMConfig]:
+    """The grid of runs, in a fixed order (kind, context length, seed)."""
+    return [CharLMConfig(attention=k, ctx=c, seed=s, **overrides) for k in kinds for c in ctxs for s in seeds]
+
+
+def summarize(results: list[dict]) -> dict:
+    """{kind: {ctx: {"bpc_mean", "bpc_std", "ppl_mean", "ppl_std", "n"}}} over seeds."""
+    table: dict = {}
+    for r in results:
+        table.setdefault(r["kind"], {}).setdefault(str(r["config"]["ctx"]), []).append(r)
+    out: dict = {}
+    for kind, by_ctx in table.items():
+        out[kind] = {}
+        for ctx, rs in by_ctx.items():
+            bpc = [r["bits_per_char"] for r in rs]
+            ppl = [r["val_perplexity"] for r in rs]
+            out[kind][ctx] = {
+                "bpc_mean": sum(bpc) / len(bpc),
+                "bpc_std": _std(bpc),
+                "ppl_mean": sum(ppl) / len(ppl),
+                "ppl_std": _std(ppl),
+                "n": len(rs),
+            }
     return out
 
 
-KINDS = ("softmax", "performer", "linear", "cosformer", "retnet")
+def _std(xs: list[float]) -> float:
+    if len(xs) < 2:
+        return 0.0
+    m = sum(xs) / len(xs)
+    return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m linattn_lib.experiments.charlm", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default="book/results/charlm.json")
+    p.add_argument("--out", default="book/results/charlm.json", help="where to write the JSON results")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=("softmax", "performer", "linear", "cosformer", "retnet", "ssd"))
-    p.add_argument("--ctx", nargs="+", type=int, default=[64, 256])
+    p.add_argument("--ctx", nargs="+", type=int, default=[64, 256], help="context lengths")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
-    p.add_argument("--steps", type=int, default=400)
+    p.add_argument("--steps", type=int, default=CharLMConfig.steps)
+    p.add_argument("--d-model", type=int, default=CharLMConfig.d_model)
+    p.add_argument("--layers", type=int, default=CharLMConfig.n_layer)
+    p.add_argument("--tokens-per-step", type=int, default=CharLMConfig.tokens_per_step)
+    p.add_argument("--lr", type=float, default=CharLMConfig.lr)
+    p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel (one thread each)")
+    p.add_argument("--resume", action="store_true", help="keep finished runs found in --out, run only the rest")
     p.add_argument("--quick", action="store_true", help="tiny sweep for a smoke test (seconds)")
     args = p.parse_args(argv)
     if args.quick:
-        args.kinds, args.ctx, args.seeds, args.steps = ["softmax", "linear"], [16], [0], 3
+        args.kinds, args.ctx, args.seeds, args.steps, args.tokens_per_step, args.workers = ["softmax", "linear"], [16], [0], 3, 64, 1
+    overrides = {"steps": args.steps, "d_model": args.d_model, "n_layer": args.layers, "tokens_per_step": args.tokens_per_step, "lr": args.lr}
+    grid = sweep_configs(args.kinds, args.ctx, args.seeds, **overrides)
+
     text = build_corpus()
-    data = CharData(text)
-    grid = [(k, c, s) for k in args.kinds for c in args.ctx for s in args.seeds]
-    results = []
-    for kind, ctx, seed in progress_bar(grid, desc="char-LM sweep"):
-        r = run(CharLMConfig(attention=kind, ctx=ctx, seed=seed, steps=args.steps), data)
-        r["kind"] = kind
-        results.append(r)
-    payload = {"meta": run_metadata("linattn_lib.experiments.charlm", argv), "corpus": corpus_info(text), "results": results}
-    write_json(args.out, payload)
-    print(f"wrote {len(results)} runs to {args.out}")
+    meta = run_metadata("linattn_lib.experiments.charlm", argv)
+    meta.update(workers=args.workers, threads_per_run=1, load_average_start=list(os.getloadavg()))
+    payload = {"meta": meta, "corpus": corpus_info(text), "split": {"train_fraction": 0.9, "by": "position"},
+               "grid": {"kinds": args.kinds, "ctx": args.ctx, "seeds": args.seeds, **overrides}, "complete": False, "results": []}
+
+    done: dict = {}
+    if args.resume and Path(args.out).exists():
+        old = json.loads(Path(args.out).read_text())
+        if old.get("corpus", {}).get("sha256") == payload["corpus"]["sha256"]:
+            done = {json.dumps(r["config"], sort_keys=True): r for r in old.get("results", [])}
+    key = lambda c: json.dumps({**asdict(c), "batch_size": c.batch_size}, sort_keys=True)  # noqa: E731
+    todo = [c for c in grid if key(c) not in done]
+    results = {key(c): done[key(c)] for c in grid if key(c) in done}
+
+    def save(complete: bool) -> None:
+        payload["results"] = [results[key(c)] for c in grid if key(c) in results]
+        payload["complete"] = complete
+        write_json(args.out, payload)
+
+    wall0 = time.perf_counter()
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(todo), desc="char-LM sweep", file=sys.stderr, dynamic_ncols=True)
+    if args.workers <= 1:
+        torch.set_num_threads(1)
+        data = CharData(text)
+        for cfg in todo:
+            r = run(cfg, data, progress=True)
+            results[key(cfg)] = r
+            bar.update(1)
+            bar.set_postfix(last=f"{cfg.attention}/{cfg.ctx}/{cfg.seed} bpc={r['bits_per_char']:.2f}")
+            save(False)
+    else:
+        import multiprocessing as mp
+
+        with ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn"), initializer=_worker_init) as ex:
+            futures = {ex.submit(_run_in_worker, asdict(c)): c for c in todo}
+            for fut in as_completed(futures):
+                cfg = futures[fut]
+                r = fut.result()
+                results[key(cfg)] = r
+                bar.update(1)
+                bar.set_postfix(last=f"{cfg.attention}/{cfg.ctx}/{cfg.seed} bpc={r['bits_per_char']:.2f}")
+                save(False)
+    bar.close()
+    meta["wall_seconds_sweep"] = time.perf_counter() - wall0
+    meta["cpu_seconds_runs"] = sum(r["cpu_seconds_total"] for r in results.values())
+    meta["load_average_end"] = list(os.getloadavg())
+    payload["summary"] = summarize([results[key(c)] for c in grid])
+    save(True)
+    print(f"wrote {len(results)} runs to {args.out} in {meta['wall_seconds_sweep']:.0f} s "
+          f"({meta['cpu_seconds_runs']:.0f} CPU s in the runs)", file=sys.stderr)
     return payload
 
 

@@ -1,0 +1,88 @@
+"""The character-level LM experiment: a deterministic, hashed corpus, a disjoint split, a CLI
+that records what produced its results, and a training run that learns."""
+import json
+import math
+import re
+import sys
+from pathlib import Path
+
+import torch
+
+from linattn_lib.experiments import charlm
+from linattn_lib.experiments.charlm import CharData, CharLMConfig, build_corpus, corpus_info
+
+RESULTS = Path(__file__).resolve().parents[1] / "book" / "results" / "charlm.json"
+
+
+def test_corpus_is_deterministic_and_hashed():
+    a, b = build_corpus(), build_corpus()
+    assert a == b
+    info = corpus_info(a)
+    assert re.fullmatch(r"[0-9a-f]{64}", info["sha256"])
+    assert info["characters"] == len(a) > 200_000
+    assert all(ord(c) < 128 for c in set(a)) and info["vocab_size"] == len(set(a))
+    assert info["python_version"] == sys.version.split()[0]
+
+
+def test_committed_results_match_this_corpus_when_python_matches():
+    if not RESULTS.exists():
+        return
+    recorded = json.loads(RESULTS.read_text())["corpus"]
+    if recorded["python_version"] == sys.version.split()[0]:  # docstrings change between releases
+        assert corpus_info(build_corpus()) == recorded
+
+
+def test_split_is_positional_and_disjoint():
+    train_part, val_part = "ab" * 450, "cd" * 50  # the last 10% uses characters the rest never has
+    data = CharData(train_part + val_part)
+    assert len(data.train) == 900 and len(data.val) == 100
+    assert data.decode(data.train) == train_part and data.decode(data.val) == val_part
+    g = torch.Generator().manual_seed(0)
+    for _ in range(20):
+        x, y = data.batch(8, 16, generator=g)
+        assert set(data.decode(x.flatten())) <= {"a", "b"} and set(data.decode(y.flatten())) <= {"a", "b"}
+        assert torch.equal(x[:, 1:], y[:, :-1])
+    vx, vy = data.val_windows(16)
+    assert vx.shape == (6, 16) and set(data.decode(vx.flatten())) <= {"c", "d"}
+    assert torch.equal(vx.flatten()[1:], vy.flatten()[:-1])
+
+
+def test_batch_size_keeps_tokens_per_step():
+    for ctx in (64, 256, 1024):
+        cfg = CharLMConfig(ctx=ctx, tokens_per_step=4096)
+        assert cfg.batch_size * ctx == 4096
+
+
+def test_training_lowers_the_loss_and_samples_from_the_state():
+    data = CharData(build_corpus()[:60_000])
+    cfg = CharLMConfig(attention="linear", ctx=32, steps=40, tokens_per_step=512, d_model=32, n_head=2, lr=1e-2)
+    r = charlm.run(cfg, data, sample_len=20)
+    assert r["train_loss_last"] < r["train_loss_first"] - 0.5
+    assert r["bits_per_char"] < math.log2(data.vocab_size)
+    assert r["sample"].startswith("Return the ") and len(r["sample"]) == len("Return the ") + 20
+    assert math.isclose(r["val_perplexity"], math.exp(r["val_loss"]))
+
+
+def test_generation_state_constant_for_linear_growing_for_softmax():
+    sizes = {}
+    for kind in ("softmax", "linear"):
+        model = charlm.make_model(CharLMConfig(attention=kind, ctx=64, d_model=16, n_head=2), 10)
+        sizes[kind] = [charlm.generation_state_bytes(model, T) for T in (16, 32, 64)]
+    assert sizes["softmax"][2] == 4 * sizes["softmax"][0]
+    assert len(set(sizes["linear"])) == 1
+
+
+def test_quick_cli_writes_json_with_metadata(tmp_path):
+    out = tmp_path / "charlm.json"
+    payload = charlm.main(["--quick", "--out", str(out)])
+    saved = json.loads(out.read_text())
+    assert saved["complete"] and saved["meta"]["command"].startswith("python -m linattn_lib.experiments.charlm --quick")
+    assert saved["corpus"]["sha256"] == corpus_info(build_corpus())["sha256"]
+    for key in ("library_version", "torch_version", "hardware", "date_utc", "wall_seconds_sweep"):
+        assert saved["meta"][key]
+    assert [r["kind"] for r in saved["results"]] == ["softmax", "linear"]
+    assert set(saved["summary"]) == {"softmax", "linear"} and saved["summary"]["linear"]["16"]["n"] == 1
+    assert payload["corpus"] == saved["corpus"]
+    # --resume finds every run already done and rewrites the same results
+    again = charlm.main(["--quick", "--out", str(out), "--resume"])
+    assert [r["val_loss"] for r in again["results"]] == [r["val_loss"] for r in saved["results"]]
