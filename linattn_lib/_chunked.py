@@ -49,6 +49,7 @@ from torch import Tensor
 from .masks import decay_mask
 
 BLOCK_TOKENS = 4096  # tokens per block: enough work per torch call, temporaries of about 1 MiB
+SCAN_ONE_LEVEL_MAX = 16  # scans over more chunks than this go in two levels (see _Scan)
 
 
 # --------------------------------------------------------------------------------------
@@ -77,13 +78,19 @@ def _compute_dtype(x: Tensor) -> torch.dtype:
     return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
-def _initial(S0, z0, B, H, Dk, Dv, normalize, dtype, device):
-    """The state entering the sequence as (S, z): (B*H, Dk, Dv) and (B*H, Dk) (z None if not normalising)."""
+def _initial(S0, z0, B, H, Dk, Dv, normalize, dtype, device) -> Tensor:
+    """The state S' = [S, z] as one (B*H, Dk, Dv') tensor (Dv' = Dv + 1 when normalising; zeros if absent)."""
     S = torch.zeros(B * H, Dk, Dv, dtype=dtype, device=device) if S0 is None else S0.to(dtype).reshape(B * H, Dk, Dv)
     if not normalize:
-        return S, None
+        return S
     z = torch.zeros(B * H, Dk, dtype=dtype, device=device) if z0 is None else z0.to(dtype).reshape(B * H, Dk)
-    return S, z
+    return torch.cat([S, z.unsqueeze(-1)], dim=-1)
+
+
+def _split_state(Sa: Tensor, B, H, Dv, normalize):
+    """(B*H, Dk, Dv') -> S (B, H, Dk, Dv) and z (B, H, Dk) (None when not normalising)."""
+    S = Sa[..., :Dv].reshape(B, H, -1, Dv)
+    return S, (Sa[..., Dv].reshape(B, H, -1) if normalize else None)
 
 
 # --------------------------------------------------------------------------------------
@@ -96,11 +103,13 @@ def _noncausal(q, k, v, S0, z0, normalize, eps):
     Dv = v.shape[-1]
     dtype = _compute_dtype(q)
     q, k, v = (x.to(dtype) for x in (q, k, v))
-    S, z = _initial(S0, z0, B, H, Dk, Dv, normalize, dtype, q.device)
-    S = S.view(B, H, Dk, Dv) + k.transpose(-1, -2) @ v
+    S = _initial(S0, z0, B, H, Dk, Dv, normalize, dtype, q.device)[..., :Dv].view(B, H, Dk, Dv)
+    S = S + k.transpose(-1, -2) @ v
     o = q @ S
+    z = None
     if normalize:
-        z = z.view(B, H, Dk) + k.sum(-2)
+        z = z0.to(dtype) if z0 is not None else q.new_zeros(B, H, Dk)
+        z = z + k.sum(-2)
         o = o / ((q @ z.unsqueeze(-1)) + eps)
     return o, S, z
 
@@ -131,19 +140,23 @@ class _Workspace:
     """Scratch tensors that every block of one call reuses.
 
     Fresh memory from the operating system costs a page fault per 4 KiB page; for block-sized
-    temporaries that is as much time as the arithmetic on them. So each named buffer is
-    allocated once per call (at the size of the largest block) and handed out as a view.
+    temporaries that is as much time as the arithmetic on them. So each buffer is allocated
+    once per call and shape, and every block of that shape writes into it.
     """
 
     def __init__(self, like: Tensor):
         self.like, self.buffers = like, {}
 
     def __call__(self, name: str, *shape: int) -> Tensor:
-        numel = math.prod(shape)
-        buf = self.buffers.get(name)
-        if buf is None or buf.numel() < numel:
-            buf = self.buffers[name] = self.like.new_empty(numel)
-        return buf[:numel].view(shape)
+        return self.get(name, *shape)[0]
+
+    def get(self, name: str, *shape: int) -> tuple[Tensor, bool]:
+        """The buffer `name` of this shape, and whether it was just allocated."""
+        key = (name,) + shape
+        fresh = key not in self.buffers
+        if fresh:
+            self.buffers[key] = self.like.new_empty(shape)
+        return self.buffers[key], fresh
 
 
 class _Decay:
@@ -188,12 +201,12 @@ class _Scan:
     state times its decay: about 2 n (s + 1) per state entry.
     """
 
-    def __init__(self, gamma: Optional[Tensor], h: int, n: int, dtype, device, levels: int = 2):
+    def __init__(self, gamma: Optional[Tensor], h: int, n: int, dtype, device):
         self.h, self.n = h, n
         s = min(8, math.isqrt(n))
         while n % s:
             s -= 1  # s: the largest divisor of n up to 8 (1 when n is prime); long outer scans recurse
-        self.two_level = levels > 1 and n > 16 and s > 1
+        self.two_level = n > SCAN_ONE_LEVEL_MAX and s > 1
         if self.two_level:
             self.s, self.g = s, n // s
             self.inner = _Scan(None if gamma is None else gamma.reshape(h * self.g, s), h * self.g, s, dtype, device)
@@ -226,8 +239,11 @@ class _Scan:
             E, totals = inner(None, inc3.view(h * n, -1), reverse, out3)  # each group from zero
             G, beyond = self.outer(carry, totals, reverse)  # the state at each group's near end
             E3, G3 = E.view(h * self.g, self.s, -1), G.view(h * self.g, 1, -1)
-            coef = inner.c_rev if reverse else inner.c
-            E3.add_(G3) if coef is None else E3.addcmul_(coef, G3)
+            coef = inner.c_rev if reverse else inner.c  # decay from the group's near end
+            if coef is None:
+                E3.add_(G3)
+            else:
+                E3.addcmul_(coef, G3)
         else:
             L = self.L.transpose(1, 2) if reverse else self.L
             if carry is None:
@@ -241,16 +257,15 @@ class _Scan:
 
 
 @functools.lru_cache(maxsize=64)
-def _plain_scan(h: int, n: int, dtype: torch.dtype, device: torch.device, levels: int) -> _Scan:
+def _plain_scan(h: int, n: int, dtype: torch.dtype, device: torch.device) -> _Scan:
     """The no-decay scan depends only on the block's shape: build it once."""
-    return _Scan(None, h, n, dtype, device, levels)
+    return _Scan(None, h, n, dtype, device)
 
 
-def _scans_for(decay: Optional[_Decay], h: int, n: int, like: Tensor) -> tuple[_Scan, _Scan]:
-    """Scans for the (Dk x Dv) state S, and one-level ones for the small normaliser state z."""
+def _scan_for(decay: Optional[_Decay], h: int, n: int, like: Tensor) -> _Scan:
     if decay is None:
-        return _plain_scan(h, n, like.dtype, like.device, 2), _plain_scan(h, n, like.dtype, like.device, 1)
-    return _Scan(decay.gamma, h, n, like.dtype, like.device), _Scan(decay.gamma, h, n, like.dtype, like.device, 1)
+        return _plain_scan(h, n, like.dtype, like.device)
+    return _Scan(decay.gamma, h, n, like.dtype, like.device)
 
 
 def _prepare(q, k, v, log_decay, C):
@@ -281,15 +296,15 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         C = min(chunk_size, T)  # a chunk longer than the sequence would only add padding
         qc, kc, vc, gc, N = _prepare(q, k, v, log_decay, C)
         BH = B * H
-        S, z = _initial(S0, z0, B, H, Dk, Dv, normalize, qc.dtype, qc.device)
+        S = _initial(S0, z0, B, H, Dk, Dv, normalize, qc.dtype, qc.device)  # (BH, Dk, Dv')
 
         out = qc.new_empty(BH * N, C, Dv)
         den = qc.new_empty(BH * N, C) if normalize else None
         checkpoints = []  # the state entering every block: all the backward keeps besides q, k, v, o
         ws = _Workspace(qc)
-        S_T, z_T = torch.empty_like(S), None if z is None else torch.empty_like(z)
+        S_T = torch.empty_like(S)
         for h0, h1, ranges in _blocks(BH, N, max(1, BLOCK_TOKENS // C)):
-            carry = (S[h0:h1], None if z is None else z[h0:h1])
+            carry = S[h0:h1]
             for n0, n1 in ranges:
                 checkpoints.append(carry)
                 rows = slice(h0 * N + n0, (h1 - 1) * N + n1)  # the block's chunks, in (B*H*N) order
@@ -298,37 +313,34 @@ class _ChunkedLinearAttention(torch.autograd.Function):
                     qc[rows], kc[rows], vc[rows], decay, carry, h1 - h0, out[rows],
                     None if den is None else den[rows], eps, ws,
                 )
-            S_T[h0:h1] = carry[0]
-            if z is not None:
-                z_T[h0:h1] = carry[1]
+            S_T[h0:h1] = carry
 
         ctx.save_for_backward(qc, kc, vc, out, den, log_decay, S0, z0)
-        ctx.gc, ctx.checkpoints, ctx.final = gc, checkpoints, (S_T, z_T)
+        ctx.gc, ctx.checkpoints, ctx.S_T = gc, checkpoints, S_T
         ctx.shape = (B, H, T, Dk, Dv, C, N)
         o = out.view(B, H, N * C, Dv)[:, :, :T]
-        return o, S_T.view(B, H, Dk, Dv).clone(), None if z_T is None else z_T.view(B, H, Dk).clone()
+        S_out, z_out = _split_state(S_T.clone(), B, H, Dv, normalize)
+        return o, S_out, z_out
 
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dS_T, dz_T):
         qc, kc, vc, out, den, log_decay, S0, z0 = ctx.saved_tensors
         B, H, T, Dk, Dv, C, N = ctx.shape
-        BH, dtype, gc = B * H, qc.dtype, ctx.gc
+        BH, dtype, gc, normalize = B * H, qc.dtype, ctx.gc, den is not None
         do = do.to(dtype)
         if N * C > T:
             do = F.pad(do, (0, 0, 0, N * C - T))
         do = do.reshape(BH * N, C, Dv)
-        dS_T = dS_T.to(dtype).reshape(BH, Dk, Dv)
-        dz_T = None if den is None else dz_T.to(dtype).reshape(BH, Dk)
+        dS_T = _initial(dS_T, dz_T, B, H, Dk, Dv, normalize, dtype, qc.device)  # dL/dS' after the sequence
 
         dq, dk, dv = torch.empty_like(qc), torch.empty_like(kc), torch.empty_like(vc)
         dc = None if gc is None else qc.new_empty(BH * N, C)
-        dS0, dz0 = torch.empty_like(dS_T), None if dz_T is None else torch.empty_like(dz_T)
-        blocks = list(_blocks(BH, N, max(1, BLOCK_TOKENS // C)))
+        dS0 = torch.empty_like(dS_T)
         ws = _Workspace(qc)
         i = len(ctx.checkpoints)
-        for h0, h1, ranges in reversed(blocks):  # the forward's walk, backwards
-            dcarry = (dS_T[h0:h1], None if dz_T is None else dz_T[h0:h1])
+        for h0, h1, ranges in reversed(list(_blocks(BH, N, max(1, BLOCK_TOKENS // C)))):  # the forward's walk, backwards
+            dcarry = dS_T[h0:h1]
             for n0, n1 in reversed(ranges):
                 i -= 1
                 rows = slice(h0 * N + n0, (h1 - 1) * N + n1)
@@ -338,114 +350,106 @@ class _ChunkedLinearAttention(torch.autograd.Function):
                     do[rows], out[rows], None if den is None else den[rows], dcarry,
                     dq[rows], dk[rows], dv[rows], None if dc is None else dc[rows], ws,
                 )
-            dS0[h0:h1] = dcarry[0]
-            if dz0 is not None:
-                dz0[h0:h1] = dcarry[1]
+            dS0[h0:h1] = dcarry
 
         dlog = None
         if dc is not None and ctx.needs_input_grad[3]:
             # dL/dg_s = sum_{t >= s} dL/dc_t; the final state depends on every g: + <dS_T, S_T>
-            S_T, z_T = ctx.final
             dc = dc.view(BH, N * C).flip(-1).cumsum(-1).flip(-1)
-            through_state = (dS_T * S_T).sum((-1, -2))
-            if z_T is not None:
-                through_state += (dz_T * z_T).sum(-1)
-            dc += through_state.unsqueeze(-1)
+            dc += (dS_T * ctx.S_T).sum((-1, -2)).unsqueeze(-1)
             dlog = dc.view(B, H, N * C)[:, :, :T]
             dlog = (dlog.sum((0, 2)) if log_decay.dim() == 1 else dlog).to(log_decay.dtype)
 
         def unchunk(x, like):
             return x.view(B, H, N * C, -1)[:, :, :T].to(like.dtype)
 
+        dS0_, dz0_ = _split_state(dS0, B, H, Dv, normalize)
         return (
             unchunk(dq, qc), unchunk(dk, kc), unchunk(dv, vc), dlog,
-            None if S0 is None else dS0.view(B, H, Dk, Dv).to(S0.dtype),
-            None if z0 is None else dz0.view(B, H, Dk).to(z0.dtype),
+            None if S0 is None else dS0_.to(S0.dtype),
+            None if z0 is None else dz0_.to(z0.dtype),
             None, None, None,
         )
 
 
-def _forward_block(q, k, v, decay, carry, h, out, den, eps, ws):
-    """One block: h heads x n chunks. q, k: (h*n, C, Dk), v: (h*n, C, Dv), carry = (S, z).
+def _with_ones(v: Tensor, ws: _Workspace, name: str) -> Tensor:
+    """v' = [v, 1] in a workspace buffer whose last column was set to one when allocated."""
+    G, C, Dv = v.shape
+    buf, fresh = ws.get(name, G, C, Dv + 1)
+    if fresh:
+        buf[..., Dv] = 1.0
+    buf[..., :Dv].copy_(v)
+    return buf
+
+
+def _forward_block(q, k, v, decay, S, h, out, den, eps, ws):
+    """One block: h heads x n chunks. q, k: (h*n, C, Dk), v: (h*n, C, Dv), S: (h, Dk, Dv').
 
     Writes the block's output (and denominators) in place; returns the state after the block.
     """
     G, C, Dk = q.shape
     Dv = v.shape[-1]
-    S, z = carry
-    scan, zscan = _scans_for(decay, h, G // h, q)
+    va = v if den is None else _with_ones(v, ws, "va")  # v' = [v, 1]: the last column is the normaliser
+    Dva = va.shape[-1]
+    scan = _scan_for(decay, h, G // h, q)
     k_in = k if decay is None else torch.mul(k, decay.k_scale, out=ws("k_in", G, C, Dk))  # decayed to the chunk end
-    # 1. the state entering each chunk: per-chunk increments k^T v (one bmm), then the scan
-    inc = torch.bmm(k_in.transpose(1, 2), v, out=ws("inc", G, Dk, Dv))
-    E, S = scan(S, inc, out=ws("E", G, Dk, Dv))
-    # 2. the past through the state, o = q E, then this chunk: o += (q k^T * M) v
-    torch.bmm(q, E, out=out)
+    # 1. the state entering each chunk: per-chunk increments k^T v' (one bmm), then the scan
+    inc = torch.bmm(k_in.transpose(1, 2), va, out=ws("inc", G, Dk, Dva))
+    E, S = scan(S, inc, out=ws("E", G, Dk, Dva))
+    # 2. the past through the state, y = q E, then this chunk: y += (q k^T * M) v'
+    y = torch.bmm(q, E, out=out if den is None else ws("y", G, C, Dva))
     if decay is not None:
-        out.mul_(decay.q_scale)
+        y.mul_(decay.q_scale)
     A = _apply_mask(torch.bmm(q, k.transpose(1, 2), out=ws("A", G, C, C)), decay)
-    out.baddbmm_(A, v)
-    if den is not None:
-        # the denominator is the same computation with v = 1: q z + (q k^T * M) 1
-        Z, z = zscan(z, k_in.sum(1))
-        qz = torch.bmm(q, Z.unsqueeze(-1)).squeeze(-1)
-        if decay is not None:
-            qz.mul_(decay.q_scale.squeeze(-1))
-        torch.add(qz, A.sum(-1), out=den).add_(eps)
-        out.mul_(den.reciprocal().unsqueeze(-1))
-    return S, z
+    y.baddbmm_(A, va)
+    if den is not None:  # y = [numerator, denominator - eps]
+        torch.add(y[..., Dv], eps, out=den)
+        torch.div(y[..., :Dv], den.unsqueeze(-1), out=out)
+    return S
 
 
-def _backward_block(q, k, v, decay, carry, h, do, o, den, dcarry, dq, dk, dv, dc, ws):
-    """Gradients of one block, from the state entering it (`carry`, the forward's checkpoint)
-    and dL/d(state after it) (`dcarry`). Writes dq, dk, dv (and dc) in place; returns
-    dL/d(state before it)."""
+def _backward_block(q, k, v, decay, S, h, do, o, den, dS, dq, dk, dv, dc, ws):
+    """Gradients of one block, from the state entering it (`S`, the forward's checkpoint) and
+    dL/d(state after it) (`dS`). Writes dq, dk, dv (and dc) in place; returns dL/d(state before it)."""
     G, C, Dk = q.shape
     Dv = v.shape[-1]
-    scan, zscan = _scans_for(decay, h, G // h, q)
-    (S, z), (dS, dz) = carry, dcarry
-    if den is not None:
-        # o = num / den: dnum = do / den, dden = -(do . o) / den
-        rden = den.reciprocal()
-        dnum = torch.mul(do, rden.unsqueeze(-1), out=ws("dnum", G, C, Dv))
-        dden = torch.mul(do, o, out=ws("do_o", G, C, Dv)).sum(-1).mul_(rden).neg_()
+    scan = _scan_for(decay, h, G // h, q)
+    if den is None:
+        va, dy = v, do
     else:
-        dnum = do
+        # o = y[:Dv] / den with den = y[Dv] + eps: dy = [do / den, -(do . o) / den]
+        va = _with_ones(v, ws, "va")
+        dy = ws("dy", G, C, Dv + 1)
+        rden = den.reciprocal().unsqueeze(-1)
+        torch.mul(do, rden, out=dy[..., :Dv])
+        torch.sum(torch.mul(do, o, out=ws("do_o", G, C, Dv)), -1, keepdim=True, out=dy[..., Dv:])
+        dy[..., Dv:].mul_(rden).neg_()
+    Dva = va.shape[-1]
     k_in = k if decay is None else torch.mul(k, decay.k_scale, out=ws("k_in", G, C, Dk))
     q_in = q if decay is None else torch.mul(q, decay.q_scale, out=ws("q_in", G, C, Dk))
     # recompute the state entering every chunk, as the forward did ...
-    inc = torch.bmm(k_in.transpose(1, 2), v, out=ws("inc", G, Dk, Dv))
-    E, _ = scan(S, inc, out=ws("E", G, Dk, Dv))
-    # ... and dL/d(state leaving every chunk): the same scan, run backwards
-    dinc = torch.bmm(q_in.transpose(1, 2), dnum, out=ws("dinc", G, Dk, Dv))
-    dE, dS = scan(dS, dinc, reverse=True, out=ws("dE", G, Dk, Dv))
-    # the intra-chunk matrices, recomputed: A = q k^T * M and dA = (dnum v^T + dden 1^T) * M
+    inc = torch.bmm(k_in.transpose(1, 2), va, out=ws("inc", G, Dk, Dva))
+    E, _ = scan(S, inc, out=ws("E", G, Dk, Dva))
+    # ... and dL/d(state leaving every chunk): the same scan, transposed (run backwards)
+    dinc = torch.bmm(q_in.transpose(1, 2), dy, out=ws("dinc", G, Dk, Dva))
+    dE, dS = scan(dS, dinc, reverse=True, out=ws("dE", G, Dk, Dva))
+    # the intra-chunk matrices, recomputed: A = q k^T * M and dA = (dy v'^T) * M
     A = _apply_mask(torch.bmm(q, k.transpose(1, 2), out=ws("A", G, C, C)), decay)
-    dA = torch.bmm(dnum, v.transpose(1, 2), out=ws("dA", G, C, C))
-    if den is not None:
-        dA.add_(dden.unsqueeze(-1))
-    _apply_mask(dA, decay)
-    # dq = dA k + exp(b) * (dnum E^T + dden z^T)
-    torch.bmm(dnum, E.transpose(1, 2), out=dq)
-    if den is not None:
-        Z, _ = zscan(z, k_in.sum(1))
-        dq.baddbmm_(dden.unsqueeze(-1), Z.unsqueeze(1))
+    dA = _apply_mask(torch.bmm(dy, va.transpose(1, 2), out=ws("dA", G, C, C)), decay)
+    # dq = dA k + exp(b) * (dy E^T)
+    torch.bmm(dy, E.transpose(1, 2), out=dq)
     if decay is not None:
         dq.mul_(decay.q_scale)
     dq.baddbmm_(dA, k)
-    # dk = dA^T q + exp(b_C - b) * (v dE^T + 1 dZ^T)
-    torch.bmm(v, dE.transpose(1, 2), out=dk)
-    if den is not None:
-        dZ, dz = zscan(dz, (q_in * dden.unsqueeze(-1)).sum(1), reverse=True)
-        dk.add_(dZ.unsqueeze(1))
+    # dk = dA^T q + exp(b_C - b) * (v' dE^T)
+    torch.bmm(va, dE.transpose(1, 2), out=dk)
     if decay is not None:
         dk.mul_(decay.k_scale)
     dk.baddbmm_(dA.transpose(1, 2), q)
-    # dv = A^T dnum + exp(b_C - b) * (k dE)
-    torch.bmm(k, dE, out=dv)
-    if decay is not None:
-        dv.mul_(decay.k_scale)
-    dv.baddbmm_(A.transpose(1, 2), dnum)
+    # dv = A^T dy + exp(b_C - b) * (k dE)   (the first Dv columns: the ones column is constant)
+    torch.bmm(k_in, dE[..., :Dv], out=dv)
+    dv.baddbmm_(A.transpose(1, 2), dy[..., :Dv])
     if dc is not None:
         # dL/dc_t = q_t . dq_t - k_t . dk_t  (the caller reverse-cumsums it into dL/dg)
         torch.sub((q * dq).sum(-1), (k * dk).sum(-1), out=dc)
-    return dS, dz
+    return dS
