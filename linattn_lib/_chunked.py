@@ -18,9 +18,11 @@ fast, and what makes its memory O(T):
    block-sized: it stays in cache, and memory does not grow with T beyond the inputs, the
    output and the gradients.
 
-2. **The normaliser rides along.** The denominator q_t . z_t is the numerator with v replaced
-   by ones: q z + (q k^T * M) 1, i.e. a row sum of the masked scores the numerator needed
-   anyway, plus one matrix-vector product per chunk; its state z is scanned like S.
+2. **The normaliser is one more column.** With v' = [v, 1] and the state S' = [S, z],
+   q_t S'_t = [q_t S_t, q_t . z_t]: numerator and denominator come out of the same matmuls
+   (and gradients through the denominator out of the same backward matmuls). So there is one
+   engine, for the unnormalised form; normalize=True appends a ones column to v and divides by
+   the last output column.
 
 3. **The backward recomputes.** Autograd would keep every per-chunk state (T/C of them, each
    Dk x Dv) and every C x C score matrix. The custom `torch.autograd.Function` keeps only q, k,
