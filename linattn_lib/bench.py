@@ -70,25 +70,23 @@ class Skip(Exception):
 def chunked_forward_flops(B: int, H: int, T: int, Dk: int, Dv: int, C: int, normalize: bool = True) -> int:
     """FLOPs of the chunked forward, counted as the torch path does them (see FLOPS_FORMULA).
 
-    Per chunk of C tokens and head: the intra-chunk scores q k^T (2 C^2 Dk) and their product with
-    v (2 C^2 Dv) -- the full C x C matrices, masked half included, because that is what the
-    matmuls compute -- the past through the state q E (2 C Dk Dv) and the chunk's state
-    increment k^T v (2 C Dk Dv); with normalize, the denominator's row sums of the masked scores
-    (C^2), q . z (2 C Dk) and the key sums (C Dk). Padding of the last chunk is counted too. Not
-    counted: the scan that turns increments into entry states, element-wise masks and scalings.
+    Per chunk of C tokens and head, with Dv' = Dv + 1 when normalising (the ones column of v
+    that carries the denominator): the intra-chunk scores q k^T (2 C^2 Dk) and their product
+    with v' (2 C^2 Dv') -- the full C x C matrices, masked half included, because that is what
+    the matmuls compute -- the past through the state q E (2 C Dk Dv') and the chunk's state
+    increment k^T v' (2 C Dk Dv'). Padding of the last chunk is counted too. Not counted: the
+    scan that turns increments into entry states, masks, copies and the final division.
     """
     C = min(C, T)
+    Dva = Dv + int(normalize)
     chunks = B * H * math.ceil(T / C)
-    per_chunk = 2 * C * C * Dk + 2 * C * C * Dv + 4 * C * Dk * Dv
-    if normalize:
-        per_chunk += C * C + 3 * C * Dk
-    return chunks * per_chunk
+    return chunks * (2 * C * C * Dk + 2 * C * C * Dva + 4 * C * Dk * Dva)
 
 
 FLOPS_FORMULA = (
-    "FLOPs per chunk of C tokens and head: 2C^2*Dk (q k^T) + 2C^2*Dv (A v) + 2C*Dk*Dv (q E) "
-    "+ 2C*Dk*Dv (k^T v) + C^2 + 3C*Dk (normaliser: row sums of A, q.z, key sums); "
-    "times B*H*ceil(T/C) chunks. The scan over chunk states is not counted."
+    "FLOPs per chunk of C tokens and head: 2C^2*Dk (q k^T) + 2C^2*Dv' (A v') + 2C*Dk*Dv' (q E) "
+    "+ 2C*Dk*Dv' (k^T v'), with Dv' = Dv + 1 (the ones column that carries the normaliser); "
+    "times B*H*ceil(T/C) chunks. Not counted: the scan over chunk states, masks, copies, the division."
 )
 
 
@@ -536,7 +534,8 @@ def format_targets(res: dict, meta: dict) -> tuple[str, list[dict]]:
     lines = [
         f"CPU targets -- {meta['hardware']}, torch {meta['torch_version']}, linattn_lib {meta['library_version']}",
         f"B={s['B']} H={s['H']} D={s['D']} float32, causal, normalize=True, no decay, chunk_size={C}; "
-        f"{res['rounds']} interleaved rounds, medians",
+        f"{res['rounds']} interleaved rounds, medians; torch threads {meta['threads']}, "
+        f"THP_MEM_ALLOC_ENABLE={(meta.get('environment') or {}).get('THP_MEM_ALLOC_ENABLE') or 'unset'}",
         "",
         f"{'target':{w}s}  {'measured':{wm}s}  {'goal':8s}  verdict",
         "-" * (w + wm + 22),
@@ -551,8 +550,10 @@ def format_targets(res: dict, meta: dict) -> tuple[str, list[dict]]:
         "process before the inputs existed (torch loaded, warmed up). It includes q, k, v and do "
         f"({(m['inputs_rss_bytes'] or 0) / mib:.0f} MiB), o, dq, dk, dv, saved tensors and all temporaries "
         f"(fwd+bwd alone: {(m['fwd_bwd_peak_bytes'] or 0) / mib:.0f} MiB).",
-        "the chunked CPU forward is compute-bound (batched matmuls of C x D blocks); on a GPU, at D=64, "
-        "the same algorithm is memory-bound (see the sweep's GB/s).",
+        "why the forward stays below big-matmul speed on a CPU: its matmuls are small (C x D blocks), "
+        "every block streams q, k, v and its C x C and Dk x Dv temporaries through the caches, and the "
+        "fresh output's pages are faulted in -- a 2048^3 matmul has none of these costs. On a GPU at "
+        "D=64 the chunked kernel is memory-bound (the sweep reports GB/s against the peak).",
     ]
     return "\n".join(lines), rows
 
@@ -622,18 +623,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--strict", action="store_true", help="targets: exit with status 1 if one fails")
+    p.add_argument("--thp", action="store_true",
+                   help="run with torch's 2 MiB transparent-huge-page allocations (THP_MEM_ALLOC_ENABLE=1): "
+                        "fewer page faults on fresh tensors, for every provider alike")
     return p
 
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     a = build_parser().parse_args(argv)
+    if a.thp and os.environ.get("THP_MEM_ALLOC_ENABLE") != "1":
+        # torch reads the variable once, at its first allocation: start again with it set
+        env = dict(os.environ, THP_MEM_ALLOC_ENABLE="1")
+        return subprocess.run([sys.executable, "-m", MODULE, *argv], env=env).returncode
     out = Path(a.out)
     if a.what == "_memory":  # internal: the child process of the memory target
         r = _memory_probe(a.B, a.H, a.T[0], a.D[0], a.chunk_size[0])
         print(json.dumps(r))
         return 0
     meta = run_metadata(MODULE, argv)
+    meta["environment"] = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "THP_MEM_ALLOC_ENABLE", "MKL_NUM_THREADS")}
     progress = not a.no_progress
 
     if a.what == "sweep":

@@ -247,8 +247,9 @@ def test_bench_flop_count_formula():
     from linattn_lib.bench import chunked_forward_flops
 
     B, H, T, D, C = 1, 8, 16384, 64, 64
-    per_chunk = 2 * C * C * D + 2 * C * C * D + 4 * C * D * D + C * C + 3 * C * D
+    per_chunk = 2 * C * C * D + 2 * C * C * (D + 1) + 4 * C * D * (D + 1)  # v' = [v, 1]
     assert chunked_forward_flops(B, H, T, D, D, C) == B * H * (T // C) * per_chunk
+    assert chunked_forward_flops(B, H, T, D, D, C, normalize=False) == B * H * (T // C) * (8 * C * D * D)
 
 
 def test_bench_sweep_cli_writes_json_and_plot(tmp_path):
