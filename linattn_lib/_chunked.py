@@ -50,7 +50,7 @@ from torch import Tensor
 
 from .masks import decay_mask
 
-BLOCK_TOKENS = 8192  # tokens per block: ~50 torch calls each, so not too many blocks; temporaries ~2 MiB
+BLOCK_TOKENS = 4096  # tokens per block: ~50 torch calls each, so not too many blocks; temporaries ~1 MiB
 SCAN_ONE_LEVEL_MAX = 16  # scans over more chunks than this go in two levels (see _Scan)
 
 

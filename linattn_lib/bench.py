@@ -471,9 +471,8 @@ def run_targets(*, B, H, T, D, chunk_size, rounds, growth_T, memory_T, matmul_n,
         calls[t]()
     times = {t: [] for t in growth_T}
     for _ in range(rounds):
-        for t in growth_T:
-            for _ in range(2):
-                times[t] += cpu_time(calls[t], warmup=0, repeats=1)
+        for t in growth_T:  # steady state at each length: one settling call, then two timed ones
+            times[t] += cpu_time(calls[t], warmup=1, repeats=2)
     lo, hi = growth_T
     res["growth"] = dict(
         T=list(growth_T), times_s={str(t): times[t] for t in growth_T},
