@@ -60,7 +60,12 @@ SCAN_ONE_LEVEL_MAX = 16  # scans over more chunks than this go in two levels (se
 
 
 def chunked_linear_attention(q, k, v, *, causal, normalize, log_decay, eps, chunk_size, initial_state, return_state):
-    """Chunked linear attention with a recomputing backward; see the module docstring."""
+    """`linear_attention(..., form="chunked", backend="torch")`: same arguments and results.
+
+    Causal inputs go through `_ChunkedLinearAttention` (blockwise forward, recomputing
+    backward); non-causal ones are one global state and one product, for which plain autograd
+    already keeps only O(T) tensors.
+    """
     from .attention import LinearAttentionState
 
     S0, z0 = (None, None) if initial_state is None else initial_state
@@ -101,18 +106,17 @@ def _split_state(Sa: Tensor, B, H, Dv, normalize):
 
 
 def _noncausal(q, k, v, S0, z0, normalize, eps):
-    B, H, T, Dk = q.shape
-    Dv = v.shape[-1]
+    """o = q S / (q . z + eps) with the global state S = S0 + k^T v and z = z0 + sum_t k_t."""
     dtype = _compute_dtype(q)
     q, k, v = (x.to(dtype) for x in (q, k, v))
-    S = _initial(S0, z0, B, H, Dk, Dv, normalize, dtype, q.device)[..., :Dv].view(B, H, Dk, Dv)
-    S = S + k.transpose(-1, -2) @ v
+    S = k.transpose(-1, -2) @ v
+    if S0 is not None:
+        S = S + S0.to(dtype)
     o = q @ S
     z = None
     if normalize:
-        z = z0.to(dtype) if z0 is not None else q.new_zeros(B, H, Dk)
-        z = z + k.sum(-2)
-        o = o / ((q @ z.unsqueeze(-1)) + eps)
+        z = k.sum(-2) if z0 is None else z0.to(dtype) + k.sum(-2)
+        o = o / (q @ z.unsqueeze(-1) + eps)
     return o, S, z
 
 
