@@ -18,8 +18,9 @@ Providers (all called on the same tensors, q and k being non-negative features):
 Timing. CUDA: ``triton.testing.do_bench`` (median), plus the achieved memory bandwidth against
 the device's peak: the chunked kernel moves O(T D) bytes for O(T D (C + D)) FLOPs, so at
 D = 64 it is memory-bound on a GPU and GB/s is its honest figure of merit. CPU: a wall-clock
-timer (warm-up calls, then the median of repeats; the thread count is left as it is), with
-providers measured in interleaved rounds so that a noisy neighbour slows all of them alike.
+timer (warm-up calls, then the median of repeats, each started with flushed caches as
+do_bench does on a GPU; the thread count is left as it is), with providers measured in
+interleaved rounds so that a noisy neighbour slows all of them alike.
 Triton is never imported without CUDA.
 """
 from __future__ import annotations
@@ -104,9 +105,40 @@ def io_bytes(B: int, H: int, T: int, Dk: int, Dv: int, itemsize: int, mode: str)
 # --------------------------------------------------------------------------------------
 
 
-def cpu_time(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5, budget_s: float = 10.0) -> list[float]:
+def _last_level_cache_bytes() -> int:
+    """Size of the CPU's last-level cache (Linux sysfs), or 256 MiB when it cannot be read."""
+    try:
+        base = Path("/sys/devices/system/cpu/cpu0/cache")
+        sizes = []
+        for index in base.glob("index*"):
+            text = (index / "size").read_text().strip().upper()
+            mult = {"K": 2**10, "M": 2**20, "G": 2**30}.get(text[-1], 1)
+            sizes.append(int(text.rstrip("KMG")) * mult)
+        return max(sizes)
+    except (OSError, ValueError):
+        return 256 * 2**20
+
+
+_FLUSH: dict = {"enabled": True}
+
+
+def flush_cpu_caches() -> None:
+    """Evict the caches by writing a buffer twice the last-level cache (at most 1 GiB), the way
+    triton.testing.do_bench clears the GPU's L2 before every timed run: each call then starts
+    cold, as it would inside a model, instead of finding last call's inputs still cached."""
+    if not _FLUSH["enabled"]:
+        return
+    if "buf" not in _FLUSH:
+        _FLUSH["buf"] = torch.empty(min(2 * _last_level_cache_bytes(), 2**30) // 4, dtype=torch.int32)
+    _FLUSH["buf"].zero_()
+
+
+def cpu_time(
+    fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5, budget_s: float = 10.0
+) -> list[float]:
     """Wall-clock seconds of `repeats` calls of fn() after `warmup` calls (fewer when one call
-    alone would exceed the budget). torch's thread count is left untouched."""
+    alone would exceed the budget), each timed call starting with flushed caches. torch's
+    thread count is left untouched."""
     t0 = time.perf_counter()
     for _ in range(warmup):
         fn()
@@ -114,6 +146,7 @@ def cpu_time(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5, bud
     n = max(1, min(repeats, int(budget_s / max(first, 1e-9))))
     times = []
     for _ in range(n):
+        flush_cpu_caches()
         t0 = time.perf_counter()
         fn()
         times.append(time.perf_counter() - t0)
@@ -534,7 +567,8 @@ def format_targets(res: dict, meta: dict) -> tuple[str, list[dict]]:
         f"CPU targets -- {meta['hardware']}, torch {meta['torch_version']}, linattn_lib {meta['library_version']}",
         f"B={s['B']} H={s['H']} D={s['D']} float32, causal, normalize=True, no decay, chunk_size={C}; "
         f"{res['rounds']} interleaved rounds, medians; torch threads {meta['threads']}, "
-        f"THP_MEM_ALLOC_ENABLE={(meta.get('environment') or {}).get('THP_MEM_ALLOC_ENABLE') or 'unset'}",
+        f"THP_MEM_ALLOC_ENABLE={(meta.get('environment') or {}).get('THP_MEM_ALLOC_ENABLE') or 'unset'}, "
+        f"caches flushed before each timed call: {'yes' if meta.get('cpu_cache_flush') else 'no'}",
         "",
         f"{'target':{w}s}  {'measured':{wm}s}  {'goal':8s}  verdict",
         "-" * (w + wm + 22),
@@ -622,6 +656,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--no-plot", action="store_true")
     p.add_argument("--no-progress", action="store_true")
     p.add_argument("--strict", action="store_true", help="targets: exit with status 1 if one fails")
+    p.add_argument("--no-flush", action="store_true",
+                   help="CPU: do not flush the caches before each timed call (--quick implies it)")
     p.add_argument("--thp", action="store_true",
                    help="run with torch's 2 MiB transparent-huge-page allocations (THP_MEM_ALLOC_ENABLE=1): "
                         "fewer page faults on fresh tensors, for every provider alike")
@@ -640,8 +676,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         r = _memory_probe(a.B, a.H, a.T[0], a.D[0], a.chunk_size[0])
         print(json.dumps(r))
         return 0
+    _FLUSH["enabled"] = not (a.no_flush or a.quick)
     meta = run_metadata(MODULE, argv)
     meta["environment"] = {k: os.environ.get(k) for k in ("OMP_NUM_THREADS", "THP_MEM_ALLOC_ENABLE", "MKL_NUM_THREADS")}
+    meta["cpu_cache_flush"] = _FLUSH["enabled"]
     progress = not a.no_progress
 
     if a.what == "sweep":
