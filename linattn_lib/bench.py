@@ -461,6 +461,41 @@ def _memory_probe(B, H, T, D, chunk_size) -> dict:
     )
 
 
+def chunk_matmuls_only(q, k, v, *, chunk_size: int) -> Callable[[], torch.Tensor]:
+    """The four matmuls of the torch path's forward, and nothing else: a ceiling for it.
+
+    The same bmm calls on the same shapes and the same blocks as `_chunked._forward_block`
+    with normalize=True (k^T v', q E, q k^T and A v', with v' = [v, 1] built once, outside the
+    timing), writing into a freshly allocated output as every forward must -- but no scan (q
+    multiplies the chunk's own increment), no mask, no division, no copies. Its FLOP/s is what
+    the chunked algorithm's matmuls reach on this machine at these sizes, so no implementation
+    built from these calls can beat it; the targets table reports linattn-torch against it.
+    """
+    from ._chunked import BLOCK_TOKENS, _blocks, _prepare, _Workspace
+
+    B, H, T, D = q.shape
+    C = min(chunk_size, T)
+    qc, kc, vc, _, N = _prepare(q, k, v, None, C)
+    va = torch.cat([vc, vc.new_ones(vc.shape[:-1] + (1,))], dim=-1)
+    G0, Dva = B * H * N, va.shape[-1]
+
+    def run():
+        out = qc.new_empty(G0, C, Dva)
+        ws = _Workspace(qc)
+        for h0, h1, ranges in _blocks(B * H, N, max(1, BLOCK_TOKENS // C)):
+            for n0, n1 in ranges:
+                rows = slice(h0 * N + n0, (h1 - 1) * N + n1)
+                q_, k_, v_ = qc[rows], kc[rows], va[rows]
+                G = q_.shape[0]
+                inc = torch.bmm(k_.transpose(1, 2), v_, out=ws("inc", G, D, Dva))
+                y = torch.bmm(q_, inc, out=out[rows])
+                A = torch.bmm(q_, k_.transpose(1, 2), out=ws("A", G, C, C))
+                y.baddbmm_(A, v_)
+        return out
+
+    return run
+
+
 def run_targets(*, B, H, T, D, chunk_size, rounds, growth_T, memory_T, matmul_n, progress=True) -> dict:
     """Measure the four CPU targets side by side in this one process (memory: a child process)."""
     res: dict = dict(shape=dict(B=B, H=H, T=T, D=D), chunk_size=chunk_size, rounds=rounds)
@@ -474,15 +509,17 @@ def run_targets(*, B, H, T, D, chunk_size, rounds, growth_T, memory_T, matmul_n,
     lin = provider_forward("linattn-torch", q, k, v, chunk_size=chunk_size, max_quadratic_bytes=0)
     alt = provider_forward("linattn-torch", q, k, v, chunk_size=alt_chunk, max_quadratic_bytes=0)
     sdpa = provider_forward("sdpa", q, k, v, chunk_size=chunk_size, max_quadratic_bytes=0)
+    floor = chunk_matmuls_only(q, k, v, chunk_size=chunk_size)
     a, b = torch.randn(matmul_n, matmul_n), torch.randn(matmul_n, matmul_n)
     mm = lambda: a @ b  # noqa: E731
-    t_lin, t_alt, t_sdpa, t_mm = [], [], [], []
-    for fn in (lin, alt, sdpa, mm):  # warm-up
+    t_lin, t_alt, t_sdpa, t_mm, t_floor = [], [], [], [], []
+    for fn in (lin, alt, sdpa, mm, floor):  # warm-up
         fn()
     for _ in range(rounds):
         t_mm += cpu_time(mm, warmup=0, repeats=1)
         for _ in range(3):  # the fast calls are measured more often: cheap, and steadier
             t_lin += cpu_time(lin, warmup=0, repeats=1)
+            t_floor += cpu_time(floor, warmup=0, repeats=1)
             t_alt += cpu_time(alt, warmup=0, repeats=1)
         t_sdpa += cpu_time(sdpa, warmup=0, repeats=1)
         t_mm += cpu_time(mm, warmup=0, repeats=1)
@@ -493,6 +530,7 @@ def run_targets(*, B, H, T, D, chunk_size, rounds, growth_T, memory_T, matmul_n,
         linattn_flops=flops, matmul_flops=2 * matmul_n**3, matmul_n=matmul_n,
         alt_chunk_size=alt_chunk, alt_s=statistics.median(t_alt), alt_times_s=t_alt,
         alt_flops=chunked_forward_flops(B, H, T, D, D, alt_chunk),
+        matmuls_only_s=statistics.median(t_floor), matmuls_only_times_s=t_floor,
     )
     f = res["forward"]
     f["speedup_vs_sdpa"] = f["sdpa_s"] / f["linattn_s"]
@@ -500,7 +538,9 @@ def run_targets(*, B, H, T, D, chunk_size, rounds, growth_T, memory_T, matmul_n,
     f["matmul_flops_per_s"] = 2 * matmul_n**3 / f["matmul_s"]
     f["matmul_fraction"] = f["linattn_flops_per_s"] / f["matmul_flops_per_s"]
     f["alt_matmul_fraction"] = f["alt_flops"] / f["alt_s"] / f["matmul_flops_per_s"]
-    del q, k, v, lin, alt, sdpa, a, b
+    f["matmuls_only_fraction"] = flops / f["matmuls_only_s"] / f["matmul_flops_per_s"]
+    f["linattn_vs_matmuls_only"] = f["matmuls_only_s"] / f["linattn_s"]
+    del q, k, v, lin, alt, sdpa, floor, a, b
 
     # 3. fwd+bwd growth from T/4 to T, interleaved
     next(it, None)
@@ -598,6 +638,13 @@ def format_targets(res: dict, meta: dict) -> tuple[str, list[dict]]:
         f"fresh output's pages are faulted in -- a {f['matmul_n']}^3 matmul has none of these costs. On a "
         "GPU at D=64 the chunked kernel is memory-bound (the sweep reports GB/s against the peak).",
     ]
+    if "matmuls_only_s" in f:  # results written before this measurement existed lack it
+        lines.append(
+            f"ceiling: the forward's four matmul calls alone (same shapes and blocks, fresh output; no scan, "
+            f"mask or division -- bench.chunk_matmuls_only) take {f['matmuls_only_s'] * 1e3:.1f} ms = "
+            f"{100 * f['matmuls_only_fraction']:.0f}% of matmul FLOP/s; linattn-torch runs at "
+            f"{100 * f['linattn_vs_matmuls_only']:.0f}% of that speed."
+        )
     return "\n".join(lines), rows
 
 

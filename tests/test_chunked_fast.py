@@ -287,3 +287,21 @@ def test_bench_targets_cli_quick(tmp_path):
     data = json.loads((tmp_path / "targets-cpu-quick.json").read_text())
     assert [t["verdict"] in ("PASS", "FAIL", "n/a") for t in data["targets"]] == [True] * 4
     assert data["results"]["memory"]["qkvo_bytes"] > 0
+
+
+def test_bench_matmuls_only_ceiling_computes_the_four_products():
+    """The ceiling the targets table compares against really does the forward's matmuls:
+    per chunk, q (k^T v') + (q k^T) v' with v' = [v, 1], blockwise, every chunk written."""
+    from linattn_lib.bench import chunk_matmuls_only
+
+    g = torch.Generator().manual_seed(3)
+    B, H, T, D, C = 2, 3, 200, 16, 32  # T not a multiple of C: the last chunk is padded
+    q, k, v = (torch.randn(B, H, T, D, generator=g) for _ in range(3))
+    out = chunk_matmuls_only(q, k, v, chunk_size=C)()
+    N = -(-T // C)
+    pad = lambda x: torch.nn.functional.pad(x, (0, 0, 0, N * C - T)).reshape(B * H * N, C, -1)  # noqa: E731
+    qc, kc, vc = pad(q), pad(k), pad(v)
+    va = torch.cat([vc, torch.ones(B * H * N, C, 1)], -1)
+    want = qc @ (kc.transpose(1, 2) @ va) + (qc @ kc.transpose(1, 2)) @ va
+    assert out.shape == want.shape
+    assert rel_err(out, want) < 1e-5
