@@ -1,7 +1,7 @@
 """Triton kernels for linattn_lib, installed and imported as `linattn_lib.kernels`.
 
 One chunked engine for causal linear attention (forward, backward), a non-causal pair of
-kernels and a decoding step. Each module holds its `@triton.jit` kernels and the launcher
+kernels, a decoding step and the fused FAVOR+ feature map. Each module holds its `@triton.jit` kernels and the launcher
 that picks a config and starts them; nothing is launched at import time. The autograd
 wrappers live in `linattn_lib/_triton.py`.
 
@@ -9,6 +9,7 @@ wrappers live in `linattn_lib/_triton.py`.
     chunk_bwd.py   chunk_bwd_dqk_kernel   dQ, and run backwards in time dK
     noncausal.py   noncausal_state_kernel, noncausal_output_kernel
     decode.py      decode_kernel          one token, state updated in place
+    favor.py       favor_kernel           FAVOR+ positive features: projection, stabiliser, exp fused
     configs.py     CONFIGS (every config a launcher can pick), select_config, launchable
 
 `KERNELS` maps each kernel name to its JITFunction and a `compile_spec(config, dtype)` that
@@ -37,6 +38,8 @@ from .configs import (
 )
 from .decode import compile_spec as _decode_spec
 from .decode import decode_kernel, decode_step
+from .favor import compile_spec as _favor_spec
+from .favor import favor_features, favor_kernel
 from .noncausal import compile_spec_output as _noncausal_output_spec
 from .noncausal import compile_spec_state as _noncausal_state_spec
 from .noncausal import noncausal_output, noncausal_output_kernel, noncausal_state, noncausal_state_kernel
@@ -48,6 +51,7 @@ KERNELS = {
     "noncausal_state": (noncausal_state_kernel, _noncausal_state_spec),
     "noncausal_output": (noncausal_output_kernel, _noncausal_output_spec),
     "decode": (decode_kernel, _decode_spec),
+    "favor": (favor_kernel, _favor_spec),
 }
 
 __all__ = [
@@ -64,6 +68,7 @@ __all__ = [
     "decode_step",
     "device_capability",
     "dot_precision",
+    "favor_features",
     "launchable",
     "noncausal_output",
     "noncausal_state",

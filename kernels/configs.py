@@ -33,6 +33,7 @@ DIM_NAMES = {
     "noncausal_state": ("BK", "BV"),  # Dk whole, Dv tiled
     "noncausal_output": ("BA", "BC"),  # input dim whole, output dim tiled
     "decode": ("BK", "BV"),           # Dk whole, Dv tiled (looped inside one program)
+    "favor": ("BD", "BM"),            # input dim whole, random features tiled (looped)
 }
 
 # (BT, whole, tile, num_warps, num_stages). The tile shrinks as the whole dim grows so that

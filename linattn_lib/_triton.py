@@ -388,3 +388,56 @@ def linear_attention_decode_step(
             if x is not None and x.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(f"{fn}: backend='triton' needs a float32/float16/bfloat16 `{name}`, got {x.dtype}")
         return _kernels.decode_step(q_t, k_t, v_t, S, z, log_decay=log_decay_t, eps=float(eps))
+
+
+# --------------------------------------------------------------------------------------
+# the fused FAVOR+ feature map (kernels/favor.py)
+# --------------------------------------------------------------------------------------
+
+
+class _PositiveRandomFeatures(torch.autograd.Function):
+    """phi = exp(W x' - |x'|^2/2 - c) / sqrt(m) from the fused kernel; the backward in torch.
+
+    With x' = s x and the shift c held constant (the reference detaches it),
+    d phi_i / d x' = phi_i (w_i - x') and d phi_i / d w_i = phi_i x', so with G = dphi * phi:
+    dx = s (G W - x' sum_i G_i) and dW = G^T x' (summed over rows) -- two matmuls and a
+    row sum from the saved output: nothing is recomputed.
+    """
+
+    @staticmethod
+    def forward(ctx, x, W, input_scale: float, stabilize):
+        phi = _kernels.favor_features(x, W, input_scale=input_scale, stabilize=stabilize)
+        ctx.save_for_backward(x, W, phi)
+        ctx.input_scale = input_scale
+        return phi
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, dphi):
+        x, W, phi = ctx.saved_tensors
+        s = ctx.input_scale
+        G = dphi.float() * phi.float()  # (..., T, m)
+        xs = x.float() * s
+        dx = dW = None
+        if ctx.needs_input_grad[0]:
+            dx = (s * (G @ W.float() - xs * G.sum(-1, keepdim=True))).to(x.dtype)
+        if ctx.needs_input_grad[1]:
+            dW = (G.reshape(-1, G.shape[-1]).T @ xs.reshape(-1, xs.shape[-1])).to(W.dtype)
+        return dx, dW, None, None
+
+
+def positive_random_features_triton(
+    x: Tensor, W: Tensor, *, input_scale: float = 1.0, stabilize: Optional[str] = None
+) -> Tensor:
+    """`positive_random_features(..., backend="triton")`: FAVOR+ features from one fused kernel.
+
+    x: (..., T, d) with d <= 256, float32/float16/bfloat16, on CUDA (or CPU: the interpreter);
+    W: (m, d), any m. Same values as the torch map (computed in fp32, returned in x's dtype) and
+    differentiable in x and W.
+    """
+    fn = "positive_random_features"
+    _require_kernels(fn)
+    _check_inputs(fn, x, x)  # dtype, device, d <= 256
+    if x.dim() < 2:
+        raise ValueError(f"{fn}: backend='triton' needs x of shape (..., T, d), got {tuple(x.shape)}")
+    return _PositiveRandomFeatures.apply(x, W.to(device=x.device, dtype=x.dtype), float(input_scale), stabilize)

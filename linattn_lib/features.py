@@ -152,25 +152,45 @@ def _stabilize(u: Tensor, stabilize: Optional[str]) -> Tensor:
     numerator and denominator of that query's output); "global" subtracts one maximum over all
     rows of a sequence (keys: a constant common to every key cancels as well).
     """
+    _check_stabilize(stabilize)
     if stabilize is None:
         return u
     if stabilize == "row":
         return u - u.amax(dim=-1, keepdim=True).detach()
-    if stabilize == "global":
-        return u - u.amax(dim=(-1, -2), keepdim=True).detach()
-    raise ValueError(f"positive features: unknown stabilize={stabilize!r}; expected None, 'row' or 'global'")
+    return u - u.amax(dim=(-1, -2), keepdim=True).detach()
+
+
+def _check_stabilize(stabilize: Optional[str]) -> None:
+    if stabilize not in (None, "row", "global"):
+        raise ValueError(f"positive features: unknown stabilize={stabilize!r}; expected None, 'row' or 'global'")
 
 
 def positive_random_features(
-    x: Tensor, W: Tensor, *, input_scale: float = 1.0, stabilize: Optional[str] = None
+    x: Tensor,
+    W: Tensor,
+    *,
+    input_scale: float = 1.0,
+    stabilize: Optional[str] = None,
+    backend: str = "torch",
 ) -> Tensor:
     """FAVOR+ positive random features exp(w_i . x' - |x'|^2/2) / sqrt(m), x' = input_scale * x.
 
     E_w[exp(w . x - |x|^2/2) exp(w . y - |y|^2/2)] = exp(x . y) exactly (Performer Lemma 1), and
     every sample is positive. With input_scale = d^(-1/4) the product estimates
     exp(q . k / sqrt(d)), the softmax kernel at the usual temperature.
+
+    backend="triton" computes the map in one fused kernel (kernels/favor.py: projection,
+    stabiliser and exp without intermediate (T, m) tensors), differentiable like this one. The
+    default stays "torch" until the GPU benchmark (`python -m linattn_lib.gpu_check`) has shown
+    that the fusion pays for itself.
     """
     _check_proj("positive_random_features", x, W)
+    V.check_choice("positive_random_features", "backend", backend, ("torch", "triton"))
+    if backend == "triton":
+        from ._triton import positive_random_features_triton
+
+        _check_stabilize(stabilize)
+        return positive_random_features_triton(x, W, input_scale=input_scale, stabilize=stabilize)
     x = x * input_scale
     u = _project(x, W) - 0.5 * (x * x).sum(-1, keepdim=True)
     return torch.exp(_stabilize(u, stabilize)) / math.sqrt(W.shape[0])
@@ -276,12 +296,17 @@ class RandomFeatureMap(nn.Module):
         self.W.copy_(W.to(self.W))
         self.b.copy_(b.to(self.b))
 
-    def forward(self, x: Tensor, *, is_query: bool = True, stabilize: bool = True) -> Tensor:
-        """Features of x (..., d) -> (..., out_features), in x's dtype."""
+    def forward(self, x: Tensor, *, is_query: bool = True, stabilize: bool = True, backend: str = "torch") -> Tensor:
+        """Features of x (..., d) -> (..., out_features), in x's dtype.
+
+        backend="triton" runs the fused kernel; only the positive (FAVOR+) map has one.
+        """
         W = self.W.to(x.dtype)
         mode = ("row" if is_query else "global") if stabilize and x.dim() >= 2 else None
+        if backend != "torch" and self.kind != "positive":
+            raise ValueError(f"RandomFeatureMap: backend={backend!r} exists for kind='positive' only, not {self.kind!r}")
         if self.kind == "positive":
-            return positive_random_features(x, W, input_scale=self.input_scale, stabilize=mode)
+            return positive_random_features(x, W, input_scale=self.input_scale, stabilize=mode, backend=backend)
         if self.kind == "hyperbolic":
             return hyperbolic_random_features(x, W, input_scale=self.input_scale, stabilize=mode)
         if self.kind == "trig":

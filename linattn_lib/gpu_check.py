@@ -7,7 +7,8 @@
 2. times forward and forward+backward at T=16384, H=16, D=128 in bfloat16 with
    triton.testing.do_bench: our chunked linear attention (normalised; and unnormalised with a
    per-token decay), torch's scaled_dot_product_attention (causal softmax: flash attention
-   where available), and flash-linear-attention's kernels when `fla` is installed;
+   where available), and flash-linear-attention's kernels when `fla` is installed; then the
+   FAVOR+ feature map (d=64, m=256) in torch against the fused kernel (kernels/favor.py);
 3. writes results.json and results.md into the output folder.
 
 On a machine without CUDA it prints a message and exits 0 without touching any GPU driver.
@@ -125,17 +126,49 @@ def run_benchmark(B: int = 1, H: int = 16, T: int = 16384, D: int = 128) -> list
     except Exception:  # not installed, or another API version
         pass
 
-    rows = []
-    for name, fn in candidates.items():
-        row = {"name": name, "shape": f"B={B} H={H} T={T} D={D}", "dtype": "bfloat16"}
-        try:
-            with torch.no_grad():
-                row["forward_ms"] = round(_bench(fn, do_bench), 3)
-            row["forward_backward_ms"] = round(_bench(_fwd_bwd(fn, inputs), do_bench), 3)
-        except Exception as e:  # one failing candidate must not hide the others
-            row["error"] = f"{type(e).__name__}: {e}"[:500]
-        rows.append(row)
+    shape = f"B={B} H={H} T={T} D={D}"
+    rows = [_time_candidate(name, fn, inputs, shape, do_bench) for name, fn in candidates.items()]
+    del q, k, v, g, qs, ks, inputs
+    torch.cuda.empty_cache()
+    return rows + run_favor_benchmark(B, H, T, do_bench=do_bench)
+
+
+def _time_candidate(name, fn, inputs, shape, do_bench, dtype: str = "bfloat16") -> dict:
+    import torch
+
+    row = {"name": name, "shape": shape, "dtype": dtype}
+    try:
+        with torch.no_grad():
+            row["forward_ms"] = round(_bench(fn, do_bench), 3)
+        row["forward_backward_ms"] = round(_bench(_fwd_bwd(fn, inputs), do_bench), 3)
+    except Exception as e:  # one failing candidate must not hide the others
+        row["error"] = f"{type(e).__name__}: {e}"[:500]
+    if torch.cuda.is_available():
         torch.cuda.empty_cache()
+    return row
+
+
+def run_favor_benchmark(B: int, H: int, T: int, d: int = 64, m: int = 256, *, do_bench, device: str = "cuda") -> list[dict]:
+    """The FAVOR+ feature map of keys (global stabiliser: the two-launch case) and queries (row
+    stabiliser), torch against the fused kernel (kernels/favor.py), bf16, forward and
+    forward+backward: the measurement that decides whether the fused map should become the
+    default on CUDA."""
+    import torch
+
+    from .features import positive_random_features, random_projection
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter has no bf16
+    x = (torch.randn(B, H, T, d, device=device) * 1.5).to(dtype).requires_grad_()
+    W = random_projection(m, d, seed=0).to(device=device, dtype=dtype)
+    s, shape = d**-0.25, f"B={B} H={H} T={T} d={d} m={m}"
+    rows = []
+    for stabilize, who in (("global", "keys"), ("row", "queries")):
+        for backend in ("torch", "triton"):
+            def fn(stabilize=stabilize, backend=backend):
+                return positive_random_features(x, W, input_scale=s, stabilize=stabilize, backend=backend)
+
+            name = f"FAVOR+ features of {who} ({stabilize} max), {backend}"
+            rows.append(_time_candidate(name, fn, [x], shape, do_bench, dtype=str(dtype).replace("torch.", "")))
     return rows
 
 

@@ -391,3 +391,101 @@ def test_selected_configs_come_from_the_table():
             for dtype in (torch.float32, torch.float16, torch.bfloat16):
                 for d in range(1, K.MAX_HEAD_DIM + 1):
                     assert K.select_config(kernel, d, dtype, cap) in table, (kernel, cap, dtype, d)
+
+
+# ------------------------------------------------------------------ the fused FAVOR+ feature map
+
+# (input shape (..., T, d), m features, stabiliser): d padded and masked (48, 17), m not a
+# multiple of the feature tile (70, 266 = floor(64 ln 64), the Performer default), T = 1,
+# three leading dims, and the two-launch global stabiliser.
+FAVOR_CASES = [
+    ((2, 3, 17, 48), 70, None),
+    ((1, 2, 65, 64), 256, "row"),
+    ((2, 1, 200, 16), 33, "global"),
+    ((1, 1, 1, 64), 266, "global"),
+    ((3, 40, 128), 64, "row"),
+    ((2, 2, 33, 17), 16, "global"),
+]
+
+
+def _favor_inputs(shape, m, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    x = (torch.randn(shape, generator=gen) * 1.5).to(dtype)  # |x'|^2/2 well away from 0
+    W = torch.randn(m, shape[-1], generator=gen).to(dtype)
+    return x, W
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("case", FAVOR_CASES, ids=lambda c: f"{'x'.join(map(str, c[0]))}-m{c[1]}-{c[2]}")
+def test_favor_features_and_gradients(case, dtype):
+    """The fused kernel against the torch map in float64 on the same (rounded) inputs: values,
+    and gradients in x and W through the kernel's autograd wrapper."""
+    from linattn_lib.features import positive_random_features
+
+    shape, m, stabilize = case
+    x, W = _favor_inputs(shape, m, dtype)
+    s = shape[-1] ** -0.25
+    x_ref, W_ref = x.double().requires_grad_(), W.double().requires_grad_()
+    x_dev, W_dev = x.to(DEVICE).requires_grad_(), W.to(DEVICE).requires_grad_()
+    ref = positive_random_features(x_ref, W_ref, input_scale=s, stabilize=stabilize)
+    got = positive_random_features(x_dev, W_dev, input_scale=s, stabilize=stabilize, backend="triton")
+    assert got.dtype == dtype and got.shape == ref.shape
+    tol_out, tol_grad, _ = TOL[dtype]
+    assert rel(got, ref) < tol_out
+    if stabilize is not None:  # the largest feature of a row (or of a sequence) is exactly 1/sqrt(m)
+        peak = got.float().amax(-1) if stabilize == "row" else got.float().amax((-1, -2))
+        assert torch.allclose(peak.cpu(), torch.full_like(peak.cpu(), m**-0.5), rtol=tol_out * 10)
+    w = torch.randn(ref.shape, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    (ref * w).sum().backward()
+    (got.double() * w.to(DEVICE)).sum().backward()
+    assert rel(x_dev.grad, x_ref.grad) < tol_grad
+    assert rel(W_dev.grad, W_ref.grad) < tol_grad
+
+
+def test_favor_feature_backend_in_performer_attention():
+    """performer_attention(feature_backend="triton") gives the torch-feature result."""
+    from linattn_lib import performer_attention
+
+    gen = torch.Generator().manual_seed(2)
+    q, k, v = (torch.randn(1, 2, 40, 32, generator=gen).to(DEVICE) for _ in range(3))
+    kw = dict(num_features=48, seed=5, causal=True, backend="torch")
+    want = performer_attention(q, k, v, feature_backend="torch", **kw)
+    got = performer_attention(q, k, v, feature_backend="triton", **kw)
+    assert rel(got, want) < 1e-5
+
+
+def test_favor_backend_rejects_what_it_cannot_do():
+    from linattn_lib.features import RandomFeatureMap, positive_random_features
+
+    x = torch.randn(2, 5, 8, device=DEVICE)
+    W = torch.randn(6, 8, device=DEVICE)
+    with pytest.raises(ValueError, match="stabilize"):
+        positive_random_features(x, W, stabilize="column", backend="triton")
+    with pytest.raises(ValueError, match="backend"):
+        positive_random_features(x, W, backend="cuda")
+    with pytest.raises(ValueError, match="up to 256"):
+        positive_random_features(torch.randn(3, 300, device=DEVICE), torch.randn(4, 300, device=DEVICE), backend="triton")
+    with pytest.raises(ValueError, match="kind='positive' only"):
+        RandomFeatureMap(8, 6, kind="trig", seed=0).to(DEVICE)(x, backend="triton")
+    with pytest.raises(TypeError, match="float64"):
+        positive_random_features(x.double(), W.double(), backend="triton")
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA run is gpu_check itself")
+def test_gpu_check_favor_rows_run_on_cpu():
+    """gpu_check's FAVOR+ comparison, with a stand-in timer and the interpreter: every row runs
+    forward and backward and names what it timed."""
+    from linattn_lib.gpu_check import run_favor_benchmark
+
+    calls = []
+
+    def fake_do_bench(fn, **kw):
+        fn()
+        calls.append(1)
+        return 1.0
+
+    rows = run_favor_benchmark(1, 2, 20, d=16, m=24, do_bench=fake_do_bench, device="cpu")
+    assert [r.get("error") for r in rows] == [None] * 4
+    assert {r["name"].split(", ")[-1] for r in rows} == {"torch", "triton"}
+    assert all(r["forward_ms"] == 1.0 and r["forward_backward_ms"] == 1.0 for r in rows)
+    assert len(calls) == 8
