@@ -9,7 +9,9 @@
    per-token decay), torch's scaled_dot_product_attention (causal softmax: flash attention
    where available), and flash-linear-attention's kernels when `fla` is installed; then the
    FAVOR+ feature map (d=64, m=256) in torch against the fused kernel (kernels/favor.py);
-3. writes results.json and results.md into the output folder.
+3. times the chunked kernels under every candidate launch config (`run_config_sweep`): the
+   configs were chosen without a GPU, and these are the numbers to choose them by;
+4. writes results.json and results.md into the output folder.
 
 On a machine without CUDA it prints a message and exits 0 without touching any GPU driver.
 The exit status is 1 when the kernel tests fail.
@@ -172,7 +174,64 @@ def run_favor_benchmark(B: int, H: int, T: int, d: int = 64, m: int = 256, *, do
     return rows
 
 
-def _markdown(env: dict, tests: dict, bench: list[dict]) -> str:
+def candidate_configs(kernel: str, d_whole: int, dtype, capability) -> list[dict]:
+    """Launch configs worth timing for `kernel` at one head-dim bucket on this GPU: chunk
+    lengths 32 and 64, tiles of 16, 32 and 64 columns, 4 and 8 warps, at the pipelining depth
+    the launcher uses for this dtype -- those that fit the GPU's shared memory per block are
+    decided by the run itself (a config that does not fit fails to launch and is reported)."""
+    from .kernels import DIM_NAMES, select_config
+
+    chosen = select_config(kernel, d_whole, dtype, capability)
+    whole, tiled = DIM_NAMES[kernel]
+    out = [chosen]
+    for BT in (32, 64):
+        for tile in (16, 32, 64):
+            for warps in (4, 8):
+                cfg = {"BT": BT, whole: d_whole, tiled: tile, "num_warps": warps, "num_stages": chosen["num_stages"]}
+                if cfg not in out:
+                    out.append(cfg)
+    return out
+
+
+def run_config_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, do_bench, device: str = "cuda") -> list[dict]:
+    """Time the chunked kernels' forward (chunk_fwd) and dq pass (chunk_bwd_dqk) under every
+    candidate config at the benchmark shape, bf16 (fp16 before sm_80), normalised, per-token
+    decay. The configs in kernels/configs.py were chosen without a GPU, from compile-time
+    evidence (registers and spills, `kernel_anatomy.compile_report`); these numbers are what
+    should replace that evidence."""
+    import torch
+
+    from . import kernels as K
+
+    if device == "cuda":
+        cap = torch.cuda.get_device_capability()
+        dtype = torch.bfloat16 if cap >= (8, 0) else torch.float16
+    else:  # the interpreter (a smoke test of this function)
+        cap, dtype = None, torch.float32
+    torch.manual_seed(0)
+    q, k = (torch.rand(B, H, T, D, device=device, dtype=dtype) for _ in range(2))
+    v = torch.randn(B, H, T, D, device=device, dtype=dtype)
+    g = -torch.rand(B, H, T, device=device) * 0.1
+    dden = torch.randn(B, H, T, device=device)
+    calls = {
+        "chunk_fwd": lambda cfg: K.chunk_fwd(q, k, v, log_decay=g, config=cfg),
+        "chunk_bwd_dqk": lambda cfg: K.chunk_bwd_dqk(v, v, k, dden=dden, log_decay=g, config=cfg),
+    }
+    rows = []
+    for kernel, call in calls.items():
+        chosen = K.select_config(kernel, D, dtype, cap)
+        for cfg in candidate_configs(kernel, K.whole_dim(D), dtype, cap):
+            row = {"kernel": kernel, "config": cfg, "chosen": cfg == chosen, "shape": f"B={B} H={H} T={T} D={D}",
+                   "dtype": str(dtype).replace("torch.", "")}
+            try:
+                row["ms"] = round(float(do_bench(lambda: call(cfg), warmup=10, rep=50)), 4)
+            except Exception as e:  # e.g. out of shared memory on this GPU
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+    return rows
+
+
+def _markdown(env: dict, tests: dict, bench: list[dict], sweep: list[dict] = ()) -> str:
     lines = ["# GPU check", "", "| | |", "| --- | --- |"]
     lines += [f"| {k} | {v} |" for k, v in env.items()]
     lines += ["", "## Kernel tests (CUDA tensors)", "", f"{tests.get('status')}: {tests.get('summary', tests.get('reason', ''))}",
@@ -183,6 +242,13 @@ def _markdown(env: dict, tests: dict, bench: list[dict]) -> str:
             lines.append(f"| {r['name']} | {r['shape']} | error: {r['error'][:80]} | |")
         else:
             lines.append(f"| {r['name']} | {r['shape']} | {r['forward_ms']:.2f} | {r['forward_backward_ms']:.2f} |")
+    if sweep:
+        lines += ["", "## Launch configs (median ms; * = the one select_config picks)", "",
+                  "| kernel | config | ms |", "| --- | --- | ---: |"]
+        for r in sorted(sweep, key=lambda r: (r["kernel"], r.get("ms", float("inf")))):
+            cfg = ", ".join(f"{k}={v}" for k, v in r["config"].items())
+            ms = f"{r['ms']:.3f}" if "ms" in r else f"error: {r['error'][:60]}"
+            lines.append(f"| {r['kernel']}{' *' if r['chosen'] else ''} | {cfg} | {ms} |")
     return "\n".join(lines) + "\n"
 
 
@@ -215,8 +281,25 @@ def main(argv=None) -> int:
         for r in bench:
             print(f"  {r['name']:<55} " + (f"fwd {r['forward_ms']:8.2f} ms  fwd+bwd {r['forward_backward_ms']:8.2f} ms"
                                            if "error" not in r else f"error: {r['error'][:100]}"))
-    (out / "results.json").write_text(json.dumps({"environment": env, "kernel_tests": tests, "benchmark": bench}, indent=2))
-    (out / "results.md").write_text(_markdown(env, tests, bench))
+    sweep = []
+    if not args.skip_bench:
+        from triton.testing import do_bench
+
+        try:
+            sweep = run_config_sweep(do_bench=do_bench)
+        except Exception as e:
+            sweep = [{"kernel": "sweep", "config": {}, "chosen": False, "error": f"{type(e).__name__}: {e}"[:500]}]
+        best = {}
+        for r in sweep:
+            if "ms" in r and r["ms"] < best.get(r["kernel"], (float("inf"),))[0]:
+                best[r["kernel"]] = (r["ms"], r["config"])
+        for r in sweep:
+            if r.get("chosen") and "ms" in r:
+                print(f"  {r['kernel']}: chosen config {r['ms']:.3f} ms, best of {sum(x['kernel'] == r['kernel'] for x in sweep)} "
+                      f"candidates {best[r['kernel']][0]:.3f} ms {best[r['kernel']][1]}")
+    (out / "results.json").write_text(json.dumps(
+        {"environment": env, "kernel_tests": tests, "benchmark": bench, "config_sweep": sweep}, indent=2))
+    (out / "results.md").write_text(_markdown(env, tests, bench, sweep))
     print(f"wrote {out / 'results.json'} and {out / 'results.md'}")
     return 1 if tests.get("status") == "failed" else 0
 

@@ -489,3 +489,17 @@ def test_gpu_check_favor_rows_run_on_cpu():
     assert {r["name"].split(", ")[-1] for r in rows} == {"torch", "triton"}
     assert all(r["forward_ms"] == 1.0 and r["forward_backward_ms"] == 1.0 for r in rows)
     assert len(calls) == 8
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA run is gpu_check itself")
+def test_gpu_check_config_sweep_runs_every_candidate_on_cpu():
+    """gpu_check's launch-config sweep, with a stand-in timer and the interpreter: every
+    candidate of both chunk kernels is launched, the chosen one is among them and marked."""
+    from linattn_lib.gpu_check import run_config_sweep
+
+    rows = run_config_sweep(1, 1, 40, 16, do_bench=lambda fn, **kw: (fn(), 0.5)[1], device="cpu")
+    assert [r.get("error") for r in rows] == [None] * len(rows)
+    for kernel in ("chunk_fwd", "chunk_bwd_dqk"):
+        mine = [r for r in rows if r["kernel"] == kernel]
+        assert len(mine) > 1 and sum(r["chosen"] for r in mine) == 1 and mine[0]["chosen"]
+        assert len({str(r["config"]) for r in mine}) == len(mine)
