@@ -36,31 +36,74 @@ DIM_NAMES = {
     "favor": ("BD", "BM"),            # input dim whole, random features tiled (looped)
 }
 
-# (BT, whole, tile, num_warps, num_stages). The tile shrinks as the whole dim grows so that
-# the fp32 state slice a program keeps in registers stays at 128 x 64 = 32 KiB at most.
-_ROWS = [
-    # 16-bit inputs on sm_80+: 64-token chunks, the loads of the next chunk double-buffered
-    (64, 64, 64, 4, 2),
-    (64, 128, 64, 8, 2),
-    (64, 256, 32, 8, 2),
-    # fp32 inputs (4-byte tiles in shared memory), and every dtype on sm_75 (64 KiB per block):
-    # 32-token chunks, no double buffering
-    (32, 64, 64, 4, 1),
-    (32, 128, 64, 8, 1),
-    (32, 256, 32, 8, 1),
-    # fp32 with a 256-wide head on sm_75
-    (16, 256, 32, 8, 1),
-]
+# Configs: kernel -> class -> {whole dim: (BT, tile, num_warps)}. The classes:
+#   "mma16"  fp16 / bf16 on sm_80 and newer: every tl.dot on tensor cores, loads double-buffered
+#   "fp32"   float32 on sm_80+: tl.dot in true fp32 (FMA loops, no tensor cores), one stage
+#   "sm75"   every dtype on sm_75 (the T4): 64 KiB of shared memory, tl.dot lowered to FMAs
+# Chosen without a GPU, from an ahead-of-time sweep (BT in {16, 32, 64}, tiles {16, 32, 64},
+# 4 or 8 warps, compiled for sm_75/80/86/90 with `kernel_anatomy.compile_report`): the config
+# with the fewest register-spill instructions (STL/LDL in the SASS) on that class's targets,
+# then the larger tile (fewer re-reads of the whole dim), then the longer chunk. Spills matter
+# because the chunk kernels loop over the sequence: a spill in the loop body is local-memory
+# traffic on every chunk. The first table (64-token chunks, 64- or 32-column tiles) spilled
+# 500 to 1,900 instructions per chunk kernel at every head dim; these spill nothing at head dims 64 and
+# 128 on sm_80/sm_90 (the chunk kernels still spill some at 256). Registers are not the whole
+# story -- smaller tiles re-read q and k more often, smaller chunks mean more, smaller
+# matmuls -- so `python -m linattn_lib.gpu_check` times every candidate on a real GPU
+# (`run_config_sweep`); its numbers should replace this evidence.
+_TABLE: dict[str, dict[str, dict[int, tuple[int, int, int]]]] = {
+    "chunk_fwd": {
+        "mma16": {64: (32, 32, 8), 128: (32, 16, 8), 256: (32, 16, 8)},
+        "fp32": {64: (16, 32, 8), 128: (16, 16, 8), 256: (16, 16, 8)},
+        "sm75": {64: (16, 32, 8), 128: (16, 16, 8), 256: (16, 16, 8)},
+    },
+    "chunk_bwd_dqk": {
+        "mma16": {64: (32, 64, 8), 128: (32, 32, 8), 256: (32, 16, 8)},
+        "fp32": {64: (32, 32, 8), 128: (32, 32, 8), 256: (16, 16, 8)},
+        "sm75": {64: (32, 32, 8), 128: (16, 16, 8), 256: (16, 16, 8)},
+    },
+    "noncausal_state": {
+        "mma16": {64: (64, 64, 4), 128: (64, 64, 8), 256: (32, 32, 8)},
+        "fp32": {64: (32, 64, 4), 128: (32, 64, 8), 256: (32, 32, 8)},
+        "sm75": {64: (32, 64, 8), 128: (32, 32, 8), 256: (16, 16, 8)},
+    },
+    "noncausal_output": {
+        "mma16": {64: (64, 64, 8), 128: (64, 64, 8), 256: (64, 32, 8)},
+        "fp32": {64: (32, 64, 8), 128: (32, 64, 8), 256: (16, 32, 8)},
+        "sm75": {64: (32, 64, 8), 128: (32, 64, 8), 256: (16, 32, 8)},
+    },
+    "decode": {  # one token: BT is unused; the state streams through in tiles of BV columns
+        "mma16": {64: (64, 64, 4), 128: (64, 64, 8), 256: (64, 32, 8)},
+        "fp32": {64: (32, 64, 4), 128: (32, 64, 8), 256: (32, 32, 8)},
+        "sm75": {64: (32, 64, 4), 128: (32, 64, 8), 256: (32, 32, 8)},
+    },
+    "favor": {
+        "mma16": {64: (64, 64, 4), 128: (64, 64, 8), 256: (64, 32, 8)},
+        "fp32": {64: (32, 32, 8), 128: (16, 16, 8), 256: (16, 16, 8)},
+        "sm75": {64: (32, 32, 8), 128: (16, 16, 8), 256: (16, 16, 8)},
+    },
+}
+NUM_STAGES = {"mma16": 2, "fp32": 1, "sm75": 1}
 
 
-def _config(kernel: str, row: tuple) -> dict:
-    BT, whole, tile, num_warps, num_stages = row
+def _config(kernel: str, cls: str, whole: int) -> dict:
+    BT, tile, num_warps = _TABLE[kernel][cls][whole]
     w, t = DIM_NAMES[kernel]
-    return {"BT": BT, w: whole, t: tile, "num_warps": num_warps, "num_stages": num_stages}
+    return {"BT": BT, w: whole, t: tile, "num_warps": num_warps, "num_stages": NUM_STAGES[cls]}
 
 
-# Every config a launcher can pick, per kernel (the decode kernel ignores BT).
-CONFIGS: dict[str, list[dict]] = {name: [_config(name, row) for row in _ROWS] for name in DIM_NAMES}
+def _configs(kernel: str) -> list[dict]:
+    out: list[dict] = []
+    for cls in NUM_STAGES:
+        for whole in WHOLE_DIMS:
+            cfg = _config(kernel, cls, whole)
+            if cfg not in out:
+                out.append(cfg)
+    return out
+
+
+# Every config a launcher can pick, per kernel.
+CONFIGS: dict[str, list[dict]] = {name: _configs(name) for name in DIM_NAMES}
 
 
 def whole_dim(d: int) -> int:
@@ -92,16 +135,13 @@ def select_config(kernel: str, d_whole: int, dtype: torch.dtype, device_or_capab
     cap = device_or_capability
     if cap is not None and not isinstance(cap, tuple):
         cap = device_capability(cap)
-    turing = cap is not None and tuple(cap) < (8, 0)
-    whole = whole_dim(d_whole)
-    if dtype == torch.float32 and turing and whole == 256:
-        BT = 16
-    elif dtype == torch.float32 or turing:
-        BT = 32
+    if cap is not None and tuple(cap) < (8, 0):
+        cls = "sm75"
+    elif dtype == torch.float32:
+        cls = "fp32"
     else:
-        BT = 64
-    row = next(r for r in _ROWS if r[0] == BT and r[1] == whole)
-    return _config(kernel, row)
+        cls = "mma16"
+    return _config(kernel, cls, whole_dim(d_whole))
 
 
 _TORCH_DTYPES = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}

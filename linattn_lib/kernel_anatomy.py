@@ -298,6 +298,32 @@ def _nvidia_tool(name: str) -> Optional[str]:
     return path if os.access(path, os.X_OK) else None
 
 
+def sass_stats(cubin: bytes) -> Optional[dict]:
+    """What ptxas made of a kernel, from its cubin (cuobjdump, shipped with Triton): registers
+    and stack bytes per thread, SASS instructions, tensor-core MMA instructions and spill
+    instructions (STL/LDL: local-memory stores and loads). None when cuobjdump is missing."""
+    cuobjdump = _nvidia_tool("cuobjdump")
+    if cuobjdump is None:
+        return None
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "kernel.cubin")
+        with open(path, "wb") as f:
+            f.write(cubin)
+        usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True).stdout
+        sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True).stdout
+    stats: dict = {"registers": None, "stack_bytes": None}
+    m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+    if m:
+        stats["registers"], stats["stack_bytes"] = int(m.group(1)), int(m.group(2))
+    ops = [re.sub(r"^\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", line).split(" ")[0].split(".")[0]
+           for line in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+\S", line)]
+    counts = Counter(ops)
+    stats["sass_instructions"] = len(ops)
+    stats["mma_instructions"] = sum(v for k, v in counts.items() if k in ("HMMA", "HGMMA", "IMMA"))
+    stats["spill_instructions"] = counts["STL"] + counts["LDL"]
+    return stats
+
+
 def compile_report(kernel: str, target: str, dtype: str, d_whole: int, *, config: Optional[dict] = None) -> dict:
     """Compile `kernel` (a name of `linattn_lib.kernels.KERNELS`) for `target` ("sm_80") ahead of time.
 
@@ -335,23 +361,9 @@ def compile_report(kernel: str, target: str, dtype: str, d_whole: int, *, config
         "registers": None, "stack_bytes": None, "sass_instructions": None, "mma_instructions": None,
         "spill_instructions": None,
     }
-    cuobjdump = _nvidia_tool("cuobjdump")
-    if cuobjdump is not None:
-        with tempfile.TemporaryDirectory() as tmp:
-            path = os.path.join(tmp, "kernel.cubin")
-            with open(path, "wb") as f:
-                f.write(compiled.asm["cubin"])
-            usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True).stdout
-            sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True).stdout
-        m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-        if m:
-            report["registers"], report["stack_bytes"] = int(m.group(1)), int(m.group(2))
-        ops = [re.sub(r"^\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", line).split(" ")[0].split(".")[0]
-               for line in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+\S", line)]
-        counts = Counter(ops)
-        report["sass_instructions"] = len(ops)
-        report["mma_instructions"] = sum(v for k, v in counts.items() if k in ("HMMA", "HGMMA", "IMMA"))
-        report["spill_instructions"] = counts["STL"] + counts["LDL"]
+    stats = sass_stats(compiled.asm["cubin"])
+    if stats is not None:
+        report.update(stats)
     return report
 
 

@@ -56,10 +56,11 @@ def test_interpreter_traffic_matches_the_model(B, H, T, Dk, Dv, dtype, decay):
     g = None if decay is None else (-torch.rand(H) if decay == "head" else -torch.rand(B, H, T))
     with ka.count_interpreter_traffic() as traffic:
         K.chunk_fwd(q, k, v, log_decay=g)
-    model = ka.chunk_fwd_traffic(T, Dk, Dv, K.select_config("chunk_fwd", Dk, dtype, None), q.element_size(), decay=decay)
+    cfg = K.select_config("chunk_fwd", Dk, dtype, None)
+    model = ka.chunk_fwd_traffic(T, Dk, Dv, cfg, q.element_size(), decay=decay)
     assert traffic.bytes == B * H * model.bytes
     assert traffic.dot_flops == B * H * model.flops
-    assert traffic.stores == B * H * math.ceil(Dv / 64) * math.ceil(T / K.select_config("chunk_fwd", Dk, dtype, None)["BT"]) * 2
+    assert traffic.stores == B * H * math.ceil(Dv / cfg["BV"]) * math.ceil(T / cfg["BT"]) * 2  # o and den, per chunk and tile
 
 
 @needs_kernels
