@@ -137,11 +137,13 @@ def chunk_fwd_kernel(
         decay = tl.exp(tl.where(visible, log_w, float("-inf")))
 
         # Intra-chunk: scores (q k^T) * decay, a (BT x BT) masked matmul, fp32 accumulator.
+        # Their product with v stays in fp32 (tf32 on tensor cores for 16-bit inputs): raw
+        # scores above 65504 would be inf as fp16 even when the normalised output is ordinary.
         A = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * decay
-        o = tl.dot(A.to(v.dtype), v, input_precision=DOT_PREC)
+        o = tl.dot(A, v.to(tl.float32), input_precision=DOT_PREC)
         # Inter-chunk: the state carries everything before the chunk. q * q_decay is fp32, so
-        # this product runs in fp32 (tf32 on tensor cores for 16-bit inputs): the state keeps
-        # its range even when it grows past what fp16 can hold.
+        # this product runs in fp32 too: the state keeps its range even when it grows past what
+        # fp16 can hold.
         q_s = q.to(tl.float32) * q_decay[:, None]
         o += tl.dot(q_s, S, input_precision=DOT_PREC)
 
@@ -184,6 +186,7 @@ def chunk_fwd(
     weights: torch.Tensor | None = None,
     track_z: bool | None = None,
     reverse: bool = False,
+    out_dtype: torch.dtype | None = None,
     config: dict | None = None,
 ):
     """Launch `chunk_fwd_kernel`. Returns (o, den, S_final, z_final).
@@ -193,6 +196,7 @@ def chunk_fwd(
     (B, H, T). initial_state: (S0 (B, H, Dk, Dv), z0 (B, H, Dk) or None). den is the fp32
     (B, H, T) tensor d + eps when normalize, else None; S_final/z_final are fp32 or None.
     track_z (default: normalize) carries z without normalising (used by the backward pass).
+    o has dtype `out_dtype` (default: the dtype of v).
     """
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
@@ -201,7 +205,7 @@ def chunk_fwd(
     cfg = config or select_config("chunk_fwd", Dk, q.dtype, q.device)
     f32 = dict(dtype=torch.float32, device=q.device)
 
-    o = torch.empty(B, H, T, Dv, dtype=v.dtype, device=q.device)
+    o = torch.empty(B, H, T, Dv, dtype=out_dtype or v.dtype, device=q.device)
     den = torch.empty(B, H, T, **f32) if normalize else None
     S_T = torch.empty(B, H, Dk, Dv, **f32) if store_final_state else None
     z_T = torch.empty(B, H, Dk, **f32) if (store_final_state and track_z) else None

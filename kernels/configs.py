@@ -46,7 +46,7 @@ DIM_NAMES = {
 # then the larger tile (fewer re-reads of the whole dim), then the longer chunk. Spills matter
 # because the chunk kernels loop over the sequence: a spill in the loop body is local-memory
 # traffic on every chunk. The first table (64-token chunks, 64- or 32-column tiles) spilled
-# 500 to 1,900 instructions per chunk kernel at every head dim; in bf16 these spill nothing at head dims 64 and
+# 500 to 1,900 instructions per chunk kernel at every head dim; in bf16 these spill (next to) nothing at head dims 64 and
 # 128 on sm_80/sm_90 (the chunk kernels still spill some at 256). Registers are not the whole
 # story -- smaller tiles re-read q and k more often, smaller chunks mean more, smaller
 # matmuls -- so `python -m linattn_lib.gpu_check` times every candidate on a real GPU

@@ -153,15 +153,16 @@ class _Workspace:
     def __init__(self, like: Tensor):
         self.like, self.buffers = like, {}
 
-    def __call__(self, name: str, *shape: int) -> Tensor:
-        return self.get(name, *shape)[0]
+    def __call__(self, name: str, *shape: int, dtype: Optional[torch.dtype] = None) -> Tensor:
+        return self.get(name, *shape, dtype=dtype)[0]
 
-    def get(self, name: str, *shape: int) -> tuple[Tensor, bool]:
-        """The buffer `name` of this shape, and whether it was just allocated."""
-        key = (name,) + shape
+    def get(self, name: str, *shape: int, dtype: Optional[torch.dtype] = None) -> tuple[Tensor, bool]:
+        """The buffer `name` of this shape (and dtype: by default the inputs'), and whether it
+        was just allocated."""
+        key = (name, dtype) + shape
         fresh = key not in self.buffers
         if fresh:
-            self.buffers[key] = self.like.new_empty(shape)
+            self.buffers[key] = self.like.new_empty(shape, dtype=dtype)
         return self.buffers[key], fresh
 
 
@@ -171,13 +172,21 @@ class _Decay:
     def __init__(self, g: Tensor, h: int, ws: _Workspace):
         b = g.cumsum(-1)  # b_i = g_1 + ... + g_i: decay from the chunk start, <= 0
         self.q_scale = b.exp().unsqueeze(-1)  # exp(b_i): the entry state as seen by query i
-        self.k_scale = (b[:, -1:] - b).exp().unsqueeze(-1)  # exp(b_C - b_j): key j decayed to the chunk end
-        # (G, C, C): exp(b_i - b_j) for i >= j, 0 above the diagonal. Inside one chunk the prefix
-        # sums b stay small (C terms), so their difference is accurate; across a whole sequence it
-        # would not be, which is why the reference builds its mask with `segsum`.
+        # exp(g_{j+1} + ... + g_C): key j decayed to the chunk end, summed from j + 1 on rather
+        # than taken as b_C - b_j, which would cancel catastrophically after one huge step
+        # (a "reset" g = -1e4 early in the chunk leaves b_C - b_j with float32's 1e-3 spacing).
+        self.k_scale = F.pad(g.flip(-1).cumsum(-1).flip(-1)[:, 1:], (0, 1)).exp().unsqueeze(-1)
+        # (G, C, C): exp(b_i - b_j) for i >= j, 0 above the diagonal. The same cancellation
+        # threatens b_i - b_j, so the differences are taken in float64 (C prefix sums per chunk:
+        # cheap), then rounded once; the reference builds its mask with `segsum` instead.
         C = g.shape[-1]
         upper = torch.ones(C, C, dtype=torch.bool, device=g.device).triu_(1)
-        mask = torch.sub(b.unsqueeze(-1), b.unsqueeze(-2), out=ws("mask", *g.shape, C))
+        mask = ws("mask", *g.shape, C)
+        if g.dtype == torch.float64:
+            torch.sub(b.unsqueeze(-1), b.unsqueeze(-2), out=mask)
+        else:
+            b64 = g.double().cumsum(-1)
+            mask.copy_(torch.sub(b64.unsqueeze(-1), b64.unsqueeze(-2), out=ws("mask64", *g.shape, C, dtype=torch.float64)))
         self.mask = mask.masked_fill_(upper, -math.inf).exp_()
         self.gamma = b[:, -1].view(h, -1)  # (h, n): the decay across each whole chunk
 

@@ -121,12 +121,29 @@ def _check_inputs(fn: str, q: Tensor, v: Tensor) -> None:
             )
 
 
-def _normaliser_grads(do: Tensor, o: Tensor, den: Tensor, dtype: torch.dtype):
-    """Split dO of o = num / den into dnum = dO / den and dden = -(dO . o) / den (fp32)."""
+def _output_cotangents(do: Tensor, o: Tensor, den: Optional[Tensor], dtype: torch.dtype):
+    """The gradient flowing into the kernels, ready for inputs of `dtype`.
+
+    Normalised, o = num / den gives dnum = dO / den and dden = -(dO . o) / den (fp32). The
+    kernels read dnum in the inputs' dtype, and in float16 dO / den easily falls below the
+    smallest fp16 number (6e-8: a mean loss over a long sequence, a large denominator), where
+    it would silently become 0. So for 16-bit inputs every cotangent is multiplied by a power
+    of two `scale` (a 0-d fp32 tensor: no host sync) that brings max |dnum| to about 1, as
+    dynamic loss scaling does; every gradient is linear in them, and the caller divides the
+    results by `scale` in fp32. Returns (dnum, dden, scale or None).
+    """
     do32 = do.float()
-    dden = -(do32 * o.float()).sum(-1) / den
-    dnum = (do32 / den.unsqueeze(-1)).to(dtype)
-    return dnum, dden
+    if den is None:
+        dnum32, dden = do32, None
+    else:
+        dden = -(do32 * o.float()).sum(-1) / den
+        dnum32 = do32 / den.unsqueeze(-1)
+    if dtype == torch.float32:
+        return dnum32, dden, None
+    peak = dnum32.abs().amax()
+    scale = torch.where(peak > 0, torch.exp2(-torch.floor(torch.log2(peak))), torch.ones_like(peak))
+    dnum = (dnum32 * scale).to(dtype)
+    return dnum, None if dden is None else dden * scale, scale
 
 
 def _state_grads(dS: Optional[Tensor], dz: Optional[Tensor], S: Tensor, z: Optional[Tensor]):
@@ -158,6 +175,7 @@ class _CausalLinearAttention(torch.autograd.Function):
         return (o, S_T, z_T) if normalize else (o, S_T)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do, dS_T=None, dz_T=None):
         K = _kernels
         q, k, v, g, S0, z0, o, den, S_T, z_T = ctx.saved_tensors
@@ -165,29 +183,36 @@ class _CausalLinearAttention(torch.autograd.Function):
         normalize = ctx.normalize
         if do is None:
             do = torch.zeros_like(o)
-        if normalize:
-            dnum, dden = _normaliser_grads(do, o, den, q.dtype)
-        else:
-            dnum, dden = do.to(q.dtype), None
+        dnum, dden, scale = _output_cotangents(do, o, den if normalize else None, q.dtype)
         dS_T, dz_T = _state_grads(dS_T, dz_T, S_T, z_T) if S_T is not None else (None, None)
-        end_state = (dS_T, dz_T) if dS_T is not None else None
+        end_state = None
+        if dS_T is not None:
+            end_state = (dS_T, dz_T) if scale is None else (dS_T * scale, None if dz_T is None else dz_T * scale)
         init = (S0, z0) if S0 is not None else None
-        # dq and dk in fp32 when the decay needs them: dg is a cumulative sum of q.dq - k.dk.
-        acc = torch.float32 if need_g else None
+        # dq and dk in fp32 when the decay needs them (dg is a cumulative sum of q.dq - k.dk),
+        # and whenever the cotangents were scaled (the results are unscaled in fp32).
+        acc = torch.float32 if (need_g or scale is not None) else None
+
+        def unscale(x):
+            return x if (x is None or scale is None) else x / scale
 
         dq = dk = dv = dg = dS0 = dz0 = None
         if need_q or need_g:
-            dq = K.chunk_bwd_dqk(dnum, v, k, dden=dden, log_decay=g, initial_state=init, out_dtype=acc)
+            dq = unscale(K.chunk_bwd_dqk(dnum, v, k, dden=dden, log_decay=g, initial_state=init, out_dtype=acc))
         if need_k or need_g:
-            dk = K.chunk_bwd_dqk(v, dnum, q, dden=dden, log_decay=g, initial_state=end_state,
-                                 reverse=True, out_dtype=acc)
+            dk = unscale(K.chunk_bwd_dqk(v, dnum, q, dden=dden, log_decay=g, initial_state=end_state,
+                                         reverse=True, out_dtype=acc))
         if need_v or need_S0 or need_z0:
             # dv is linear attention run backwards with (q, k, v) = (k, q, dnum); its final
             # state is the gradient of the initial state (dden weights the keys of z).
             dv, _, dS0, dz0 = K.chunk_fwd(
                 k, q, dnum, log_decay=g, normalize=False, initial_state=end_state,
                 store_final_state=need_S0 or need_z0, weights=dden, track_z=normalize, reverse=True,
+                out_dtype=acc,
             )
+            dv, dS0, dz0 = unscale(dv), unscale(dS0), unscale(dz0)
+            if dv is not None:
+                dv = dv.to(v.dtype)
         if need_g:
             # dL/dG_t = q_t . dq_t - k_t . dk_t (+ <dS_T, S_T> + <dz_T, z_T> at the last token),
             # and g_s enters every G_t with t >= s: a reverse cumulative sum.
@@ -226,6 +251,7 @@ class _NonCausalLinearAttention(torch.autograd.Function):
         return (o, S, z) if normalize else (o, S)
 
     @staticmethod
+    @torch.autograd.function.once_differentiable
     def backward(ctx, do, dS_T=None, dz_T=None):
         K = _kernels
         q, k, v, S0, z0, o, den, S, z = ctx.saved_tensors
@@ -233,18 +259,22 @@ class _NonCausalLinearAttention(torch.autograd.Function):
         normalize = ctx.normalize
         if do is None:
             do = torch.zeros_like(o)
-        if normalize:
-            dnum, dden = _normaliser_grads(do, o, den, q.dtype)
-        else:
-            dnum, dden = do.to(q.dtype), None
+        dnum, dden, scale = _output_cotangents(do, o, den if normalize else None, q.dtype)
         dS_T, dz_T = _state_grads(dS_T, dz_T, S, z)
-        end_state = (dS_T, dz_T) if dS_T is not None else None
+        end_state = None
+        if dS_T is not None:
+            end_state = (dS_T, dz_T) if scale is None else (dS_T * scale, None if dz_T is None else dz_T * scale)
         # dS = dS_T + q^T dnum and dz = dz_T + q^T dden: the state kernel with (k, v) = (q, dnum).
+        # They come back in fp32, and are unscaled right away (see _output_cotangents).
         dS, dz = K.noncausal_state(q, dnum, track_z=normalize, weights=dden, initial_state=end_state)
+        if scale is not None:
+            dS, dz = dS / scale, (None if dz is None else dz / scale)
         dq = dk = dv = None
         if need_q:  # dq = dnum S^T + dden z^T
             dq, _ = K.noncausal_output(dnum, S.transpose(-1, -2), u=z if normalize else None, e=dden,
-                                       out_dtype=q.dtype)
+                                       out_dtype=q.dtype if scale is None else torch.float32)
+            if scale is not None:
+                dq = (dq / scale).to(q.dtype)
         if need_k:  # dk = v dS^T + 1 dz^T
             dk, _ = K.noncausal_output(v, dS.transpose(-1, -2), u=dz if normalize else None, out_dtype=k.dtype)
         if need_v:  # dv = k dS

@@ -5,8 +5,11 @@ was expected, so that a wrong shape is never silently broadcast into a wrong ans
 """
 from __future__ import annotations
 
+import math
+import numbers
 from typing import Iterable, Optional, Sequence
 
+import numpy as np
 import torch
 from torch import Tensor
 
@@ -69,6 +72,10 @@ def check_qkv(fn: str, q: Tensor, k: Tensor, v: Tensor) -> None:
         )
     if q.shape[2] == 0:
         raise ValueError(f"{fn}: sequence length T must be at least 1, got `q` with {describe(q)}")
+    for axis, size in (("batch size B", q.shape[0]), ("number of heads H", q.shape[1]),
+                       ("feature size Dk", q.shape[3]), ("value size Dv", v.shape[3])):
+        if size == 0:
+            raise ValueError(f"{fn}: the {axis} must be at least 1, got q {describe(q)}, v {describe(v)}")
 
 
 def check_choice(fn: str, name: str, value, choices: Sequence) -> None:
@@ -77,8 +84,15 @@ def check_choice(fn: str, name: str, value, choices: Sequence) -> None:
 
 
 def check_positive_int(fn: str, name: str, value) -> None:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+    """A positive integer: a Python int or any other integral number (numpy's too), not a bool."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{fn}: `{name}` must be a positive int, got {value!r}")
+
+
+def check_flag(fn: str, name: str, value) -> None:
+    """A switch: True or False (a string such as "no" would otherwise count as True)."""
+    if not isinstance(value, (bool, np.bool_)):
+        raise TypeError(f"{fn}: `{name}` must be True or False, got {type(value).__name__} {value!r}")
 
 
 def check_log_decay(fn: str, log_decay: Tensor, q: Tensor, *, causal: bool) -> None:
@@ -111,19 +125,21 @@ def check_state(fn: str, name: str, state, *, B: int, H: int, Dk: int, Dv: int, 
     if not isinstance(state, tuple) or len(state) != 2:
         raise TypeError(f"{fn}: `{name}` must be a LinearAttentionState(S, z), got {type(state).__name__}")
     S, z = state
-    check_tensor(fn, f"{name}.S", S, ndim=4)
+    check_layout(fn, f"{name}.S", S, ("B", "H", "Dk", "Dv"))
     if tuple(S.shape) != (B, H, Dk, Dv):
         raise ValueError(f"{fn}: `{name}.S` has shape {tuple(S.shape)}; expected (B, H, Dk, Dv) = {(B, H, Dk, Dv)}")
     if S.device != device:
         raise ValueError(f"{fn}: `{name}.S` is on {S.device} but the inputs are on {device}")
+    check_values(fn, f"{name}.S", S)
     if normalize:
         if z is None:
             raise ValueError(f"{fn}: normalize=True needs `{name}.z` of shape (B, H, Dk) = {(B, H, Dk)}, got None")
-        check_tensor(fn, f"{name}.z", z, ndim=3)
+        check_layout(fn, f"{name}.z", z, ("B", "H", "Dk"))
         if tuple(z.shape) != (B, H, Dk):
             raise ValueError(f"{fn}: `{name}.z` has shape {tuple(z.shape)}; expected (B, H, Dk) = {(B, H, Dk)}")
         if z.device != device:
             raise ValueError(f"{fn}: `{name}.z` is on {z.device} but the inputs are on {device}")
+        check_values(fn, f"{name}.z", z)
 
 
 # --- checks for the other layouts of the SSM, RWKV and decoding inputs ((H,), (B, T, C), ...):
@@ -178,7 +194,7 @@ def check_number(
     fn: str, name: str, value, *, low: Optional[float] = None, high: Optional[float] = None, strict_low: bool = False
 ) -> float:
     """A real number (not a bool, not a tensor) in [low, high]; returns it as a float."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
         raise TypeError(f"{fn}: `{name}` must be a number, got {type(value).__name__} {value!r}")
     value = float(value)
     too_low = low is not None and (value <= low if strict_low else value < low)
@@ -192,7 +208,11 @@ def check_number(
 
 
 def check_eps(fn: str, eps) -> float:
-    return check_number(fn, "eps", eps, low=0.0)
+    """A finite, non-negative eps (NaN or inf would silently turn every output into NaN or 0)."""
+    value = check_number(fn, "eps", eps, low=0.0)
+    if not math.isfinite(value):
+        raise ValueError(f"{fn}: `eps` must be finite, got {eps!r}")
+    return value
 
 
 def check_same_shape(fn: str, named: Sequence[tuple[str, Tensor]]) -> None:

@@ -124,6 +124,16 @@ def _noncausal(q, k, v, S, z, normalize, eps):
     return _finish(num, den, eps), LinearAttentionState(S, z)
 
 
+def _sum_after(g: Tensor) -> Tensor:
+    """g_{j+1} + ... + g_last for every j (0 at the last position), along the last axis.
+
+    Summed from j + 1 on, not taken as cumsum(g)[-1] - cumsum(g)[j]: after one huge step (a
+    reset, g = -1e4) that difference of two large prefix sums keeps only about 1e-3 of
+    absolute precision in float32, the same trap `segsum` avoids for the mask.
+    """
+    return F.pad(g.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))
+
+
 def _quadratic(q, k, v, g, S0, z0, causal, normalize, eps):
     """(q k^T * L) v plus the decayed contribution of the initial state."""
     if not causal:
@@ -134,7 +144,7 @@ def _quadratic(q, k, v, g, S0, z0, causal, normalize, eps):
     num = A @ v + q0 @ S0
     den = (A.sum(-1) + (q0 * z0.unsqueeze(-2)).sum(-1)) if normalize else None
     # final state: every key decayed to the end, plus the decayed initial state
-    to_end = torch.exp(cg[..., -1:] - cg).unsqueeze(-1)  # exp(g_{j+1} + ... + g_T) <= 1
+    to_end = torch.exp(_sum_after(g)).unsqueeze(-1)  # exp(g_{j+1} + ... + g_T) <= 1
     total = torch.exp(cg[..., -1]).unsqueeze(-1)
     S = total.unsqueeze(-1) * S0 + (k * to_end).transpose(-1, -2) @ v
     z = (total * z0 + (k * to_end).sum(-2)) if normalize else None
@@ -185,7 +195,7 @@ def _chunked(q, k, v, g, S, z, causal, normalize, eps, chunk_size):
     num = A @ vc
     den = A.sum(-1) if normalize else None
     q_in = qc * torch.exp(gc).unsqueeze(-1)  # queries see the chunk-entry state decayed by gc_i
-    k_out = kc * torch.exp(gc[..., -1:] - gc).unsqueeze(-1)  # keys decayed to the chunk end
+    k_out = kc * torch.exp(_sum_after(g.reshape(B, H, N, C))).unsqueeze(-1)  # keys decayed to the chunk end
     total = torch.exp(gc[..., -1])  # (B, H, N): decay across a whole chunk
     inter_num, inter_den = [], []
     for n in range(N):
@@ -244,13 +254,14 @@ def linear_attention(
     V.check_choice(fn, "form", form, FORMS)
     V.check_choice(fn, "backend", backend, BACKENDS)
     V.check_positive_int(fn, "chunk_size", chunk_size)
+    V.check_flag(fn, "causal", causal)
+    V.check_flag(fn, "normalize", normalize)
+    eps = V.check_eps(fn, eps)
     if log_decay is not None:
         V.check_log_decay(fn, log_decay, q, causal=causal)
     if initial_state is not None:
         B, H, _, Dk = q.shape
         V.check_state(fn, "initial_state", initial_state, B=B, H=H, Dk=Dk, Dv=v.shape[-1], device=q.device, normalize=normalize)
-    if not isinstance(eps, (int, float)) or eps < 0:
-        raise ValueError(f"{fn}: `eps` must be a non-negative number, got {eps!r}")
 
     from ._triton import linear_attention_triton, triton_available, triton_supports
 

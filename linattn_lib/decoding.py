@@ -18,13 +18,13 @@ from . import _validate as V
 from .attention import DEFAULT_EPS, LinearAttentionState
 
 
-def _check_token(fn: str, name: str, x, expected: tuple[int, int, int], like: Tensor) -> None:
+def _check_token(fn: str, name: str, x, expected: tuple[int, int, int], dtype: torch.dtype, device) -> None:
     """One token's (B, H, D) slice, matching the decoder's sizes, dtype and device."""
     V.check_shape(fn, name, x, expected, ("B", "H", "D"))
-    if x.dtype != like.dtype:
-        raise TypeError(f"{fn}: `{name}` has dtype {x.dtype} but the decoder holds {like.dtype}; cast it first")
-    if x.device != like.device:
-        raise ValueError(f"{fn}: `{name}` is on {x.device} but the decoder is on {like.device}")
+    if x.dtype != dtype:
+        raise TypeError(f"{fn}: `{name}` has dtype {x.dtype} but the decoder takes {dtype}; cast it first")
+    if x.device != device:
+        raise ValueError(f"{fn}: `{name}` is on {x.device} but the decoder is on {device}")
 
 
 def _nbytes(*tensors: Optional[Tensor]) -> int:
@@ -37,8 +37,10 @@ class RecurrentDecoder:
         S <- a S + k_t v_t^T,   z <- a z + k_t,   o_t = q_t S / (q_t . z + eps)
 
     where a = exp(log_decay_t) (1 without a decay). q_t, k_t are *features* (B, H, Dk), as for
-    `linear_attention`; v_t is (B, H, Dv). The state is (B, H, Dk, Dv) + (B, H, Dk) numbers no
-    matter how many tokens have been seen: that is `nbytes`.
+    `linear_attention`; v_t is (B, H, Dv), all of `dtype`. The state is (B, H, Dk, Dv) + (B, H, Dk)
+    numbers no matter how many tokens have been seen: that is `nbytes`. It is kept in float32
+    (float64 for float64 tokens), as the parallel form keeps its sums: a float16 or bfloat16
+    running sum would lose the small late increments. Outputs come back in `dtype`.
     """
 
     def __init__(
@@ -59,16 +61,18 @@ class RecurrentDecoder:
             V.check_positive_int(fn, name, value)
         self.normalize = normalize
         self.eps = V.check_eps(fn, eps)
-        self.S = torch.zeros(batch, heads, dk, dv, dtype=dtype, device=device)
-        self.z = torch.zeros(batch, heads, dk, dtype=dtype, device=device) if normalize else None
+        self.dtype = dtype
+        state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+        self.S = torch.zeros(batch, heads, dk, dv, dtype=state_dtype, device=device)
+        self.z = torch.zeros(batch, heads, dk, dtype=state_dtype, device=device) if normalize else None
         if initial_state is not None:
             V.check_shape(fn, "initial_state.S", initial_state.S, tuple(self.S.shape), ("B", "H", "Dk", "Dv"))
-            self.S = initial_state.S.to(dtype)
+            self.S = initial_state.S.to(state_dtype)
             if normalize:
                 if initial_state.z is None:
                     raise ValueError(f"{fn}: normalize=True needs `initial_state.z` of shape {tuple(self.z.shape)}, got None")
                 V.check_shape(fn, "initial_state.z", initial_state.z, tuple(self.z.shape), ("B", "H", "Dk"))
-                self.z = initial_state.z.to(dtype)
+                self.z = initial_state.z.to(state_dtype)
         self.tokens_seen = 0
 
     @property
@@ -100,9 +104,9 @@ class RecurrentDecoder:
         """Absorb token t into the state and return its output o_t of shape (B, H, Dv)."""
         fn = "RecurrentDecoder.step"
         batch, heads, dk, dv = self.S.shape
-        _check_token(fn, "q_t", q_t, (batch, heads, dk), self.S)
-        _check_token(fn, "k_t", k_t, (batch, heads, dk), self.S)
-        _check_token(fn, "v_t", v_t, (batch, heads, dv), self.S)
+        for name, x, d in (("q_t", q_t, dk), ("k_t", k_t, dk), ("v_t", v_t, dv)):
+            _check_token(fn, name, x, (batch, heads, d), self.dtype, self.S.device)
+        q_t, k_t, v_t = (x.to(self.S.dtype) for x in (q_t, k_t, v_t))
         a = self._decay(log_decay_t)
         if a is not None:
             self.S = a[..., None, None] * self.S
@@ -111,9 +115,9 @@ class RecurrentDecoder:
         num = (q_t.unsqueeze(-1) * self.S).sum(-2)
         self.tokens_seen += 1
         if not self.normalize:
-            return num
+            return num.to(self.dtype)
         self.z = self.z + k_t
-        return num / ((q_t * self.z).sum(-1, keepdim=True) + self.eps)
+        return (num / ((q_t * self.z).sum(-1, keepdim=True) + self.eps)).to(self.dtype)
 
 
 class KVCacheDecoder:
@@ -166,9 +170,8 @@ class KVCacheDecoder:
         fn = "KVCacheDecoder.step"
         batch, heads, _, dk = self.keys.shape
         dv = self.values.shape[-1]
-        _check_token(fn, "q_t", q_t, (batch, heads, dk), self.keys)
-        _check_token(fn, "k_t", k_t, (batch, heads, dk), self.keys)
-        _check_token(fn, "v_t", v_t, (batch, heads, dv), self.keys)
+        for name, x, d in (("q_t", q_t, dk), ("k_t", k_t, dk), ("v_t", v_t, dv)):
+            _check_token(fn, name, x, (batch, heads, d), self.keys.dtype, self.keys.device)
         if self.tokens_seen == self.keys.shape[2]:
             self._grow()
         n = self.tokens_seen

@@ -93,7 +93,9 @@ def orthogonal_gaussian_matrix(
 def random_projection(
     m: int, d: int, *, orthogonal: bool = True, scaling: str = "chi", seed: Optional[int] = None, dtype=torch.float32
 ) -> Tensor:
-    """Block-orthogonal (default) or i.i.d. Gaussian (m, d) projection."""
+    """Block-orthogonal (default) or i.i.d. Gaussian (m, d) projection. `scaling` ("chi" or
+    "sqrt_d") sets the row norms of the orthogonal one; i.i.d. rows have chi_d norms already."""
+    V.check_choice("random_projection", "scaling", scaling, ("chi", "sqrt_d"))
     if orthogonal:
         return orthogonal_gaussian_matrix(m, d, scaling=scaling, seed=seed, dtype=dtype)
     return gaussian_matrix(m, d, seed=seed, dtype=dtype)
@@ -150,9 +152,12 @@ def _stabilize(u: Tensor, stabilize: Optional[str]) -> Tensor:
 
     "row" subtracts each row's own maximum (queries: a per-query constant cancels between the
     numerator and denominator of that query's output); "global" subtracts one maximum over all
-    rows of a sequence (keys: a constant common to every key cancels as well).
+    rows of a sequence (keys: a constant common to every key cancels as well). The maximum is
+    detached: the gradient treats it as the constant it is for normalised attention.
     """
     _check_stabilize(stabilize)
+    if stabilize == "global" and u.dim() < 2:
+        raise ValueError(f"positive features: stabilize='global' needs x of shape (..., T, d), got a {u.dim()}-d input")
     if stabilize is None:
         return u
     if stabilize == "row":
@@ -256,8 +261,17 @@ class RandomFeatureMap(nn.Module):
     """A random feature map that owns its projection W (and phases b) and can redraw them.
 
     Performer redraws W periodically during training; `redraw()` does that. With
-    `softmax_temperature=True` (default) inputs are scaled by d^(-1/4) so that phi(q) . phi(k)
-    estimates exp(q . k / sqrt(d)), the kernel of softmax(q k^T / sqrt(d)).
+    `softmax_temperature=True` (default) inputs are scaled by d^(-1/4): for the softmax kinds
+    ("positive", "hyperbolic", "trig") phi(q) . phi(k) then estimates exp(q . k / sqrt(d)), the
+    kernel of softmax(q k^T / sqrt(d)); "rff" then estimates the Gaussian kernel of width
+    sigma = d^(1/4), and "clipped" the texts' biased kernel (see `clipped_trig_features`).
+
+    Stabilised maps (the default) subtract a maximum from the exponents, a constant that
+    cancels in normalised attention; the maximum is held constant in the gradient (detached),
+    so gradients are those of normalised attention with eps = 0, not of the raw map. The key
+    maximum is taken over the whole sequence, future keys included: exact in real arithmetic
+    for causal attention, but in float16 an early key far below a later maximum can underflow
+    to zero (keep features in float32, as chapter 3 shows).
     """
 
     def __init__(

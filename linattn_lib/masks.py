@@ -9,6 +9,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from . import _validate as V
+
 
 def segsum(g: Tensor) -> Tensor:
     """Segment sums of `g` over its last axis: (..., T) -> (..., T, T).
@@ -17,6 +19,9 @@ def segsum(g: Tensor) -> Tensor:
     difference of two large prefix sums loses precision when the decay is strong, while a
     cumsum that starts at j+1 adds only the terms it needs.
     """
+    V.check_tensor("segsum", "g", g)
+    if g.dim() < 1:
+        raise ValueError(f"segsum: `g` must have at least one axis (..., T), got {V.describe(g)}")
     T = g.shape[-1]
     x = g.unsqueeze(-1).expand(*g.shape, T)  # x[..., i, j] = g[i]
     strict = torch.ones(T, T, dtype=torch.bool, device=g.device).tril(-1)
@@ -27,10 +32,16 @@ def segsum(g: Tensor) -> Tensor:
 
 
 def decay_mask(log_decay: Tensor) -> Tensor:
-    """The decay mask L = exp(segsum(log_decay)), shape (..., T, T); zeros above the diagonal."""
+    """The decay mask L = exp(segsum(log_decay)), shape (..., T, T); zeros above the diagonal.
+
+    `log_decay` must be a floating tensor of finite values <= 0 (decay factors in (0, 1]).
+    """
+    V.check_tensor("decay_mask", "log_decay", log_decay)
+    V.check_values("decay_mask", "log_decay", log_decay, high=0.0, why="a decay factor exp(log_decay) in (0, 1]")
     return torch.exp(segsum(log_decay))
 
 
 def causal_mask(T: int, *, device=None, dtype=torch.float32) -> Tensor:
     """Lower-triangular (T, T) matrix of ones: the causal mask with no decay."""
+    V.check_positive_int("causal_mask", "T", T)
     return torch.ones(T, T, device=device, dtype=dtype).tril()

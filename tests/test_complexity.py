@@ -60,7 +60,9 @@ def test_measure_point_and_softmax_memory_is_quadratic():
     assert all(r["seconds"] > 0 and r["clock"] == "cpu" for r in rows)
     if any(r["peak_bytes"] is None for r in rows):
         pytest.skip("no peak-memory measurement on this OS")
-    ex = C.fit_exponents(rows)
+    # memory from the two longer lengths: at T = 512 the extra memory is a few hundred KiB, where
+    # scratch buffers and recycled pages blur the resident-set measurement (see ch. 8, §8.1)
+    ex = C.fit_exponents(rows, min_T=1024)
     assert 1.7 < ex["softmax"]["memory_forward"] < 2.3  # the 4 x T x T matrix dominates
     assert ex["linear"]["memory_forward"] < 1.4
     json.dumps(rows)  # rows are JSON-ready

@@ -97,7 +97,7 @@ def test_decoder_errors():
         dec.step(q[..., :4], k, v)
     with pytest.raises(ValueError, match=r"`v_t` must be a 3-d tensor laid out as \(B, H, D\)"):
         dec.step(q, k, v[0])
-    with pytest.raises(TypeError, match=r"`k_t` has dtype torch.float32 but the decoder holds torch.float64"):
+    with pytest.raises(TypeError, match=r"`k_t` has dtype torch.float32 but the decoder takes torch.float64"):
         dec.step(q, k.float(), v)
     with pytest.raises(ValueError, match=r"`log_decay_t` must be <= 0"):
         dec.step(q, k, v, torch.full((3,), 0.1, dtype=D64))
@@ -117,3 +117,23 @@ def test_decoder_errors():
     with pytest.raises(TypeError, match=r"`scale` must be a number"):
         KVCacheDecoder(2, 3, 5, 4, scale="auto")
     assert kv.tokens_seen == 0  # a rejected step leaves the cache untouched
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_recurrent_decoder_sums_16_bit_tokens_in_float32(dtype):
+    """Over 2000 tokens a 16-bit running sum would drift (bf16 keeps 8 bits: late increments
+    vanish); the decoder keeps its state in float32 like the parallel form, so both stay as
+    close to the float64 truth as their 16-bit inputs allow."""
+    g = torch.Generator().manual_seed(0)
+    T = 2000
+    q, k = torch.rand(1, 1, T, 4, generator=g), torch.rand(1, 1, T, 4, generator=g)
+    v = torch.randn(1, 1, T, 4, generator=g) + 1
+    q, k, v = (x.to(dtype) for x in (q, k, v))
+    truth = linear_attention(q.double(), k.double(), v.double())
+    parallel = linear_attention(q, k, v)
+    dec = RecurrentDecoder(1, 1, 4, 4, dtype=dtype)
+    o = torch.stack([dec.step(q[:, :, t], k[:, :, t], v[:, :, t]) for t in range(T)], dim=2)
+    assert o.dtype == dtype and dec.state.S.dtype == torch.float32
+    err_parallel = (parallel.double() - truth).abs().max().item()
+    err_decoder = (o.double() - truth).abs().max().item()
+    assert err_decoder <= 2 * err_parallel + 1e-3, (err_decoder, err_parallel)

@@ -183,3 +183,12 @@ def test_performer_default_eps_does_not_bias_stabilised_output():
     stabilised = performer_attention(q, k, v, feature_map=fm)
     raw = performer_attention(q, k, v, feature_map=fm, stabilize=False)
     assert ((stabilised - raw).norm() / raw.norm()) < 1e-10
+
+
+def test_feature_map_input_checks_found_in_review():
+    from linattn_lib.features import RandomFeatureMap, positive_random_features
+
+    with pytest.raises(ValueError, match="scaling"):
+        RandomFeatureMap(4, 8, orthogonal=False, scaling="bogus")
+    with pytest.raises(ValueError, match="stabilize='global' needs x of shape"):
+        positive_random_features(torch.randn(4), torch.randn(8, 4), stabilize="global")

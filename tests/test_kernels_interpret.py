@@ -504,3 +504,50 @@ def test_gpu_check_config_sweep_runs_every_candidate_on_cpu():
         mine = [r for r in rows if r["kernel"] == kernel]
         assert len(mine) > 1 and sum(r["chosen"] for r in mine) == 1 and mine[0]["chosen"]
         assert len({str(r["config"]) for r in mine}) == len(mine)
+
+
+# ------------------------------------------------------------------ float16 range
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
+def test_fp16_gradients_do_not_underflow(causal):
+    """A mean loss over 32k outputs and denominators in the thousands make dO / den ~ 1e-8,
+    below the smallest float16: unscaled, dv came out all zeros. The backward scales the
+    cotangents by a power of two (as loss scaling does), so the kernels' float16 gradients are
+    as accurate as the torch path's, measured against float64 on the same inputs."""
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.nn.functional.elu(torch.randn(2, 4, 64, 64, generator=g)) + 1 for _ in range(2))
+    v = torch.randn(2, 4, 64, 64, generator=g)
+    q, k, v = (x.half() for x in (q, k, v))
+    grads = {}
+    for name, backend, dtype, device in (("triton", "triton", torch.float16, DEVICE), ("torch", "torch", torch.float16, "cpu"),
+                                         ("exact", "torch", torch.float64, "cpu")):
+        xs = [x.detach().to(device=device, dtype=dtype).clone().requires_grad_() for x in (q, k, v)]
+        linear_attention(*xs, causal=causal, backend=backend).double().mean().backward()
+        grads[name] = [x.grad for x in xs]
+    for name, got, ref, exact in zip("qkv", grads["triton"], grads["torch"], grads["exact"]):
+        assert got.abs().amax() > 0, name
+        assert rel(got, exact) <= 1.5 * rel(ref, exact) + 1e-3, (name, rel(got, exact), rel(ref, exact))
+
+
+def test_fp16_forward_with_scores_beyond_the_fp16_range():
+    """q . k = 32 * 32 * 64 = 65536 > 65504, the largest float16: the kernel normalises the scores
+    before they meet the tensor cores, so the output is the plain average of the values."""
+    q = torch.full((1, 1, 4, 64), 32.0, dtype=torch.float16, device=DEVICE)
+    v = torch.randn(1, 1, 4, 8, generator=torch.Generator().manual_seed(0)).half().to(DEVICE)
+    o = linear_attention(q, q, v, backend="triton")
+    assert torch.isfinite(o).all()
+    want = v.double().cumsum(2) / torch.arange(1, 5, device=DEVICE, dtype=torch.float64).view(1, 1, 4, 1)
+    assert rel(o, want) < 3e-3
+
+
+def test_triton_backward_refuses_double_backward():
+    """The kernels' gradients are not themselves differentiable: asking for a second derivative
+    raises instead of silently treating dq and dk as constants (which gave wrong answers)."""
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.rand(1, 1, 8, 16, generator=g).to(DEVICE).requires_grad_() for _ in range(3))
+    ld = (-torch.rand(1, 1, 8, generator=g)).to(DEVICE).requires_grad_()
+    o = linear_attention(q, k, v, log_decay=ld, backend="triton")
+    (dg,) = torch.autograd.grad(o.sum(), ld, create_graph=True)
+    with pytest.raises(RuntimeError, match="once_differentiable|does not require grad|not have a grad_fn"):
+        torch.autograd.grad(dg.sum(), q)

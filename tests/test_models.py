@@ -29,9 +29,11 @@ def test_every_variant_learns(kind, softmax_layers):
     g = torch.Generator().manual_seed(1)
     idx = torch.randint(0, 17, (4, 25), generator=g)
     x, y = idx[:, :-1], idx[:, 1:]
-    opt = torch.optim.AdamW(model.parameters(), lr=2e-2)
+    # lr 1e-2 for 40 steps: at 2e-2 the slow learners (fixed-decay RetNet) trained chaotically,
+    # and whether they made the bar in 25 steps depended on the thread count (reduction order).
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     losses = []
-    for _ in range(25):
+    for _ in range(40):
         _, loss = model(x, y)
         opt.zero_grad()
         loss.backward()

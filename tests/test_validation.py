@@ -1,4 +1,5 @@
 """Bad input gets a clear error that names the argument, what it got and what was expected."""
+import numpy as np
 import pytest
 import torch
 
@@ -84,3 +85,52 @@ def test_empty_sequence():
     q, k, v = qkv(T=0)
     with pytest.raises(ValueError, match=r"sequence length T must be at least 1"):
         linear_attention(q, k, v)
+
+
+# ------------------------------------------------------------------ found in review
+
+
+def test_linear_attention_rejects_bad_scalars_and_flags():
+    q = torch.rand(2, 3, 5, 4)
+    for eps in (float("nan"), float("inf"), True, "1e-6"):
+        with pytest.raises((ValueError, TypeError), match="eps"):
+            linear_attention(q, q, q, eps=eps)
+    for flag in ("causal", "normalize"):
+        with pytest.raises(TypeError, match=f"`{flag}` must be True or False"):
+            linear_attention(q, q, q, **{flag: "no"})
+    # integral numbers that are not Python ints are fine
+    assert linear_attention(q, q, q, chunk_size=np.int64(2)).shape == (2, 3, 5, 4)
+
+
+def test_linear_attention_names_empty_axes():
+    for shape, axis in (((0, 1, 4, 2), "batch size B"), ((1, 0, 4, 2), "number of heads H"), ((1, 1, 4, 0), "feature size Dk")):
+        x = torch.rand(shape)
+        with pytest.raises(ValueError, match=axis):
+            linear_attention(x, x, torch.rand(shape[:3] + (2,)))
+
+
+def test_initial_state_errors_name_the_state_layout_and_values():
+    q, v = torch.rand(2, 3, 5, 4), torch.rand(2, 3, 5, 6)
+    bad_z = LinearAttentionState(torch.zeros(2, 3, 4, 6), torch.zeros(2, 3, 4, 1))
+    with pytest.raises(ValueError, match=r"`initial_state.z` must be a 3-d tensor laid out as \(B, H, Dk\)"):
+        linear_attention(q, q, v, initial_state=bad_z)
+    bad_S = LinearAttentionState(torch.zeros(2, 3, 4), torch.zeros(2, 3, 4))
+    with pytest.raises(ValueError, match=r"laid out as \(B, H, Dk, Dv\)"):
+        linear_attention(q, q, v, initial_state=bad_S)
+    nan_S = LinearAttentionState(torch.full((2, 3, 4, 6), float("nan")), torch.ones(2, 3, 4))
+    with pytest.raises(ValueError, match="`initial_state.S` contains NaN"):
+        linear_attention(q, q, v, initial_state=nan_S)
+
+
+def test_masks_check_their_inputs():
+    from linattn_lib.masks import causal_mask, decay_mask, segsum
+
+    with pytest.raises(ValueError, match="log_decay"):
+        decay_mask(torch.tensor([2.0, 3.0, 1.0]))  # growth, not decay
+    with pytest.raises(TypeError, match="log_decay"):
+        decay_mask(torch.tensor([0, -1, -2]))  # integers
+    with pytest.raises(ValueError, match="at least one axis"):
+        segsum(torch.tensor(1.0))
+    with pytest.raises(ValueError, match="`T` must be a positive int"):
+        causal_mask(3.5)
+    assert torch.equal(causal_mask(3), torch.ones(3, 3).tril())
