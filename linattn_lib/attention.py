@@ -237,7 +237,8 @@ def linear_attention(
         log_decay: optional log of the per-step decay, <= 0, shape (H,) or (B, H, T); then
             w_ij = exp(log_decay[j+1] + ... + log_decay[i]). Needs causal=True.
         form: "quadratic", "recurrent" or "chunked" (all three agree).
-        chunk_size: chunk length of the chunked form.
+        chunk_size: chunk length of the chunked form on the torch path (the Triton kernels use
+            the chunk length of their launch config, `linattn_lib.kernels.select_config`).
         eps: added to the denominator when normalize=True.
         backend: "auto" (compiled Triton on CUDA for fp16/bf16/fp32, torch otherwise), "torch", or "triton"
             (on CPU tensors: the Triton interpreter, slow, for teaching and tests). Only the

@@ -286,7 +286,21 @@ class SweepConfig:
     max_quadratic_gib: float = 4.0
 
 
-CHUNKED = ("linattn-torch", "linattn-triton", "fla")  # providers that take a chunk size
+CHUNKED = ("linattn-torch", "linattn-triton", "fla")  # chunked providers (GB/s and GFLOP/s reported)
+SWEPT_CHUNK = ("linattn-torch",)  # the one that takes any chunk size; the kernels use their own
+
+
+def _own_chunk(name: str, D: int, dtype: torch.dtype, device) -> Optional[int]:
+    """The chunk length a kernel provider really uses: the Triton launcher's config (CUDA only:
+    Triton is never imported without it), or fla's 64."""
+    if name == "fla":
+        return 64
+    if name == "linattn-triton" and torch.device(device).type == "cuda":
+        from ._triton import _load_kernels
+
+        K = _load_kernels()
+        return None if K is None else K.select_config("chunk_fwd", D, dtype, device)["BT"]
+    return None
 
 
 def run_sweep(cfg: SweepConfig, *, progress: bool = True) -> list[dict]:
@@ -301,7 +315,8 @@ def run_sweep(cfg: SweepConfig, *, progress: bool = True) -> list[dict]:
         q, k, v, do = make_inputs(cfg.B, cfg.H, T, D, dtype=dtype, device=cfg.device, grad=mode == "fwd+bwd")
         runs = []  # (record, callable)
         for name in cfg.providers:
-            for C in cfg.chunk_size if name in CHUNKED else [None]:
+            chunks = cfg.chunk_size if name in SWEPT_CHUNK else [_own_chunk(name, D, dtype, cfg.device)]
+            for C in chunks:
                 rec = dict(provider=name, mode=mode, B=cfg.B, H=cfg.H, T=T, D=D, chunk_size=C, dtype=cfg.dtype)
                 records.append(rec)
                 try:
@@ -325,7 +340,7 @@ def run_sweep(cfg: SweepConfig, *, progress: bool = True) -> list[dict]:
             rec["median_s"] = statistics.median(rec["times_s"])
             if rec["chunk_size"] and mode == "fwd":
                 rec["gflops"] = chunked_forward_flops(cfg.B, cfg.H, T, D, D, rec["chunk_size"]) / rec["median_s"] / 1e9
-            if on_cuda and rec["chunk_size"]:
+            if on_cuda and rec["provider"] in CHUNKED:
                 rec["gbps"] = io_bytes(cfg.B, cfg.H, T, D, D, q.element_size(), mode) / rec["median_s"] / 1e9
                 rec["peak_gbps"] = peak
         del q, k, v, do, runs
@@ -757,6 +772,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 setattr(cfg, name, getattr(a, name))
         cfg.modes = a.mode or cfg.modes
         cfg.providers = a.providers or cfg.providers
+        for what, given, allowed in (("--mode", cfg.modes, MODES), ("--providers", cfg.providers, PROVIDERS)):
+            bad = [x for x in given if x not in allowed]
+            if bad:
+                raise SystemExit(f"bench: unknown {what} {', '.join(bad)}; expected some of {', '.join(allowed)}")
         meta["hardware"] = device_name(device)
         records = run_sweep(cfg, progress=progress)
         table = format_sweep(records, cfg.providers, device == "cuda")

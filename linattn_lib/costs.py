@@ -137,7 +137,7 @@ def format_bytes(n: float) -> str:
     while n >= 1024 and i < len(units) - 1:
         n /= 1024
         i += 1
-    return f"{n:.3g} {units[i]}"
+    return f"{n:.0f} {units[i]}" if n >= 100 else f"{n:.3g} {units[i]}"  # 1000-1023: no "1e+03"
 
 
 def describe_costs(T: int, d: int, heads: int, layers: int = 1, *, dtype: str = "fp16", causal: bool = False) -> str:

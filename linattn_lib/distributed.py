@@ -554,8 +554,12 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, seq_len: int, causal: boo
         V.check_tensor(fn, name, x, ndim=4)
     rank, world = _group_info(group)
     bounds = split_sequence(seq_len, world)
+    V.check_same(fn, [("q", q), ("k", k), ("v", v)])
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
+    if tuple(k.shape) != (B, H, T, Dk) or tuple(v.shape[:3]) != (B, H, T):
+        raise ValueError(f"{fn}: this rank's k {tuple(k.shape)} and v {tuple(v.shape)} must match q {tuple(q.shape)} "
+                         "in (B, H, T_r), and k must match q's Dk")
     if T != bounds[rank][1] - bounds[rank][0]:
         raise ValueError(f"{fn}: rank {rank} holds T_r={T} tokens, but split_sequence({seq_len}, {world}) "
                          f"gives it {bounds[rank][1] - bounds[rank][0]}")

@@ -19,6 +19,8 @@ def synchronize(device: Optional[torch.device | str] = None) -> None:
 
 def time_fn(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5, device=None) -> float:
     """Median wall time of `fn()` in seconds, after `warmup` untimed calls (GPU-synchronised)."""
+    if isinstance(repeats, bool) or not isinstance(repeats, int) or repeats < 1:
+        raise ValueError(f"time_fn: `repeats` must be a positive int, got {repeats!r}")
     for _ in range(warmup):
         fn()
     synchronize(device)
@@ -37,6 +39,18 @@ def _proc_status(field: str) -> int:
 
 
 _LIBC = None
+
+
+def settle_cpu_allocator() -> None:
+    """Put glibc's allocator in the state CPU memory measurements use, before timing anything.
+
+    `peak_memory_bytes` fixes glibc's mmap threshold on its first CPU call (see
+    `_release_free_memory`), and that changes how fast later allocations are: every large
+    tensor is then fresh, page-faulted memory. A sweep that times and measures memory at each
+    length calls this first, so that all its timings run under the same allocator instead of
+    only the first one running under glibc's default. No-op off glibc.
+    """
+    _release_free_memory()
 
 
 def _release_free_memory() -> None:
@@ -95,6 +109,8 @@ def peak_memory_bytes(fn: Callable[[], object], *, device="cpu") -> Optional[int
 
 def fit_loglog_slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     """Least-squares slope of log(y) against log(x): the exponent p in y ~ c x^p."""
+    if len(set(xs)) < 2 or len(xs) != len(ys):
+        raise ValueError(f"fit_loglog_slope: needs at least two distinct x and one y per x, got xs={list(xs)}, ys={list(ys)}")
     lx = [math.log(x) for x in xs]
     ly = [math.log(y) for y in ys]
     mx, my = sum(lx) / len(lx), sum(ly) / len(ly)

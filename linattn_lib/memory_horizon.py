@@ -94,7 +94,9 @@ def lag_weights(log_decay: float, max_lag: int, *, dtype: torch.dtype = torch.fl
     if log_decay > 0 or math.isnan(log_decay):
         raise ValueError(f"{fn}: `log_decay` must be <= 0 (a decay exp(log_decay) <= 1), got {log_decay!r}")
     lags = torch.arange(max_lag + 1, dtype=dtype)
-    return torch.exp(lags * log_decay)
+    w = torch.exp(lags * log_decay)
+    w[0] = 1.0  # lag 0 is the token itself, whatever the decay (0 * -inf would be NaN)
+    return w
 
 
 def horizon_from_mask(L: Tensor, threshold: float = 0.01) -> Tensor:

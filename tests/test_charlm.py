@@ -6,6 +6,7 @@ import re
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from linattn_lib.experiments import charlm
@@ -86,3 +87,12 @@ def test_quick_cli_writes_json_with_metadata(tmp_path):
     # --resume finds every run already done and rewrites the same results
     again = charlm.main(["--quick", "--out", str(out), "--resume"])
     assert [r["val_loss"] for r in again["results"]] == [r["val_loss"] for r in saved["results"]]
+
+
+def test_chardata_split_never_empties_training_or_validation():
+    from linattn_lib.experiments.charlm import CharData
+
+    data = CharData("abcdefghij" * 3, val_fraction=0.01)  # int(30 * 0.01) = 0 would put everything in val
+    assert len(data.val) == 1 and len(data.train) == 29
+    with pytest.raises(ValueError, match="no training text"):
+        CharData("abc", val_fraction=1.0)

@@ -325,3 +325,11 @@ def test_reset_gate_keeps_float32_precision(form):
         runs.append(reference_linear_attention(q, k, v, log_decay=g, form="chunked", chunk_size=64, return_state=True))
     for o, st in runs:
         assert rel_err(o, want) < 2e-6 and rel_err(st.z, ws.z) < 2e-6 and rel_err(st.S, ws.S) < 2e-6
+
+
+def test_bench_rejects_unknown_modes_and_providers():
+    from linattn_lib.bench import main
+
+    for argv in (["sweep", "--quick", "--mode", "bwd"], ["sweep", "--quick", "--providers", "flash"]):
+        with pytest.raises(SystemExit, match="unknown"):
+            main(argv + ["--no-progress", "--no-plot"])

@@ -38,3 +38,18 @@ def test_metadata_and_atomic_json(tmp_path):
     path = write_json(tmp_path / "r" / "out.json", {"meta": meta, "x": [1, 2]})
     assert json.loads(path.read_text())["x"] == [1, 2]
     assert not list(tmp_path.glob("r/*.tmp"))
+
+
+def test_quick_runs_never_overwrite_committed_results():
+    from linattn_lib.experiments.common import cli_output_path
+
+    assert cli_output_path(None, "book/results/mqar.json", quick=True) == "book/results/mqar-quick.json"
+    assert cli_output_path(None, "book/results/mqar.json", quick=False) == "book/results/mqar.json"
+    assert cli_output_path("x.json", "book/results/mqar.json", quick=True) == "x.json"
+
+
+def test_format_bytes_never_switches_to_scientific_notation():
+    from linattn_lib.costs import format_bytes
+
+    assert format_bytes(1000) == "1000 B" and format_bytes(1023 * 2**20) == "1023 MiB"
+    assert format_bytes(1.5 * 2**20) == "1.5 MiB" and format_bytes(192 * 2**30) == "192 GiB"

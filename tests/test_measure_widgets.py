@@ -42,3 +42,12 @@ def test_static_slider_html_has_every_frame():
     assert repr(s) == "<static slider over λ: 3 frames (1.0 .. 3.0)>"
     with pytest.raises(ValueError, match="one label per frame"):
         StaticSlider(["a"], ["1", "2"], name="x")
+
+
+def test_measure_helpers_reject_degenerate_input():
+    from linattn_lib.measure import fit_loglog_slope, time_fn
+
+    with pytest.raises(ValueError, match="two distinct x"):
+        fit_loglog_slope([1.0], [1.0])
+    with pytest.raises(ValueError, match="repeats"):
+        time_fn(lambda: None, repeats=0)

@@ -112,3 +112,9 @@ def test_table_and_errors():
         horizon_from_mask(torch.zeros(3, 4))
     with pytest.raises(ValueError, match="every"):
         state_norm_trajectory(torch.ones(1, 1, 4, 2), torch.ones(1, 1, 4, 2), every=0)
+
+
+def test_lag_weights_with_a_full_reset():
+    from linattn_lib.memory_horizon import lag_weights
+
+    assert lag_weights(float("-inf"), 3).tolist() == [1.0, 0.0, 0.0, 0.0]

@@ -41,6 +41,18 @@ def run_metadata(module: str, argv: Optional[list[str]] = None) -> dict:
     }
 
 
+def cli_output_path(out: Optional[str], default: str, quick: bool) -> str:
+    """Where a CLI writes its JSON: `out` if given, else `default`, or for a --quick smoke run
+    `default` with a "-quick" suffix, so that a smoke test never overwrites the committed
+    results the chapters plot (they take tens of CPU-minutes to regenerate)."""
+    if out:
+        return out
+    if not quick:
+        return default
+    stem, dot, ext = default.rpartition(".")
+    return f"{stem}-quick.{ext}" if dot else f"{default}-quick"
+
+
 def write_json(path: os.PathLike, payload: dict) -> Path:
     """Write JSON atomically (a crash never leaves a half-written results file)."""
     path = Path(path)

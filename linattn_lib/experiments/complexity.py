@@ -41,7 +41,7 @@ from torch import Tensor
 
 from ..attention import linear_attention, softmax_attention
 from ..features import RandomFeatureMap, elu_plus_one
-from ..measure import default_device, fit_loglog_slope, peak_memory_bytes, time_fn
+from ..measure import default_device, fit_loglog_slope, peak_memory_bytes, settle_cpu_allocator, time_fn
 from ..performer import performer_attention
 from ..positional import cosformer_attention
 
@@ -225,6 +225,8 @@ def complexity_sweep(
         from .common import progress_bar
 
         grid = progress_bar(grid, desc="complexity sweep")
+    if torch.device(device or default_device()).type == "cpu":
+        settle_cpu_allocator()  # every point timed under the allocator the memory readings need
     rows = []
     for m, T, mode in grid:
         rows.append(measure_point(m, T, mode=mode, batch=batch, heads=heads, d=d, repeats=repeats, device=device, fn=fns[m], clock=clock))
@@ -339,10 +341,11 @@ def local_exponents(lengths: Sequence[float], times: Sequence[float]) -> list[fl
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    from .common import run_metadata, write_json
+    from .common import cli_output_path, run_metadata, write_json
 
     p = argparse.ArgumentParser(prog="python -m linattn_lib.experiments.complexity", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=None, help="JSON path (default book/results/complexity_<cpu|cuda>.json)")
+    p.add_argument("--out", default=None, help="JSON path (default book/results/complexity_<cpu|cuda>.json; "
+                   "with --quick, complexity_<cpu|cuda>-quick.json)")
     p.add_argument("--lengths", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--softmax-max", type=int, default=8192, help="longest T for the naive softmax in the sweep")
     p.add_argument("--heads", type=int, default=4)
@@ -355,7 +358,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     if args.quick:
         args.lengths, args.repeats, args.no_speed = [64, 128], 1, True
     torch.manual_seed(0)
-    args.out = args.out or f"book/results/complexity_{default_device().type}.json"
+    args.out = cli_output_path(args.out, f"book/results/complexity_{default_device().type}.json", args.quick)
     sweep_cfg = {"lengths": args.lengths, "batch": 1, "heads": args.heads, "d": args.d, "repeats": args.repeats,
                  "max_lengths": {"softmax": args.softmax_max}}
     rows = complexity_sweep(ALL_METHODS, progress=True, **sweep_cfg)
