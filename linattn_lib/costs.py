@@ -149,7 +149,8 @@ def describe_costs(T: int, d: int, heads: int, layers: int = 1, *, dtype: str = 
     scores = score_matrix_bytes(T, heads, dtype=dtype)
     core_label = "attention core 2T^2d" if causal else "attention core 4T^2d"
     lines = [
-        f"per layer, one sequence of T = {T} tokens (d = {d}, {heads} heads of {d / heads:.4g}):",
+        f"per layer, one sequence of T = {T} tokens (d = {d}, "
+        + (f"{heads} heads of {d // heads}):" if d % heads == 0 else f"{heads} heads: d is not a multiple of them):"),
         f"  {core_label:<22}: {format_count(core):>9} FLOPs ({core / total:6.1%} of the layer)",
         f"  {'projections 8Td^2':<22}: {format_count(proj):>9} FLOPs ({proj / total:6.1%})",
         f"  {'FFN 16Td^2':<22}: {format_count(ffn):>9} FLOPs ({ffn / total:6.1%})",

@@ -514,6 +514,11 @@ def sequence_parallel_linear_attention(
         if log_decay.numel() and (not bool(torch.isfinite(log_decay).all()) or bool((log_decay > 0).any())):
             raise ValueError(f"{fn}: `log_decay` must be finite and <= 0")
     V.check_choice(fn, "scan", scan, ("all_gather", "ring"))
+    # checked on every rank before the collectives, also on a rank that holds no tokens (which
+    # never reaches linear_attention's own checks)
+    eps = V.check_eps(fn, eps)
+    V.check_positive_int(fn, "chunk_size", chunk_size)
+    V.check_flag(fn, "normalize", normalize)
     _group_info(group)
 
     S, z, G = local_state(k, v, log_decay, normalize=normalize)
@@ -1136,6 +1141,13 @@ def _report(results: Sequence[dict], opts: dict) -> bool:
     return ok
 
 
+def _positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive int, got {value}")
+    return value
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     p = argparse.ArgumentParser(
         prog="python -m linattn_lib.distributed",
@@ -1143,7 +1155,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
                     "(e.g. `torchrun --standalone --nproc-per-node=4 -m linattn_lib.distributed`) every process is "
                     "one rank (nccl on GPUs, gloo on CPU); otherwise --nproc local CPU processes are started (gloo).")
     p.add_argument("--nproc", type=int, default=2, help="ranks to start when not under torchrun (default 2)")
-    p.add_argument("--seq-len", type=int, default=1000)
+    p.add_argument("--seq-len", type=_positive_int, default=1000)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--heads", type=int, default=2)
     p.add_argument("--dk", type=int, default=32)

@@ -93,6 +93,8 @@ def offdiagonal_rank(A: Tensor, *, rtol: float = DEFAULT_RTOL) -> int:
     """
     if A.dim() != 2 or A.shape[0] != A.shape[1]:
         raise ValueError(f"offdiagonal_rank: `A` must be one square matrix, got shape {tuple(A.shape)}")
+    if A.shape[0] < 2:
+        return 0  # a 1 x 1 matrix has no block below its diagonal
     return max(numerical_rank(A[i:, :i], rtol=rtol) for i in range(1, A.shape[0]))
 
 

@@ -178,5 +178,7 @@ def local_mass(A: Tensor, widths: Union[int, Sequence[int]], *, first_row: int =
     mag = A.detach().abs().to(torch.float64).reshape(-1, T, T)[:, first_row:]
     total = mag.sum(-1)
     keep = total > 0
+    if not bool(keep.any()):
+        raise ValueError(f"local_mass: every row of `A` from row {first_row} on is zero: there is no mass to share")
     shares = [((mag * (dist <= w)).sum(-1)[keep] / total[keep]).mean() for w in ws]
     return torch.stack(shares)

@@ -105,3 +105,10 @@ def test_rejects_non_positive_or_non_int_sizes(bad):
 def test_rejects_unknown_dtype():
     with pytest.raises(ValueError, match="unknown dtype 'fp64'"):
         score_matrix_bytes(16, dtype="fp64")
+
+
+def test_describe_costs_says_when_heads_do_not_divide_d():
+    from linattn_lib.costs import describe_costs
+
+    assert "12 heads of 64)" in describe_costs(8192, 768, 12, 12)
+    assert "d is not a multiple of them" in describe_costs(10, 10, 3)

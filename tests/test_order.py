@@ -87,3 +87,13 @@ def test_local_mass():
         local_mass(eye, 0, first_row=T)
     with pytest.raises(ValueError, match="widths"):
         local_mass(eye, [-1])
+
+
+def test_local_mass_of_an_all_zero_matrix_is_an_error_not_nan():
+    import pytest
+    import torch
+
+    from linattn_lib.order import local_mass
+
+    with pytest.raises(ValueError, match="no mass"):
+        local_mass(torch.zeros(3, 3), 1)
