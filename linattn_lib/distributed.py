@@ -781,7 +781,11 @@ def launch(fn: Callable[..., Any], world_size: int, *args, backend: str = "gloo"
     method = start_method or _start_method()
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "linattn_lib.distributed"])
+        # Preloading this module when it is also __main__ (python -m linattn_lib.distributed)
+        # would make every rank's runpy warn that it was imported before being run.
+        main_spec = getattr(sys.modules.get("__main__"), "__spec__", None)
+        preload = ["torch"] + ([] if getattr(main_spec, "name", None) == __name__ else [__name__])
+        ctx.set_forkserver_preload(preload)
     grace = 5.0 if grace is None else float(grace)
     port = free_port()
     procs, conns = [], []
