@@ -257,6 +257,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="gpu_results", help="folder for results.json and results.md")
     parser.add_argument("--skip-tests", action="store_true", help="only run the benchmark")
     parser.add_argument("--skip-bench", action="store_true", help="only run the kernel tests")
+    parser.add_argument("--skip-sweep", action="store_true",
+                        help="skip the launch-config sweep (it compiles about 24 kernel variants)")
     args = parser.parse_args(argv)
 
     import torch
@@ -282,7 +284,7 @@ def main(argv=None) -> int:
             print(f"  {r['name']:<55} " + (f"fwd {r['forward_ms']:8.2f} ms  fwd+bwd {r['forward_backward_ms']:8.2f} ms"
                                            if "error" not in r else f"error: {r['error'][:100]}"))
     sweep = []
-    if not args.skip_bench:
+    if not (args.skip_bench or args.skip_sweep):
         from triton.testing import do_bench
 
         try:
