@@ -53,3 +53,13 @@ def test_format_bytes_never_switches_to_scientific_notation():
 
     assert format_bytes(1000) == "1000 B" and format_bytes(1023 * 2**20) == "1023 MiB"
     assert format_bytes(1.5 * 2**20) == "1.5 MiB" and format_bytes(192 * 2**30) == "192 GiB"
+
+
+def test_every_experiment_cli_shares_the_output_options():
+    import argparse
+
+    from linattn_lib.experiments.common import parse_cli
+
+    args = parse_cli(argparse.ArgumentParser(), ["--quick"], "book/results/x.json")
+    assert args.quick and args.out == "book/results/x-quick.json"
+    assert parse_cli(argparse.ArgumentParser(), [], "book/results/x.json").out == "book/results/x.json"

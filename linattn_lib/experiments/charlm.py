@@ -36,7 +36,7 @@ from typing import Optional
 import torch
 
 from ..models import ModelConfig, TinyLM
-from .common import cli_output_path, run_metadata, seed_everything, train, write_json
+from .common import parse_cli, run_metadata, seed_everything, train, write_json
 
 # Pure-Python standard-library modules with rich docstrings, present in CPython 3.10-3.13.
 CORPUS_MODULES = (
@@ -321,8 +321,6 @@ def _std(xs: list[float]) -> float:
 
 def main(argv: Optional[list[str]] = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m linattn_lib.experiments.charlm", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=None, help="where to write the JSON results (default book/results/charlm.json; "
-                   "with --quick, book/results/charlm-quick.json)")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=("softmax", "performer", "linear", "cosformer", "retnet", "ssd"))
     p.add_argument("--ctx", nargs="+", type=int, default=[64, 256], help="context lengths")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -333,9 +331,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--lr", type=float, default=CharLMConfig.lr)
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel (one thread each)")
     p.add_argument("--resume", action="store_true", help="keep finished runs found in --out, run only the rest")
-    p.add_argument("--quick", action="store_true", help="tiny sweep for a smoke test (seconds)")
-    args = p.parse_args(argv)
-    args.out = cli_output_path(args.out, "book/results/charlm.json", args.quick)
+    args = parse_cli(p, argv, "book/results/charlm.json")
     if args.quick:
         args.kinds, args.ctx, args.seeds, args.steps, args.tokens_per_step, args.workers = ["softmax", "linear"], [16], [0], 3, 64, 1
     overrides = {"steps": args.steps, "d_model": args.d_model, "n_layer": args.layers, "tokens_per_step": args.tokens_per_step, "lr": args.lr}

@@ -1,6 +1,7 @@
 """Shared pieces of the experiment CLIs: seeding, a small training loop, result metadata."""
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -51,6 +52,19 @@ def cli_output_path(out: Optional[str], default: str, quick: bool) -> str:
         return default
     stem, dot, ext = default.rpartition(".")
     return f"{stem}-quick.{ext}" if dot else f"{default}-quick"
+
+
+def parse_cli(p: argparse.ArgumentParser, argv: Optional[list[str]], default_out: str) -> argparse.Namespace:
+    """Add the --out and --quick options every experiment CLI has, parse `argv`, and resolve
+    `args.out` with `cli_output_path` (a --quick run without --out never overwrites
+    `default_out`)."""
+    quick_out = cli_output_path(None, default_out, quick=True)
+    p.add_argument("--out", default=None, help=f"where to write the JSON results (default {default_out}; "
+                   f"with --quick, {quick_out})")
+    p.add_argument("--quick", action="store_true", help="tiny run for a smoke test (seconds)")
+    args = p.parse_args(argv)
+    args.out = cli_output_path(args.out, default_out, args.quick)
+    return args
 
 
 def write_json(path: os.PathLike, payload: dict) -> Path:

@@ -341,11 +341,9 @@ def local_exponents(lengths: Sequence[float], times: Sequence[float]) -> list[fl
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
-    from .common import cli_output_path, run_metadata, write_json
+    from .common import parse_cli, run_metadata, write_json
 
     p = argparse.ArgumentParser(prog="python -m linattn_lib.experiments.complexity", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=None, help="JSON path (default book/results/complexity_<cpu|cuda>.json; "
-                   "with --quick, complexity_<cpu|cuda>-quick.json)")
     p.add_argument("--lengths", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--softmax-max", type=int, default=8192, help="longest T for the naive softmax in the sweep")
     p.add_argument("--heads", type=int, default=4)
@@ -353,12 +351,10 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-speed", action="store_true", help="skip the speed table at the text's sizes")
     p.add_argument("--speed-lengths", nargs="+", type=int, default=list(SpeedConfig.lengths))
-    p.add_argument("--quick", action="store_true", help="tiny run for a smoke test")
-    args = p.parse_args(argv)
+    args = parse_cli(p, argv, f"book/results/complexity_{default_device().type}.json")
     if args.quick:
         args.lengths, args.repeats, args.no_speed = [64, 128], 1, True
     torch.manual_seed(0)
-    args.out = cli_output_path(args.out, f"book/results/complexity_{default_device().type}.json", args.quick)
     sweep_cfg = {"lengths": args.lengths, "batch": 1, "heads": args.heads, "d": args.d, "repeats": args.repeats,
                  "max_lengths": {"softmax": args.softmax_max}}
     rows = complexity_sweep(ALL_METHODS, progress=True, **sweep_cfg)

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..models import ModelConfig, TinyLM
-from .common import cli_output_path, progress_bar, run_metadata, seed_everything, train, write_json
+from .common import parse_cli, progress_bar, run_metadata, seed_everything, train, write_json
 
 IGNORE = -100
 KINDS = ("softmax", "performer", "linear", "cosformer", "retnet", "ssd", "hybrid")
@@ -348,8 +348,6 @@ def _run_one(job: tuple) -> dict:
 def main(argv: Optional[list[str]] = None) -> dict:
     """Run the sweep and write JSON: {"meta": command, versions, hardware, runtime, "results": [...]}."""
     p = argparse.ArgumentParser(prog="python -m linattn_lib.experiments.mqar", description=__doc__.split("\n\n")[0])
-    p.add_argument("--out", default=None, help="where to write the JSON results (default book/results/mqar.json; "
-                   "with --quick, book/results/mqar-quick.json)")
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
     p.add_argument("--pairs", nargs="+", type=int, default=list(MQARConfig.train_pairs), help="pair counts (trained on as a mixture, evaluated one by one)")
     p.add_argument("--d-model", type=int, default=MQARConfig.d_model, help="width of every kind")
@@ -362,10 +360,8 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--batch-size", type=int, default=MQARConfig.batch_size)
     p.add_argument("--lr", type=float, default=MQARConfig.lr)
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel, one thread each")
-    p.add_argument("--quick", action="store_true", help="tiny sweep for a smoke test (seconds)")
     p.add_argument("--no-progress", action="store_true")
-    args = p.parse_args(argv)
-    args.out = cli_output_path(args.out, "book/results/mqar.json", args.quick)
+    args = parse_cli(p, argv, "book/results/mqar.json")
     if args.quick:
         args.kinds, args.pairs, args.d_models, args.state_kinds = ["softmax", "linear"], [2, 3], [16], []
         args.d_model, args.steps, args.seq_len, args.vocab_size, args.batch_size, args.jobs = 16, 5, 16, 16, 8, 1
