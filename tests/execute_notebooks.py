@@ -8,7 +8,13 @@ project's virtual environment), in its own folder, with the same environment tha
 `make test` gives nbval kernels (see conftest.py): PYTHONHASHSEED=0 and matplotlib's
 inline backend. The result is written to a temporary file next to the notebook and
 moved over the original only if every cell succeeded, so a failed run never leaves a
-half-executed notebook behind. Exit status: 0 if all notebooks succeeded, 1 otherwise.
+half-executed notebook behind. A failure names the cell: an error, a cell running
+past --timeout, or a dying kernel (os._exit, a segfault, the out-of-memory killer).
+SIGINT (Ctrl-C) or SIGTERM stops the whole run at once: the kernel is killed and the
+notebook being executed is left as it was.
+
+Exit status: 0 if all notebooks succeeded, 1 otherwise, 128 + the signal's number
+(130, 143) when interrupted.
 
 This is a script, not a test module: pytest only collects test_*.py files.
 """
@@ -16,7 +22,10 @@ This is a script, not a test module: pytest only collects test_*.py files.
 from __future__ import annotations
 
 import argparse
+import asyncio
+import concurrent.futures
 import os
+import signal
 import stat
 import sys
 import tempfile
@@ -25,7 +34,7 @@ from pathlib import Path
 
 import nbformat
 from ipykernel.kernelspec import RESOURCES, get_kernel_dict
-from jupyter_client import KernelManager
+from jupyter_client import AsyncKernelManager
 from jupyter_client.kernelspec import KernelSpecManager
 from nbclient import NotebookClient
 from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernelError
@@ -102,12 +111,65 @@ def _write_atomically(nb: nbformat.NotebookNode, path: Path) -> None:
         raise
 
 
-def execute(path: Path, timeout: int) -> None:
-    """Execute one notebook; replace it only on success (raises on failure)."""
+class NotebookFailed(Exception):
+    """A notebook did not run through; the message says which cell and why."""
+
+
+class Interrupted(Exception):
+    """SIGINT or SIGTERM arrived while a notebook was executing."""
+
+
+def _first_line(source: str, width: int = 80) -> str:
+    line = next((ln.strip() for ln in source.splitlines() if ln.strip()), "")
+    return line if len(line) <= width else line[: width - 3] + "..."
+
+
+def _where(nb: nbformat.NotebookNode, index: int) -> str:
+    """Name a cell by its index in the notebook and by nbval's name (code cells only)."""
+    code_index = sum(c.cell_type == "code" for c in nb.cells[:index])
+    return f'cell {index} (nbval "Cell {code_index}"): {_first_line(nb.cells[index].source)}'
+
+
+def _died(exit_status: int | None) -> str:
+    if exit_status is None:
+        return "the kernel died"
+    if exit_status < 0:
+        return f"the kernel died: killed by {signal.Signals(-exit_status).name}"
+    return f"the kernel died: it exited with status {exit_status}"
+
+
+async def _shut_down(km: AsyncKernelManager, client: NotebookClient, graceful: bool) -> None:
+    """Stop the kernel: nbclient leaves a kernel alone whose manager it was given.
+
+    Graceful after a complete run, so the kernel's exit handlers run; otherwise killed
+    at once (with its process group), as it may still be busy in the failed cell.
+    nbclient's polling tasks are cancelled first: after a timeout it leaves one running.
+    """
+    leftovers = asyncio.all_tasks() - {asyncio.current_task()}
+    for task in leftovers:
+        task.cancel()
+    await asyncio.gather(*leftovers, return_exceptions=True)
+    if km.has_kernel:  # also true for a dead kernel: this reaps it
+        await km.shutdown_kernel(now=not graceful)
+    if client.kc is not None:
+        client.kc.stop_channels()
+
+
+async def execute(path: Path, timeout: int, stop: asyncio.Event) -> None:
+    """Execute one notebook; replace it only on success.
+
+    Raises NotebookFailed (cell errors, timeouts, a dead kernel), Interrupted once
+    `stop` is set, or whatever else went wrong (kernel start-up, unreadable file).
+    The manager is an AsyncKernelManager because nbclient awaits its client: a blocking
+    client's channel reads block the event loop, so nbclient's per-cell timeout and its
+    once-a-second "is the kernel alive?" check never run (a dead kernel hung forever).
+    """
     nb = nbformat.read(path, as_version=4)
     original_tags = _tag_expected_errors(nb)
     nb.metadata["kernelspec"] = dict(KERNELSPEC)
-    km = KernelManager(kernel_name="python3", kernel_spec_manager=_ThisInterpreterKernels())
+    km = AsyncKernelManager(kernel_name="python3", kernel_spec_manager=_ThisInterpreterKernels())
+    running = []  # index of the cell being executed, for the error message
+
     client = NotebookClient(
         nb,
         km=km,
@@ -117,11 +179,98 @@ def execute(path: Path, timeout: int) -> None:
         record_timing=False,  # no timestamps in the saved metadata: clean diffs
         store_widget_state=True,  # the HTML book renders widgets from this state
         resources={"metadata": {"path": str(path.parent)}},
+        on_cell_start=lambda cell, cell_index: running.append(cell_index),
     )
-    client.execute()
+    run = asyncio.ensure_future(client.async_execute())
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({run, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not run.done():
+        run.cancel()
+        await asyncio.wait({run})  # let nbclient unwind before its kernel goes
+    interrupted = stop.is_set() or run.cancelled()
+    exc = None if run.cancelled() else run.exception()
+    exit_status = await km.provisioner.poll() if km.has_kernel else None
+    await _shut_down(km, client, graceful=exc is None and not interrupted)
+
+    if interrupted:
+        raise Interrupted
+    if isinstance(exc, (CellExecutionError, CellTimeoutError, DeadKernelError)):
+        reason = _died(exit_status) if isinstance(exc, DeadKernelError) else str(exc)
+        where = f"\n  in {_where(nb, running[-1])}" if running else ""
+        raise NotebookFailed(f"{where}\n{reason}") from exc
+    if exc is not None:
+        raise exc
     _restore_tags(nb, original_tags)
     nbformat.validate(nb)
     _write_atomically(nb, path)
+
+
+def _shown(path: Path) -> Path:
+    return path.relative_to(REPO) if path.is_relative_to(REPO) else path
+
+
+async def _execute_all(
+    notebooks: list[Path], timeout: int, stop: asyncio.Event
+) -> tuple[list[Path], Path | None]:
+    """Execute the notebooks in turn; return the failed ones and the interrupted one."""
+    failed = []
+    for path in notebooks:
+        if not path.is_file() or path.suffix != ".ipynb":
+            print(f"FAILED {path}: not a notebook file", file=sys.stderr)
+            failed.append(path)
+            continue
+        if stop.is_set():
+            return failed, path
+        print(f"executing {_shown(path)} ...", flush=True)
+        start = time.perf_counter()
+        try:
+            await execute(path, timeout, stop)
+        except Interrupted:
+            return failed, path
+        except NotebookFailed as exc:
+            print(f"FAILED {_shown(path)} (left unchanged):{exc}", file=sys.stderr)
+            failed.append(path)
+        except Exception as exc:  # kernel start-up, unreadable notebook, ...
+            print(f"FAILED {_shown(path)} (left unchanged): {type(exc).__name__}: {exc}",
+                  file=sys.stderr)
+            failed.append(path)
+        else:
+            print(f"  saved in {time.perf_counter() - start:.1f} s", flush=True)
+    return failed, None
+
+
+def _run_stoppably(
+    notebooks: list[Path], timeout: int
+) -> tuple[list[Path], Path | None, int | None]:
+    """Run _execute_all on an event loop in a worker thread; SIGINT/SIGTERM set its stop event.
+
+    Why a thread: on the main thread nbclient installs SIGINT/SIGTERM handlers of its own,
+    which only shut the kernel down and let the run go on with the next notebook. It
+    skips them on other threads, so here the main thread keeps the signals. It waits
+    with a timeout, as a signal delivered to another thread would not wake a plain wait.
+    Returns the failed notebooks, the interrupted one and the signal's number.
+    """
+    loop = asyncio.new_event_loop()
+    stop = asyncio.Event()
+    received = []
+
+    def on_signal(signum: int, frame: object) -> None:
+        received.append(signum)
+        loop.call_soon_threadsafe(stop.set)
+
+    handlers = {sig: signal.signal(sig, on_signal) for sig in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            done = pool.submit(loop.run_until_complete, _execute_all(notebooks, timeout, stop))
+            while not done.done():
+                concurrent.futures.wait([done], timeout=0.2)
+            failed, interrupted = done.result()
+    finally:
+        for sig, handler in handlers.items():
+            signal.signal(sig, handler)
+        loop.close()
+    return failed, interrupted, received[0] if received else None
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -138,26 +287,11 @@ def main(argv: list[str] | None = None) -> int:
         print("no notebooks found under", BOOK)
         return 0
 
-    failed = []
-    for path in notebooks:
-        if not path.is_file() or path.suffix != ".ipynb":
-            print(f"FAILED {path}: not a notebook file", file=sys.stderr)
-            failed.append(path)
-            continue
-        shown = path.relative_to(REPO) if path.is_relative_to(REPO) else path
-        print(f"executing {shown} ...", flush=True)
-        start = time.perf_counter()
-        try:
-            execute(path, args.timeout)
-        except (CellExecutionError, CellTimeoutError, DeadKernelError) as exc:
-            print(f"FAILED {shown} (left unchanged):\n{exc}", file=sys.stderr)
-            failed.append(path)
-        except Exception as exc:  # kernel start-up, unreadable notebook, ...
-            print(f"FAILED {shown} (left unchanged): {type(exc).__name__}: {exc}", file=sys.stderr)
-            failed.append(path)
-        else:
-            print(f"  saved in {time.perf_counter() - start:.1f} s", flush=True)
-
+    failed, interrupted, signum = _run_stoppably(notebooks, args.timeout)
+    if signum is not None:
+        left = f"; {_shown(interrupted)} left unchanged" if interrupted else ""
+        print(f"interrupted by {signal.Signals(signum).name}{left}.", file=sys.stderr)
+        return 128 + signum
     if failed:
         print(f"{len(failed)} of {len(notebooks)} notebook(s) failed; originals kept.", file=sys.stderr)
         return 1
