@@ -36,9 +36,13 @@ passes D_r from rank r+1 to rank r instead (`_RingStateScan`).
 
 Every collective goes through `_all_gather` / `_send_recv`, which (a) count the bytes this rank
 sends into an optional `CommLog` and (b) turn a failure or time-out of a peer into a
-`PeerFailureError` that says what happened. `launch` starts W local processes on the loopback
-interface (gloo) for tests and notebooks; `python -m linattn_lib.distributed` runs a check
-under `torchrun` (gloo on CPU, nccl on GPUs) or launches one itself.
+`PeerFailureError` that says what happened. Before its first collective, each public function
+all-gathers a descriptor of its arguments (shapes, dtype, device type, options: about ten
+numbers), so that arguments that differ between ranks raise the same clear `ValueError` on
+every rank instead of a mismatched collective that aborts, hangs or mixes up buffers.
+`launch` starts W local processes on the loopback interface (gloo) for tests and notebooks;
+`python -m linattn_lib.distributed` runs a check under `torchrun` (gloo on CPU, nccl on GPUs)
+or launches one itself.
 """
 from __future__ import annotations
 
@@ -275,6 +279,96 @@ def _send_recv(send: Optional[Tensor], dst: int, recv: Optional[Tensor], src: in
 
 
 # --------------------------------------------------------------------------------------
+# the same arguments on every rank: one small all-gather before the real collectives
+# --------------------------------------------------------------------------------------
+
+# Categorical arguments travel as their index in these tuples (the same on every rank of one
+# installation). Sorted by name, so that the order does not depend on how torch lists them.
+_FLOAT_DTYPES = tuple(sorted({d for d in vars(torch).values() if isinstance(d, torch.dtype) and d.is_floating_point},
+                             key=str))
+_DEVICE_TYPES = ("cpu", "cuda", "mps", "xpu", "hpu", "meta")
+_DECAY_KINDS = ("None", "per-head (H,)", "per-token (B, H, T_r)")
+
+
+@dataclass(frozen=True)
+class _Arg:
+    """One entry of the descriptor: its value, and how to say it -- `first` for the first value
+    in the error message, `rest` for the others, each a format string with one field. `choices`
+    encodes a categorical value as its index (-1: none of them)."""
+
+    first: str
+    rest: str
+    value: Any
+    choices: Optional[tuple] = None
+
+    def code(self) -> float:
+        if self.choices is not None:
+            return float(self.choices.index(self.value)) if self.value in self.choices else -1.0
+        return float(self.value)
+
+    def show(self, code: float, template: str) -> str:
+        if self.choices is not None:
+            value = self.choices[int(code)] if code >= 0 else "(unlisted)"
+        elif isinstance(self.value, bool):
+            value = bool(code)
+        elif isinstance(self.value, int):
+            value = int(code)
+        else:
+            value = code
+        return template.format(value)
+
+
+def _rank_list(ranks: Sequence[int]) -> str:
+    """"rank 3", "ranks 0, 2", "ranks 0-5, 7": consecutive ranks as ranges."""
+    runs: list[list[int]] = []
+    for r in ranks:
+        if runs and r == runs[-1][-1] + 1:
+            runs[-1].append(r)
+        else:
+            runs.append([r])
+    text = ", ".join(f"{run[0]}-{run[-1]}" if len(run) > 2 else ", ".join(map(str, run)) for run in runs)
+    return f"rank{'s' if len(ranks) > 1 else ''} {text}"
+
+
+def _descriptor_device(group, x: Tensor) -> torch.device:
+    backend = str(dist.get_backend(group))
+    if "gloo" in backend or backend == "mpi":  # CPU collectives ("cpu:gloo,cuda:nccl" too)
+        return torch.device("cpu")
+    if "nccl" in backend:  # the GPU of this rank, whatever device the caller's tensors are on
+        return torch.device("cuda", torch.cuda.current_device())
+    return x.device
+
+
+def _check_same_on_every_rank(fn: str, args: Sequence[_Arg], group, x: Tensor) -> None:
+    """Raise on every rank if any argument differs between the ranks of `group`.
+
+    The collectives that follow exchange buffers whose sizes and meaning follow from these
+    arguments; a rank that disagrees would abort the process (gloo: "Received data size
+    doesn't match expected size"), hang, or -- when the byte counts happen to agree -- return
+    a finite, wrong result. One all-gather of len(args) float64 numbers (exact for these ints
+    and floats) lets every rank see every rank's values, so all of them raise the same error.
+    It is not recorded in a `CommLog`: it is a check, not part of the algorithm's traffic.
+    """
+    rank, world = _group_info(group)
+    if world == 1:
+        return
+    mine = torch.tensor([a.code() for a in args], dtype=torch.float64, device=_descriptor_device(group, x))
+    table = torch.stack(_all_gather(mine, group, None, "argument descriptor (shapes, dtype, options)")).cpu()
+    problems = []
+    for i, a in enumerate(args):
+        column = table[:, i].tolist()
+        values = list(dict.fromkeys(column))  # in order of first appearance
+        if len(values) == 1:
+            continue
+        parts = [a.show(v, a.first if j == 0 else a.rest) + " on "
+                 + _rank_list([r for r, c in enumerate(column) if c == v]) for j, v in enumerate(values)]
+        problems.append(parts[0] + " but " + " and ".join(parts[1:]))
+    if problems:
+        raise ValueError(f"{fn}: {'; '.join(problems)}; expected the same on every rank of the process group "
+                         f"(this is rank {rank} of {world})")
+
+
+# --------------------------------------------------------------------------------------
 # the scan over ranks: pure functions (no communication), shared by the autograd Function
 # --------------------------------------------------------------------------------------
 
@@ -459,6 +553,17 @@ class _RingStateScan(torch.autograd.Function):
         return D.clone(), (Dz.clone() if has_z else None), dG, None, None
 
 
+def _layout_args(q: Tensor, v: Tensor) -> list:
+    """The descriptor entries every rank must share for q, k, v: B, H, Dk, Dv, dtype, device type."""
+    B, H, _, Dk = q.shape
+    return [
+        _Arg("`q` has B={}", "B={}", B), _Arg("`q` has H={}", "H={}", H),
+        _Arg("`q` has Dk={}", "Dk={}", Dk), _Arg("`v` has Dv={}", "Dv={}", v.shape[-1]),
+        _Arg("`q` has dtype {}", "{}", q.dtype, _FLOAT_DTYPES),
+        _Arg("`q` has device type {}", "{}", q.device.type, _DEVICE_TYPES),
+    ]
+
+
 def sequence_parallel_linear_attention(
     q: Tensor,
     k: Tensor,
@@ -497,6 +602,12 @@ def sequence_parallel_linear_attention(
     rank forward (of B*H*(Dk*Dv + Dk) in the backward); with scan="ring": one send of
     B*H*(Dk*Dv + Dk) numbers per rank and direction. Neither depends on T. Every rank must call the backward
     as well (it contains a collective): compute the loss on every rank and call backward on it.
+
+    Raises:
+        ValueError on every rank if the ranks disagree on B, H, Dk, Dv, the dtype or device type
+        of q, `normalize`, the kind of `log_decay` (None, per head, per token), `eps`,
+        `chunk_size` or `scan`, naming the argument and each rank's value. The check is one
+        all-gather of a few numbers before the states move (not recorded in `comm`).
     """
     fn = "sequence_parallel_linear_attention"
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -520,6 +631,16 @@ def sequence_parallel_linear_attention(
     V.check_positive_int(fn, "chunk_size", chunk_size)
     V.check_flag(fn, "normalize", normalize)
     _group_info(group)
+    Dv = v.shape[-1]
+    decay_kind = _DECAY_KINDS[0 if log_decay is None else 1 if log_decay.dim() == 1 else 2]
+    _check_same_on_every_rank(fn, [
+        *_layout_args(q, v),
+        _Arg("`normalize`={}", "`normalize`={}", bool(normalize)),
+        _Arg("`log_decay` is {}", "{}", decay_kind, _DECAY_KINDS),
+        _Arg("`eps`={!r}", "`eps`={!r}", float(eps)),
+        _Arg("`chunk_size`={}", "`chunk_size`={}", int(chunk_size)),
+        _Arg("`scan`={!r}", "`scan`={!r}", scan, ("all_gather", "ring")),
+    ], group, q)
 
     S, z, G = local_state(k, v, log_decay, normalize=normalize)
     S_in, z_in = (_StateScan if scan == "all_gather" else _RingStateScan).apply(S, z, G, group, comm)
@@ -553,6 +674,11 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, seq_len: int, causal: boo
         q, k: (B, H, T_r, Dk), v: (B, H, T_r, Dv): this rank's slice of a sequence of length
             `seq_len` split by `split_sequence(seq_len, W)`.
         causal: mask keys after the query (blocks of later ranks are skipped, but still forwarded).
+
+    Raises:
+        ValueError on every rank if the ranks disagree on B, H, Dk, Dv, the dtype or device type
+        of q, `causal`, `seq_len` or `scale` (None counts as 1/sqrt(Dk)), naming the argument and
+        each rank's value (one all-gather of a few numbers first, not recorded in `comm`).
     """
     fn = "ring_attention"
     for name, x in (("q", q), ("k", k), ("v", v)):
@@ -565,10 +691,17 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, seq_len: int, causal: boo
     if tuple(k.shape) != (B, H, T, Dk) or tuple(v.shape[:3]) != (B, H, T):
         raise ValueError(f"{fn}: this rank's k {tuple(k.shape)} and v {tuple(v.shape)} must match q {tuple(q.shape)} "
                          "in (B, H, T_r), and k must match q's Dk")
+    V.check_flag(fn, "causal", causal)
+    scale = 1.0 / math.sqrt(Dk) if scale is None else V.check_number(fn, "scale", scale)
+    _check_same_on_every_rank(fn, [
+        *_layout_args(q, v),
+        _Arg("`causal`={}", "`causal`={}", bool(causal)),
+        _Arg("`seq_len`={}", "`seq_len`={}", int(seq_len)),
+        _Arg("`scale`={!r}", "`scale`={!r}", float(scale)),
+    ], group, q)
     if T != bounds[rank][1] - bounds[rank][0]:
         raise ValueError(f"{fn}: rank {rank} holds T_r={T} tokens, but split_sequence({seq_len}, {world}) "
                          f"gives it {bounds[rank][1] - bounds[rank][0]}")
-    scale = 1.0 / math.sqrt(Dk) if scale is None else float(scale)
     dtype = _compute_dtype(q)
     with torch.no_grad():
         qs = q.to(dtype) * scale
@@ -957,7 +1090,9 @@ def check_rank(rank: int, world: int, cases: Sequence[dict]) -> list[dict]:
 def compare_with_reference(results_by_rank: Sequence[list], cases: Sequence[dict]) -> list[dict]:
     """Concatenate the ranks' slices from `check_rank` and compare them with the single-process
     result (`linear_attention`, or `softmax_attention` for ring cases): max |difference| /
-    max |reference| of the output and of every gradient, per case."""
+    max |reference| of the output and of every gradient, per case. A per-head (H,) log-decay is
+    a parameter shared by the ranks: every rank must hold its full gradient (summed over the
+    group), so that error is the largest over the ranks."""
     from .attention import softmax_attention
 
     report = []
@@ -974,8 +1109,9 @@ def compare_with_reference(results_by_rank: Sequence[list], cases: Sequence[dict
         errs = {}
         for name, r in ref.items():
             parts = [results_by_rank[rank][i][name] for rank in range(world)]
-            got = parts[0] if (name == "dlog_decay" and r.dim() == 1) else torch.cat(parts, dim=2)
-            errs[name] = float((got.double() - r.double()).abs().max() / r.double().abs().max().clamp_min(1e-30))
+            got = parts if (name == "dlog_decay" and r.dim() == 1) else [torch.cat(parts, dim=2)]
+            errs[name] = max(float((g.double() - r.double()).abs().max() / r.double().abs().max().clamp_min(1e-30))
+                             for g in got)
         report.append(errs)
     return report
 
@@ -1020,17 +1156,25 @@ def failing_rank(rank: int, world: int, fail_rank: int, mode: str = "raise", sta
     sequence-parallel step; then `fail_rank` raises (mode "raise") or hangs for `stall_s`
     seconds (mode "stall") while the others run a second step and wait for it.
 
-    collective_timeout: if given, the steps run on a new group with this timeout (so that a
-    short timeout for the demonstration does not also cut short the start-up rendezvous).
+    collective_timeout: if given, the steps run on a new group whose collectives give up after
+    this many seconds in the second step. The group connects and runs the first step under a
+    timeout of two minutes, so that a short timeout for the demonstration cuts short nothing
+    but the wait for the failing rank, however slowly a busy machine runs the processes.
     """
     if mode not in ("raise", "stall"):
         raise ValueError(f"failing_rank: `mode` must be 'raise' or 'stall', got {mode!r}")
     group = None
     if collective_timeout is not None:
-        group = dist.new_group(list(range(world)), timeout=timedelta(seconds=collective_timeout))
+        group = dist.new_group(list(range(world)), timeout=timedelta(seconds=120))
     inp = make_inputs(64 + world, decay="token")
     _sp_forward_backward(inp, rank, world, normalize=True, group=group)
     dist.barrier(group=group)  # every rank has finished the first step
+    if collective_timeout is not None:
+        short = timedelta(seconds=collective_timeout)
+        if hasattr(group, "set_timeout"):  # ProcessGroup.set_timeout (recent torch)
+            group.set_timeout(short)
+        else:
+            group = dist.new_group(list(range(world)), timeout=short)
     if rank == fail_rank:
         if mode == "raise":
             raise ValueError(f"rank {rank} failed on purpose in the middle of the run")
