@@ -8,14 +8,31 @@ The recurrence (see linattn_lib/attention.py) with log-decay g_t <= 0 is
 and the normalised output is o_t / (d_t + eps). A token loop is sequential; the chunked form
 cuts T into chunks of BT tokens and, inside one chunk, replaces the loop by matmuls. With
 gc_i = g_{start} + ... + g_i (the decay from the chunk start to token i, a cumulative sum
-inside the chunk) and S the state on entry to the chunk:
+inside the chunk), L_ij = g_{j+1} + ... + g_i (from key j to query i) and
+a_j = g_{j+1} + ... + g_last (from key j to the chunk end), and S the state on entry:
 
-    o_i = sum_{j <= i in chunk} exp(gc_i - gc_j) (q_i . k_j) v_j     <- intra-chunk, masked matmul
+    o_i = sum_{j <= i in chunk} exp(L_ij) (q_i . k_j) v_j            <- intra-chunk, masked matmul
         + exp(gc_i) q_i S                                              <- inter-chunk, via the state
-    S  <- exp(gc_last) S + sum_j exp(gc_last - gc_j) k_j v_j^T       <- pass the state on
+    S  <- exp(gc_last) S + sum_j exp(a_j) k_j v_j^T                  <- pass the state on
 
 Every exponent is a sum of log-decays over a forward interval, hence <= 0: nothing overflows,
-however strong the decay. (Writing exp(gc_i) * exp(-gc_j) instead would overflow.)
+however strong the decay. (Writing exp(gc_i) * exp(-gc_j) instead would overflow.) And each
+is summed from its own terms (`chunk_log_decays`), never taken as gc_i - gc_j or
+gc_last - gc_j: after a reset (g = -1e5) both prefix sums are ~ -1e5 and their difference
+keeps ~1e-2 of absolute precision in fp32 (outputs were off by 0.16 where the torch forms
+gave 1.5e-6).
+
+Masks select, they do not multiply. A future key or value that is inf or NaN (garbage in
+right-padding, a score that overflowed) meets the zeros of the causal mask: 0 * inf = NaN
+would reach the outputs *before* it. So the score matrix is cut with tl.where, and a
+non-finite value is replaced by 0 in the matmul while NaN goes into the scores of its token
+(and into the state), so that the outputs that do see it are NaN -- in the program's whole tile
+of BV value columns, where the recurrence would spoil only the value's own column. Outputs
+before position t never depend on the inputs at t. (Finding the first bad row per column
+instead cost the tensor-core configs 20-40 spill instructions.)
+
+With HAS_LEN (the backward pass) the tokens from len[b, h] on are read as zeros and their
+outputs are exactly 0: the tail of a sequence that no loss term depends on is left out.
 
 One program owns one (batch, head) and one tile of BV value columns. It keeps its slice of
 the state, S[:, tile] (Dk x BV, fp32), in registers and walks the chunks in order, so the
@@ -47,9 +64,62 @@ from .configs import dot_precision, launchable, select_config
 
 
 @triton.jit
+def _shifted_gather(g, o_t, BT: tl.constexpr):
+    """(g_1, ..., g_{BT-1}, 0): a shift in registers, no second load of g."""
+    return tl.where(o_t < BT - 1, tl.gather(g, tl.minimum(o_t + 1, BT - 1), 0), 0.0)
+
+
+@triton.jit
+def _shifted_sum(g, o_t, BT: tl.constexpr):
+    """The same shift where tl.gather does not exist (Triton < 3.2): a masked row sum."""
+    return tl.sum(tl.where(o_t[None, :] == o_t[:, None] + 1, g[None, :], 0.0), axis=1)
+
+
+# tl.gather compiles to fewer registers (sm_90 bf16: no stack, where the row sum spills 32 B)
+_shifted = _shifted_gather if hasattr(tl, "gather") else _shifted_sum
+
+
+@triton.jit
+def chunk_log_decays(g, o_t, BT: tl.constexpr, REVERSE: tl.constexpr):
+    """The log-decays one chunk needs, each summed over exactly the tokens it spans.
+
+    g: (BT,) log-decays of the chunk's tokens (<= 0; 0 for padding), o_t = arange(BT).
+    Returns (L, q_log, k_log, g_last): L (BT x BT) holds, inside the visible triangle, the log
+    of the decay between the two tokens of a pair (0 outside it); q_log the decay from the
+    end of the chunk the state comes from to each query; k_log from each key to the end the
+    state goes to; g_last the decay across the whole chunk.
+
+    Nothing is a difference of two cumulative sums. After a reset (g = -1e5) a prefix sum is
+    ~ -1e5, and gc_i - gc_j keeps ~1e-2 of absolute precision in fp32 however close i and j
+    are. Here every sum starts after the pair's first token and adds only the terms between
+    the two (as `segsum` in linattn_lib/masks.py does), and the decay to the chunk end is a
+    sum from the next token on (`_sum_after` in linattn_lib/attention.py). All terms have one
+    sign, so each sum is accurate relative to itself, and all are <= 0: exp never overflows.
+    The 2-d sums are scans along axis 1, which stays inside a warp on a GPU.
+    """
+    g_last = tl.sum(g, axis=0)
+    gc = tl.cumsum(g, axis=0)                           # g_start + ... + g_i
+    g_next = _shifted(g, o_t, BT)                       # g_next[j] = g_{j+1}, 0 at the end
+    after = tl.cumsum(g_next, axis=0, reverse=True)     # g_{j+1} + ... + g_last
+    if REVERSE:
+        # L[i, j] = g_{i+1} + ... + g_j for j >= i: a running sum along the row
+        L = tl.cumsum(tl.where(o_t[None, :] > o_t[:, None], g[None, :], 0.0), axis=1)
+        q_log = after                                   # a query reads the state from the chunk end
+        k_log = gc                                      # a key is carried to the chunk start
+    else:
+        # L[i, j] = g_{j+1} + ... + g_i for i >= j: the row's running sum from the right,
+        # over g_next so that it starts after j
+        L = tl.cumsum(tl.where(o_t[None, :] < o_t[:, None], g_next[None, :], 0.0), axis=1, reverse=True)
+        q_log = gc
+        k_log = after
+    return L, q_log, k_log, g_last
+
+
+@triton.jit
 def chunk_fwd_kernel(
     q_ptr, k_ptr, v_ptr,      # (B, H, T, Dk), (B, H, T, Dk), (B, H, T, Dv); contiguous
     w_ptr,                    # (B, H, T) fp32 weights of the keys in z (HAS_W), else unused
+    len_ptr,                  # (B, H) int32: tokens t >= len[b, h] are left out (HAS_LEN), else unused
     g_ptr,                    # log-decay: (H,) if DECAY == 1, (B, H, T) if DECAY == 2 (fp32)
     o_ptr,                    # (B, H, T, Dv) output, in the dtype of v
     den_ptr,                  # (B, H, T) fp32 denominators d_t + eps (stored when NORMALIZE)
@@ -67,6 +137,7 @@ def chunk_fwd_kernel(
     HAS_S0: tl.constexpr,     # start from (s0, z0) instead of zeros
     STORE_ST: tl.constexpr,   # write the final state (st, zt)
     REVERSE: tl.constexpr,    # walk the chunks from the end (anti-causal: j >= i)
+    HAS_LEN: tl.constexpr,    # read tokens t < len[b, h] only, write exactly 0 at the others
     DOT_PREC: tl.constexpr,   # "ieee" for fp32 inputs; "tf32" for the fp32 state products otherwise
 ):
     i_v = tl.program_id(0)                  # which tile of value columns
@@ -107,50 +178,55 @@ def chunk_fwd_kernel(
             i_n = n
         t = i_n * BT + o_t
         m_t = t < T                         # the last chunk may be partial: mask its tail
-        q = tl.load(q_base + t[:, None] * Dk + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        k = tl.load(k_base + t[:, None] * Dk + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        v = tl.load(v_base + t[:, None] * Dv + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-
-        # Log-decay of each token; padded tokens get g = 0 so that they do not decay anything.
-        if DECAY == 1:
-            g = tl.where(m_t, tl.load(g_ptr + i_bh % H).to(tl.float32), 0.0)
-        elif DECAY == 2:
-            g = tl.load(g_ptr + i_bh * T + t, mask=m_t, other=0.0).to(tl.float32)
+        # With HAS_LEN the tokens from len[b, h] on are read as zeros and their outputs are 0:
+        # the backward pass leaves out the tail of a sequence that no loss term depends on, so
+        # that garbage there (right-padding, NaN) cannot reach the gradients before it. (Loaded
+        # here rather than once before the loop: one scalar, and fewer registers held.)
+        if HAS_LEN:
+            m_l = t < tl.load(len_ptr + i_bh)
         else:
-            g = tl.zeros([BT], dtype=tl.float32)
-        gc = tl.cumsum(g, axis=0)                              # decay from the chunk start, <= 0
-        g_last = tl.sum(tl.where(o_t == BT - 1, gc, 0.0), axis=0)  # decay across the whole chunk
+            m_l = m_t
+        q = tl.load(q_base + t[:, None] * Dk + o_k[None, :], mask=m_l[:, None] & m_k[None, :], other=0.0)
+        k = tl.load(k_base + t[:, None] * Dk + o_k[None, :], mask=m_l[:, None] & m_k[None, :], other=0.0)
+        v = tl.load(v_base + t[:, None] * Dv + o_v[None, :], mask=m_l[:, None] & m_v[None, :], other=0.0)
 
-        # Decay factors, all exp(<= 0). In forward mode a query at i sees the entry state
-        # decayed by gc_i and a key at j reaches the chunk end decayed by g_last - gc_j;
-        # reverse mode swaps the two ends of the chunk.
-        if REVERSE:
-            log_w = gc[None, :] - gc[:, None]   # log of the decay from i to j >= i
-            q_decay = tl.exp(g_last - gc)
-            k_decay = tl.exp(gc)
-        else:
-            log_w = gc[:, None] - gc[None, :]   # log of the decay from j to i >= j
-            q_decay = tl.exp(gc)
-            k_decay = tl.exp(g_last - gc)
-        # exp(-inf) = 0 outside the visible triangle: masked before exponentiating, so an
-        # invisible pair can never produce exp(+large) = inf and then inf * 0 = NaN.
-        decay = tl.exp(tl.where(visible, log_w, float("-inf")))
+        # Intra-chunk scores (q k^T) * decay, a (BT x BT) matmul with an fp32 accumulator.
+        A = tl.dot(q, tl.trans(k), input_precision=DOT_PREC)
+        if DECAY > 0:
+            # Log-decay of each token; padded tokens get g = 0 so that they do not decay anything.
+            if DECAY == 1:
+                g = tl.where(m_t, tl.load(g_ptr + i_bh % H).to(tl.float32), 0.0)
+            else:
+                g = tl.load(g_ptr + i_bh * T + t, mask=m_t, other=0.0).to(tl.float32)
+            L, q_log, k_log, g_last = chunk_log_decays(g, o_t, BT, REVERSE)
+            A = A * tl.exp(L)                   # L <= 0 everywhere (0 outside the visible triangle)
+        # Select, do not multiply: an invisible pair is 0 even when its score is inf or NaN
+        # (a garbage future key), where inf * 0 would be NaN in an earlier row.
+        A = tl.where(visible, A, 0.0)
 
-        # Intra-chunk: scores (q k^T) * decay, a (BT x BT) masked matmul, fp32 accumulator.
+        # A value that is inf or NaN would meet the zeros of A in the matmul (0 * inf = NaN) and
+        # reach rows that do not see it. It is replaced by 0, and NaN goes into the scores of
+        # its token instead: every row that sees the token (and, through the state, every later
+        # token) becomes NaN in this tile of value columns, as the recurrence would make it.
+        v_ok = tl.abs(v) < float("inf")
+        v = tl.where(v_ok, v, 0.0)
+        v_bad = tl.max(tl.where(v_ok, 0, 1), axis=1) > 0      # (BT,): a token with a bad value
+        A = tl.where(visible & v_bad[None, :], float("nan"), A)
         # Their product with v stays in fp32 (tf32 on tensor cores for 16-bit inputs): raw
         # scores above 65504 would be inf as fp16 even when the normalised output is ordinary.
-        A = tl.dot(q, tl.trans(k), input_precision=DOT_PREC) * decay
         o = tl.dot(A, v.to(tl.float32), input_precision=DOT_PREC)
         # Inter-chunk: the state carries everything before the chunk. q * q_decay is fp32, so
         # this product runs in fp32 too: the state keeps its range even when it grows past what
         # fp16 can hold.
-        q_s = q.to(tl.float32) * q_decay[:, None]
+        q_s = q.to(tl.float32)
+        if DECAY > 0:
+            q_s = q_s * tl.exp(q_log)[:, None]
         o += tl.dot(q_s, S, input_precision=DOT_PREC)
 
         if HAS_W:
-            w = tl.load(w_ptr + i_bh * T + t, mask=m_t, other=0.0).to(tl.float32)
+            w = tl.load(w_ptr + i_bh * T + t, mask=m_l, other=0.0).to(tl.float32)
         else:
-            w = tl.where(m_t, 1.0, 0.0)
+            w = tl.where(m_l, 1.0, 0.0)
         if NORMALIZE:
             # d_i = sum_j A_ij w_j + q_decay_i (q_i . z): the same scores, one more "value"
             # column of ones. Every value tile computes it; tile 0 stores it.
@@ -158,14 +234,23 @@ def chunk_fwd_kernel(
             d = d + eps
             o = o / d[:, None]
             tl.store(den_ptr + i_bh * T + t, d, mask=m_t & (i_v == 0))
+        if HAS_LEN:
+            o = tl.where(m_l[:, None], o, 0.0)  # tokens left out get exactly 0
         tl.store(o_base + t[:, None] * Dv + o_v[None, :], o.to(o_ptr.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])
 
         # Pass the state to the next chunk: decay it across the chunk, add this chunk's keys.
-        k_s = k.to(tl.float32) * k_decay[:, None]
-        S = S * tl.exp(g_last) + tl.dot(tl.trans(k_s), v.to(tl.float32), input_precision=DOT_PREC)
+        k_s = k.to(tl.float32)
+        if DECAY > 0:
+            k_s = k_s * tl.exp(k_log)[:, None]
+            S = S * tl.exp(g_last)
+            if HAS_Z:
+                z = z * tl.exp(g_last)
+        # (a token with a bad value makes the state NaN: it is NaN again here, not 0)
+        S += tl.dot(tl.trans(k_s), tl.where(v_bad[:, None], float("nan"), v.to(tl.float32)),
+                    input_precision=DOT_PREC)
         if HAS_Z:
-            z = z * tl.exp(g_last) + tl.sum(k_s * w[:, None], axis=0)
+            z += tl.sum(k_s * w[:, None], axis=0)
 
     if STORE_ST:
         tl.store(st_ptr + s_off, S, mask=m_kv)
@@ -186,6 +271,7 @@ def chunk_fwd(
     weights: torch.Tensor | None = None,
     track_z: bool | None = None,
     reverse: bool = False,
+    lengths: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     config: dict | None = None,
 ):
@@ -196,7 +282,9 @@ def chunk_fwd(
     (B, H, T). initial_state: (S0 (B, H, Dk, Dv), z0 (B, H, Dk) or None). den is the fp32
     (B, H, T) tensor d + eps when normalize, else None; S_final/z_final are fp32 or None.
     track_z (default: normalize) carries z without normalising (used by the backward pass).
-    o has dtype `out_dtype` (default: the dtype of v).
+    o has dtype `out_dtype` (default: the dtype of v). lengths: None or (B, H) integers: the
+    tokens from lengths[b, h] on are read as zeros and get o = 0 (the backward pass uses it to
+    leave out a tail that no loss term depends on).
     """
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
@@ -217,18 +305,19 @@ def chunk_fwd(
         if track_z:
             z0 = initial_state[1].to(torch.float32).contiguous()
     w = weights.to(torch.float32).contiguous() if weights is not None else None
+    lens = lengths.to(device=q.device, dtype=torch.int32).contiguous() if lengths is not None else None
 
     dummy = o  # stands in for pointers a constexpr flag says are never read
     grid = (triton.cdiv(Dv, cfg["BV"]), B * H)
     launchable(chunk_fwd_kernel, q.device)[grid](
-        q, k, v, w if w is not None else dummy, g if g is not None else dummy,
-        o, den if den is not None else dummy,
+        q, k, v, w if w is not None else dummy, lens if lens is not None else dummy,
+        g if g is not None else dummy, o, den if den is not None else dummy,
         S0 if S0 is not None else dummy, z0 if z0 is not None else dummy,
         S_T if S_T is not None else dummy, z_T if z_T is not None else dummy,
         T, H, Dk, Dv, float(eps),
         BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"],
         DECAY=decay_kind, HAS_Z=track_z, HAS_W=w is not None, NORMALIZE=normalize,
-        HAS_S0=S0 is not None, STORE_ST=store_final_state, REVERSE=reverse,
+        HAS_S0=S0 is not None, STORE_ST=store_final_state, REVERSE=reverse, HAS_LEN=lens is not None,
         DOT_PREC=dot_precision(q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -238,19 +327,20 @@ def chunk_fwd(
 def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:
     """Signature and constexprs for ahead-of-time compilation of the heaviest variant.
 
-    Every feature switched on (normaliser, per-token decay, initial and final state): the
-    variant with the most live values, hence the largest shared-memory and register needs.
+    Every feature of the forward pass switched on (normaliser, per-token decay, initial and
+    final state): the variant with the most live values, hence the largest shared-memory and
+    register needs. (REVERSE and HAS_LEN are the backward pass's dv, which has no normaliser.)
     """
     signature = {
         "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
-        "w_ptr": "*fp32", "g_ptr": "*fp32", "o_ptr": f"*{dtype}", "den_ptr": "*fp32",
+        "w_ptr": "*fp32", "len_ptr": "*i32", "g_ptr": "*fp32", "o_ptr": f"*{dtype}", "den_ptr": "*fp32",
         "s0_ptr": "*fp32", "z0_ptr": "*fp32", "st_ptr": "*fp32", "zt_ptr": "*fp32",
         "T": "i32", "H": "i32", "Dk": "i32", "Dv": "i32", "eps": "fp32",
     }
     constexprs = {
         "BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2, "HAS_Z": True,
         "HAS_W": True, "NORMALIZE": True, "HAS_S0": True, "STORE_ST": True, "REVERSE": False,
-        "DOT_PREC": dot_precision(dtype),
+        "HAS_LEN": False, "DOT_PREC": dot_precision(dtype),
     }
     for name in constexprs:
         signature[name] = "constexpr"

@@ -192,8 +192,12 @@ class _Decay:
 
 
 def _apply_mask(A: Tensor, decay: Optional[_Decay]) -> Tensor:
-    """The causal (decay) mask inside a chunk, applied in place."""
-    return A.tril_() if decay is None else A.mul_(decay.mask)
+    """The causal (decay) mask inside a chunk, applied in place.
+
+    tril_ *writes* zeros above the diagonal: a score that overflowed to inf (or a garbage
+    future key) multiplied by the mask's 0 would be NaN and reach earlier outputs.
+    """
+    return A.tril_() if decay is None else A.mul_(decay.mask).tril_()
 
 
 class _Scan:
@@ -217,7 +221,7 @@ class _Scan:
     """
 
     def __init__(self, gamma: Optional[Tensor], h: int, n: int, dtype, device):
-        self.h, self.n = h, n
+        self.h, self.n, self.gamma = h, n, gamma
         s = min(8, math.isqrt(n))
         while n % s:
             s -= 1  # s: the largest divisor of n up to 8 (1 when n is prime); long outer scans recurse
@@ -259,6 +263,10 @@ class _Scan:
                 E3.add_(G3)
             else:
                 E3.addcmul_(coef, G3)
+        elif not bool(torch.isfinite(inc3).all()):
+            E = self._sequential(carry, inc3, reverse, out3)
+            end, decay = (0, self.first) if reverse else (-1, self.last)
+            beyond = (E[:, end] if decay is None else E[:, end] * decay) + inc3[:, end]
         else:
             L = self.L.transpose(1, 2) if reverse else self.L
             if carry is None:
@@ -269,6 +277,23 @@ class _Scan:
             end, decay = (0, self.first) if reverse else (-1, self.last)
             beyond = (E[:, end] if decay is None else E[:, end] * decay) + inc3[:, end]
         return E.view(inc.shape), beyond.view((h,) + inc.shape[1:])
+
+
+    def _sequential(self, carry, inc3: Tensor, reverse: bool, out3: Optional[Tensor]) -> Tensor:
+        """The same scan one chunk at a time, for increments that overflowed to inf.
+
+        In the matmul, a later chunk's inf meets L's zeros (0 * inf = NaN) and would reach the
+        states of *earlier* chunks; the loop keeps it where it belongs, after that chunk.
+        """
+        h, n = self.h, self.n
+        E = torch.empty_like(inc3) if out3 is None else out3
+        state = inc3.new_zeros(h, inc3.shape[-1]) if carry is None else carry.reshape(h, -1).to(inc3.dtype)
+        a = None if self.gamma is None else self.gamma.exp().to(inc3.dtype)  # (h, n)
+        order = range(n - 1, -1, -1) if reverse else range(n)
+        for i in order:
+            E[:, i] = state
+            state = (state if a is None else a[:, i, None] * state) + inc3[:, i]
+        return E
 
 
 @functools.lru_cache(maxsize=64)

@@ -124,8 +124,12 @@ def _check_inputs(fn: str, q: Tensor, v: Tensor) -> None:
 def _output_cotangents(do: Tensor, o: Tensor, den: Optional[Tensor], dtype: torch.dtype):
     """The gradient flowing into the kernels, ready for inputs of `dtype`.
 
-    Normalised, o = num / den gives dnum = dO / den and dden = -(dO . o) / den (fp32). The
-    kernels read dnum in the inputs' dtype, and in float16 dO / den easily falls below the
+    Normalised, o = num / den gives dnum = dO / den and dden = -(dO . o) / den (fp32). A zero
+    cotangent selects zero rather than multiplying: an output no loss term depends on (a
+    right-padded position, one after a NaN) may itself be inf or NaN, and 0 * NaN would carry
+    it into the gradients of every earlier token.
+
+    The kernels read dnum in the inputs' dtype, and in float16 dO / den easily falls below the
     smallest fp16 number (6e-8: a mean loss over a long sequence, a large denominator), where
     it would silently become 0. So for 16-bit inputs every cotangent is multiplied by a power
     of two `scale` (a 0-d fp32 tensor: no host sync) that brings max |dnum| to about 1, as
@@ -136,14 +140,31 @@ def _output_cotangents(do: Tensor, o: Tensor, den: Optional[Tensor], dtype: torc
     if den is None:
         dnum32, dden = do32, None
     else:
-        dden = -(do32 * o.float()).sum(-1) / den
-        dnum32 = do32 / den.unsqueeze(-1)
+        used = do32 != 0
+        dot = torch.where(used, do32 * o.float(), 0.0).sum(-1)
+        dden = torch.where(dot != 0, -dot / den, 0.0)
+        dnum32 = torch.where(used, do32 / den.unsqueeze(-1), 0.0)
     if dtype == torch.float32:
         return dnum32, dden, None
     peak = dnum32.abs().amax()
     scale = torch.where(peak > 0, torch.exp2(-torch.floor(torch.log2(peak))), torch.ones_like(peak))
     dnum = (dnum32 * scale).to(dtype)
     return dnum, None if dden is None else dden * scale, scale
+
+
+def _live_lengths(do: Tensor) -> Tensor:
+    """(B, H) int32: 1 + the last position whose output cotangent is not zero (0 if none).
+
+    Every gradient at position j is linear in the cotangents of the outputs at positions >= j
+    (a token only influences the outputs from itself on). Past the last nonzero cotangent the
+    gradients are therefore exactly zero, and the tokens there can be left out of the backward
+    kernels altogether: whatever they hold (right-padding, NaN, inf) never meets a zero in a
+    matmul. Only without a gradient of the final state, which every token reaches.
+    """
+    T = do.shape[-2]
+    used = (do != 0).any(-1)  # (B, H, T)
+    pos = torch.arange(1, T + 1, device=do.device, dtype=torch.int32)
+    return torch.where(used, pos, 0).amax(-1).to(torch.int32)
 
 
 def _state_grads(dS: Optional[Tensor], dz: Optional[Tensor], S: Tensor, z: Optional[Tensor]):
@@ -189,6 +210,9 @@ class _CausalLinearAttention(torch.autograd.Function):
         if dS_T is not None:
             end_state = (dS_T, dz_T) if scale is None else (dS_T * scale, None if dz_T is None else dz_T * scale)
         init = (S0, z0) if S0 is not None else None
+        # The tail past the last nonzero cotangent is left out (its gradients are exactly 0);
+        # with a gradient of the final state every token is used.
+        lengths = _live_lengths(do) if end_state is None else None
         # dq and dk in fp32 when the decay needs them (dg is a cumulative sum of q.dq - k.dk),
         # and whenever the cotangents were scaled (the results are unscaled in fp32).
         acc = torch.float32 if (need_g or scale is not None) else None
@@ -198,17 +222,18 @@ class _CausalLinearAttention(torch.autograd.Function):
 
         dq = dk = dv = dg = dS0 = dz0 = None
         if need_q or need_g:
-            dq = unscale(K.chunk_bwd_dqk(dnum, v, k, dden=dden, log_decay=g, initial_state=init, out_dtype=acc))
+            dq = unscale(K.chunk_bwd_dqk(dnum, v, k, dden=dden, log_decay=g, initial_state=init,
+                                         lengths=lengths, out_dtype=acc))
         if need_k or need_g:
             dk = unscale(K.chunk_bwd_dqk(v, dnum, q, dden=dden, log_decay=g, initial_state=end_state,
-                                         reverse=True, out_dtype=acc))
+                                         reverse=True, lengths=lengths, out_dtype=acc))
         if need_v or need_S0 or need_z0:
             # dv is linear attention run backwards with (q, k, v) = (k, q, dnum); its final
             # state is the gradient of the initial state (dden weights the keys of z).
             dv, _, dS0, dz0 = K.chunk_fwd(
                 k, q, dnum, log_decay=g, normalize=False, initial_state=end_state,
                 store_final_state=need_S0 or need_z0, weights=dden, track_z=normalize, reverse=True,
-                out_dtype=acc,
+                lengths=lengths, out_dtype=acc,
             )
             dv, dS0, dz0 = unscale(dv), unscale(dS0), unscale(dz0)
             if dv is not None:
@@ -217,6 +242,9 @@ class _CausalLinearAttention(torch.autograd.Function):
             # dL/dG_t = q_t . dq_t - k_t . dk_t (+ <dS_T, S_T> + <dz_T, z_T> at the last token),
             # and g_s enters every G_t with t >= s: a reverse cumulative sum.
             r = (q.float() * dq).sum(-1) - (k.float() * dk).sum(-1)
+            if lengths is not None:  # the tail's dq, dk are 0; its q, k may be anything (0 * NaN)
+                pos = torch.arange(r.shape[-1], device=r.device)
+                r = torch.where(pos < lengths.unsqueeze(-1), r, 0.0)
             if dS_T is not None:
                 r[..., -1] += (dS_T * S_T).sum((-2, -1))
                 if dz_T is not None:
@@ -327,8 +355,9 @@ def linear_attention_triton(
 
 
 def _check_decode(fn, q, k, v, state, log_decay, normalize):
-    for name, x in (("q_t", q), ("k_t", k), ("v_t", v)):
-        V.check_tensor(fn, name, x, ndim=3)
+    V.check_tensor(fn, "q_t", q, layout=("B", "H", "Dk"))
+    V.check_tensor(fn, "k_t", k, layout=("B", "H", "Dk"))
+    V.check_tensor(fn, "v_t", v, layout=("B", "H", "Dv"))
     V.check_same(fn, [("q_t", q), ("k_t", k), ("v_t", v)])
     B, H, Dk = q.shape
     Dv = v.shape[-1]
@@ -337,6 +366,11 @@ def _check_decode(fn, q, k, v, state, log_decay, normalize):
     if tuple(v.shape[:2]) != (B, H):
         raise ValueError(f"{fn}: `v_t` has shape {tuple(v.shape)}; expected (B, H, Dv) with (B, H) = {(B, H)}")
     V.check_state(fn, "state", state, B=B, H=H, Dk=Dk, Dv=Dv, device=q.device, normalize=normalize)
+    # The state is updated in place: an expanded view (stride 0, e.g. from .expand()) would
+    # have every batch row (or head) write the same memory.
+    V.check_no_overlap(fn, "state.S", state[0])
+    if normalize:
+        V.check_no_overlap(fn, "state.z", state[1])
     if log_decay is not None:
         V.check_tensor(fn, "log_decay_t", log_decay)
         if tuple(log_decay.shape) not in ((H,), (B, H)):
@@ -347,7 +381,10 @@ def _check_decode(fn, q, k, v, state, log_decay, normalize):
         if log_decay.device != q.device:
             raise ValueError(f"{fn}: `log_decay_t` is on {log_decay.device} but `q_t` is on {q.device}")
         if not bool(torch.isfinite(log_decay).all()) or bool((log_decay > 0).any()):
-            raise ValueError(f"{fn}: `log_decay_t` must be finite and <= 0 (a decay factor in (0, 1])")
+            raise ValueError(
+                f"{fn}: `log_decay_t` must be finite and <= 0 (a decay factor in (0, 1]), got values in "
+                f"[{float(log_decay.min()):.4g}, {float(log_decay.max()):.4g}]"
+            )
 
 
 def _decode_torch(q, k, v, S, z, log_decay, eps):
@@ -400,24 +437,28 @@ def linear_attention_decode_step(
     """
     fn = "linear_attention_decode_step"
     V.check_choice(fn, "backend", backend, ("auto", "torch", "triton"))
+    normalize = V.check_flag(fn, "normalize", normalize)
+    eps = V.check_eps(fn, eps)  # a number (not a bool), finite, >= 0
     _check_decode(fn, q_t, k_t, v_t, state, log_decay_t, normalize)
-    if not isinstance(eps, (int, float)) or eps < 0:
-        raise ValueError(f"{fn}: `eps` must be a non-negative number, got {eps!r}")
-    S, z = state.S, (state.z if normalize else None)
+    S, z = state[0], (state[1] if normalize else None)
     contiguous = S.is_contiguous() and (z is None or z.is_contiguous())
     use_triton = backend == "triton" or (
         backend == "auto" and q_t.is_cuda and contiguous and q_t.dtype in SUPPORTED_DTYPES and triton_available()
     )
     with torch.no_grad():
         if not use_triton:
-            return _decode_torch(q_t, k_t, v_t, S, z, log_decay_t, float(eps))
+            return _decode_torch(q_t, k_t, v_t, S, z, log_decay_t, eps)
         _check_inputs(fn, q_t, v_t)
-        if not contiguous:
-            raise ValueError(f"{fn}: backend='triton' updates the state in place and needs contiguous state.S and state.z")
+        for name, x in (("state.S", S), ("state.z", z)):
+            if x is not None and not x.is_contiguous():
+                raise ValueError(
+                    f"{fn}: backend='triton' updates `{name}` in place and needs it contiguous, got strides "
+                    f"{tuple(x.stride())} for shape {tuple(x.shape)}; pass a contiguous state (.contiguous())"
+                )
         for name, x in (("state.S", S), ("state.z", z)):
             if x is not None and x.dtype not in SUPPORTED_DTYPES:
                 raise TypeError(f"{fn}: backend='triton' needs a float32/float16/bfloat16 `{name}`, got {x.dtype}")
-        return _kernels.decode_step(q_t, k_t, v_t, S, z, log_decay=log_decay_t, eps=float(eps))
+        return _kernels.decode_step(q_t, k_t, v_t, S, z, log_decay=log_decay_t, eps=eps)
 
 
 # --------------------------------------------------------------------------------------

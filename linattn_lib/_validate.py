@@ -24,14 +24,33 @@ def describe(x: Tensor) -> str:
     return f"shape {_fmt_shape(x.shape)}, dtype {x.dtype}, device {x.device}"
 
 
-def check_tensor(fn: str, name: str, x, *, ndim: Optional[int] = None, floating: bool = True) -> None:
+def check_tensor(
+    fn: str,
+    name: str,
+    x,
+    *,
+    ndim: Optional[int] = None,
+    floating: bool = True,
+    layout: Optional[Sequence[str]] = None,
+) -> None:
+    """`x` is a tensor (floating unless floating=False) with `ndim` axes.
+
+    The message names the layout: `layout` axis by axis when given (("B", "H", "D") for one
+    decoding token, ("B", "T") for token ids), which also sets ndim; without it only ndim=4 is
+    named, as (B, H, T, D). Other ranks are not guessed: a 3-d tensor may be (B, H, D) or
+    (B, T, C), a 2-d one (T, D), (m, d) or (B, T).
+    """
+    if layout is not None:
+        ndim = len(layout)
     if not isinstance(x, Tensor):
         raise TypeError(f"{fn}: `{name}` must be a torch.Tensor, got {type(x).__name__}")
     if ndim is not None and x.dim() != ndim:
-        layout = {4: "(B, H, T, D)", 3: "(B, H, T)", 2: "(T, D)", 1: "(D,)"}.get(ndim, f"{ndim}-d")
-        raise ValueError(
-            f"{fn}: `{name}` must be a {ndim}-d tensor laid out as {layout}, got {describe(x)}"
-        )
+        if layout is not None:
+            shape = f"({', '.join(layout)})" if len(layout) != 1 else f"({layout[0]},)"
+        else:
+            shape = "(B, H, T, D)" if ndim == 4 else None
+        laid_out = f" laid out as {shape}" if shape else ""
+        raise ValueError(f"{fn}: `{name}` must be a {ndim}-d tensor{laid_out}, got {describe(x)}")
     if floating and not x.is_floating_point():
         raise TypeError(f"{fn}: `{name}` must have a floating-point dtype, got {describe(x)}")
 
@@ -79,8 +98,15 @@ def check_qkv(fn: str, q: Tensor, k: Tensor, v: Tensor) -> None:
 
 
 def check_choice(fn: str, name: str, value, choices: Sequence) -> None:
-    if value not in choices:
-        raise ValueError(f"{fn}: unknown {name}={value!r}; expected one of {', '.join(map(repr, choices))}")
+    """`value` is one of `choices` (compared with ==, so a string, None or a number)."""
+    try:
+        ok = bool(value in choices)
+    except Exception:  # e.g. a multi-element tensor, whose == gives no single truth value
+        ok = False
+    if not ok:
+        raise ValueError(
+            f"{fn}: unknown {name}={value!r}; expected one of {', '.join(map(repr, choices))} for `{name}`"
+        )
 
 
 def check_positive_int(fn: str, name: str, value) -> None:
@@ -89,10 +115,17 @@ def check_positive_int(fn: str, name: str, value) -> None:
         raise ValueError(f"{fn}: `{name}` must be a positive int, got {value!r}")
 
 
-def check_flag(fn: str, name: str, value) -> None:
-    """A switch: True or False (a string such as "no" would otherwise count as True)."""
+def check_flag(fn: str, name: str, value) -> bool:
+    """A switch: True or False; returns it as a Python bool.
+
+    Only `bool` and numpy's `np.bool_` (what comparisons on arrays give) pass. Everything else
+    is refused with a TypeError, because Python's truthiness would silently pick a branch:
+    "no" and "False" count as True, 1 and 0 hide a mix-up with a count, None looks like a
+    default and a tensor needs a device sync. Returns bool(value).
+    """
     if not isinstance(value, (bool, np.bool_)):
         raise TypeError(f"{fn}: `{name}` must be True or False, got {type(value).__name__} {value!r}")
+    return bool(value)
 
 
 def check_log_decay(fn: str, log_decay: Tensor, q: Tensor, *, causal: bool) -> None:
@@ -222,4 +255,85 @@ def check_same_shape(fn: str, named: Sequence[tuple[str, Tensor]]) -> None:
         if t.shape != t0.shape:
             raise ValueError(
                 f"{fn}: `{name}` has shape {tuple(t.shape)} but `{name0}` has shape {tuple(t0.shape)}; expected them equal"
+            )
+
+
+# --- scalar arguments: numbers, integers, seeds, dtypes and objects of a given type
+
+
+def _is_real(value) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
+
+
+def check_finite_number(fn: str, name: str, value, *, positive: bool = False, nonnegative: bool = False) -> float:
+    """A finite real number (a Python or numpy int/float; not a bool, a string or a tensor).
+
+    NaN and +-inf are refused (they turn every output into NaN or 0 without an error);
+    positive=True also refuses <= 0, nonnegative=True refuses < 0. Raises TypeError for a
+    wrong type and ValueError for a wrong value; returns the value as a float.
+    """
+    if not _is_real(value):
+        raise TypeError(f"{fn}: `{name}` must be a number (a finite int or float), got {type(value).__name__} {value!r}")
+    out = float(value)
+    if not math.isfinite(out):
+        raise ValueError(f"{fn}: `{name}` must be a finite number, got {value!r}")
+    if positive and out <= 0:
+        raise ValueError(f"{fn}: `{name}` must be a finite number > 0, got {value!r}")
+    if nonnegative and out < 0:
+        raise ValueError(f"{fn}: `{name}` must be a finite number >= 0, got {value!r}")
+    return out
+
+
+def check_int(fn: str, name: str, value, *, low: Optional[int] = None, high: Optional[int] = None) -> int:
+    """An integer (Python or numpy, not a bool, not a float such as 2.0) in [low, high]; returns int."""
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{fn}: `{name}` must be an int, got {type(value).__name__} {value!r}")
+    out = int(value)
+    if (low is not None and out < low) or (high is not None and out > high):
+        lo = "-inf" if low is None else str(low)
+        hi = "inf" if high is None else str(high)
+        raise ValueError(f"{fn}: `{name}` must be an int in [{lo}, {hi}], got {value!r}")
+    return out
+
+
+def check_seed(fn: str, name: str, value) -> Optional[int]:
+    """None (fresh randomness) or an int seed that torch.Generator.manual_seed takes; returns it."""
+    if value is None:
+        return None
+    if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{fn}: `{name}` must be None or an int seed, got {type(value).__name__} {value!r}")
+    out = int(value)
+    if not -(2**63) <= out < 2**64:
+        raise ValueError(f"{fn}: `{name}` must lie in [-2**63, 2**64) to seed a torch.Generator, got {value!r}")
+    return out
+
+
+def check_dtype(fn: str, name: str, value, *, floating: bool = True) -> torch.dtype:
+    """A torch.dtype (not a string such as "float32"), floating-point unless floating=False."""
+    if not isinstance(value, torch.dtype):
+        raise TypeError(f"{fn}: `{name}` must be a torch.dtype such as torch.float32, got {type(value).__name__} {value!r}")
+    if floating and not value.is_floating_point:
+        raise TypeError(f"{fn}: `{name}` must be a floating-point torch.dtype, got {value}")
+    return value
+
+
+def check_instance(fn: str, name: str, value, types, expected: str) -> None:
+    """isinstance(value, types), else a TypeError that says what was `expected` (in words)."""
+    if not isinstance(value, types):
+        raise TypeError(f"{fn}: `{name}` must be {expected}, got {type(value).__name__} {value!r:.80}")
+
+
+def check_no_overlap(fn: str, name: str, x: Tensor) -> None:
+    """`x` owns one memory location per element, as a tensor updated in place must.
+
+    An expanded tensor (a stride-0 axis of size > 1, what .expand() and broadcasting views
+    give) would make every entry along that axis one shared number: an in-place update would
+    write all of them into the same place.
+    """
+    for axis, (size, stride) in enumerate(zip(x.shape, x.stride())):
+        if size > 1 and stride == 0:
+            raise ValueError(
+                f"{fn}: `{name}` is updated in place but axis {axis} has stride 0 (an expanded view, "
+                f"{describe(x)}, strides {tuple(x.stride())}); expected a tensor that owns its memory: "
+                "pass .clone() or .contiguous()"
             )

@@ -51,6 +51,9 @@ class LinearAttentionState(NamedTuple):
 def softmax_attention_weights(q: Tensor, k: Tensor, *, causal: bool = False, scale: Optional[float] = None) -> Tensor:
     """The (B, H, T, T) matrix softmax(q k^T * scale) (rows sum to one; causal masks j > i)."""
     fn = "softmax_attention_weights"
+    causal = V.check_flag(fn, "causal", causal)
+    if scale is not None:
+        scale = V.check_finite_number(fn, "scale", scale)
     V.check_tensor(fn, "q", q, ndim=4)
     V.check_tensor(fn, "k", k, ndim=4)
     V.check_same(fn, [("q", q), ("k", k)])
@@ -76,12 +79,34 @@ def softmax_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, 
     """
     fn = "softmax_attention"
     V.check_qkv(fn, q, k, v)
+    causal = V.check_flag(fn, "causal", causal)
+    if scale is not None:
+        scale = V.check_finite_number(fn, "scale", scale)
     return softmax_attention_weights(q, k, causal=causal, scale=scale) @ v
 
 
 # --------------------------------------------------------------------------------------
 # linear attention
 # --------------------------------------------------------------------------------------
+
+
+def _check_finite(fn: str, named) -> None:
+    """Refuse NaN and inf in q, k, v.
+
+    In the chunked and quadratic forms a value at position t meets the causal mask's zeros
+    in a matmul (0 * NaN = NaN) and would poison outputs *before* t, which the recurrent
+    form keeps; so every form refuses it instead, naming the first position. (Finite
+    garbage, e.g. in right-padding, is harmless: masks select, they do not multiply.)
+    """
+    for name, x in named:
+        bad = ~torch.isfinite(x)
+        if bad.any():
+            where = tuple(int(i) for i in bad.nonzero()[0])
+            value = x[where].item()
+            raise ValueError(
+                f"{fn}: `{name}` has a non-finite value ({value}) at index {where} ({V.describe(x)}); "
+                "expected finite values (pad with zeros, not NaN or inf)"
+            )
 
 
 def _compute_dtype(x: Tensor) -> torch.dtype:
@@ -134,11 +159,22 @@ def _sum_after(g: Tensor) -> Tensor:
     return F.pad(g.flip(-1).cumsum(-1).flip(-1)[..., 1:], (0, 1))
 
 
+def _masked_scores(q: Tensor, k: Tensor, g: Tensor) -> Tensor:
+    """(q k^T) * L with the decay mask L = exp(segsum(g)), zero above the diagonal.
+
+    The upper triangle is *selected* away, not multiplied by L's zeros: a future key whose
+    score is inf would otherwise give inf * 0 = NaN in an earlier row.
+    """
+    T = q.shape[-2]
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    return torch.where(causal, (q @ k.transpose(-1, -2)) * torch.exp(segsum(g)), 0.0)
+
+
 def _quadratic(q, k, v, g, S0, z0, causal, normalize, eps):
     """(q k^T * L) v plus the decayed contribution of the initial state."""
     if not causal:
         return _noncausal(q, k, v, S0, z0, normalize, eps)
-    A = (q @ k.transpose(-1, -2)) * torch.exp(segsum(g))  # exp(-inf) = 0 above the diagonal
+    A = _masked_scores(q, k, g)
     cg = torch.cumsum(g, dim=-1)  # decay of the initial state up to position i
     q0 = q * torch.exp(cg).unsqueeze(-1)
     num = A @ v + q0 @ S0
@@ -191,7 +227,7 @@ def _chunked(q, k, v, g, S, z, causal, normalize, eps, chunk_size):
     qc, kc, vc = (x.reshape(B, H, N, C, x.shape[-1]) for x in (q, k, v))
     gc = torch.cumsum(g.reshape(B, H, N, C), dim=-1)  # decay from the chunk start, <= 0
     # intra-chunk: (q k^T * L) v with L = exp(gc_i - gc_j) on and below the diagonal
-    A = (qc @ kc.transpose(-1, -2)) * torch.exp(segsum(g.reshape(B, H, N, C)))
+    A = _masked_scores(qc, kc, g.reshape(B, H, N, C))
     num = A @ vc
     den = A.sum(-1) if normalize else None
     q_in = qc * torch.exp(gc).unsqueeze(-1)  # queries see the chunk-entry state decayed by gc_i
@@ -257,7 +293,9 @@ def linear_attention(
     V.check_positive_int(fn, "chunk_size", chunk_size)
     V.check_flag(fn, "causal", causal)
     V.check_flag(fn, "normalize", normalize)
+    V.check_flag(fn, "return_state", return_state)
     eps = V.check_eps(fn, eps)
+    _check_finite(fn, (("q", q), ("k", k), ("v", v)))
     if log_decay is not None:
         V.check_log_decay(fn, log_decay, q, causal=causal)
     if initial_state is not None:

@@ -59,20 +59,31 @@ class RecurrentDecoder:
         fn = "RecurrentDecoder"
         for name, value in (("batch", batch), ("heads", heads), ("dk", dk), ("dv", dv)):
             V.check_positive_int(fn, name, value)
-        self.normalize = normalize
+        batch, heads, dk, dv = int(batch), int(heads), int(dk), int(dv)
+        self.normalize = V.check_flag(fn, "normalize", normalize)
         self.eps = V.check_eps(fn, eps)
-        self.dtype = dtype
+        self.dtype = V.check_dtype(fn, "dtype", dtype)
         state_dtype = torch.float64 if dtype == torch.float64 else torch.float32
-        self.S = torch.zeros(batch, heads, dk, dv, dtype=state_dtype, device=device)
-        self.z = torch.zeros(batch, heads, dk, dtype=state_dtype, device=device) if normalize else None
         if initial_state is not None:
-            V.check_shape(fn, "initial_state.S", initial_state.S, tuple(self.S.shape), ("B", "H", "Dk", "Dv"))
-            self.S = initial_state.S.to(state_dtype)
-            if normalize:
-                if initial_state.z is None:
-                    raise ValueError(f"{fn}: normalize=True needs `initial_state.z` of shape {tuple(self.z.shape)}, got None")
-                V.check_shape(fn, "initial_state.z", initial_state.z, tuple(self.z.shape), ("B", "H", "Dk"))
-                self.z = initial_state.z.to(state_dtype)
+            if not isinstance(initial_state, tuple) or len(initial_state) != 2:
+                raise TypeError(
+                    f"{fn}: `initial_state` must be a LinearAttentionState(S, z) with S (B, H, Dk, Dv) = "
+                    f"{(batch, heads, dk, dv)}, got {type(initial_state).__name__}"
+                    + (f" of {V.describe(initial_state)}" if isinstance(initial_state, Tensor) else "")
+                )
+            S0, z0 = initial_state
+            if device is None and isinstance(S0, Tensor):
+                device = S0.device  # the decoder lives where its state does
+            device = torch.device(device) if device is not None else torch.zeros(()).device
+            V.check_state(
+                fn, "initial_state", initial_state, B=batch, H=heads, Dk=dk, Dv=dv, device=device, normalize=self.normalize
+            )
+        self.S = torch.zeros(batch, heads, dk, dv, dtype=state_dtype, device=device)
+        self.z = torch.zeros(batch, heads, dk, dtype=state_dtype, device=device) if self.normalize else None
+        if initial_state is not None:
+            self.S = S0.to(state_dtype)
+            if self.normalize:
+                self.z = z0.to(state_dtype)
         self.tokens_seen = 0
 
     @property
@@ -97,6 +108,8 @@ class RecurrentDecoder:
                 f"{fn}: `log_decay_t` has shape {tuple(log_decay_t.shape)}; expected (H,) = ({heads},) "
                 f"or (B, H) = {(batch, heads)}"
             )
+        if log_decay_t.device != self.S.device:
+            raise ValueError(f"{fn}: `log_decay_t` is on {log_decay_t.device} but the decoder is on {self.S.device}")
         V.check_values(fn, "log_decay_t", log_decay_t, high=0.0, why="a decay factor exp(log_decay_t) in (0, 1]")
         return torch.exp(log_decay_t.to(self.S.dtype)).expand(batch, heads)
 
@@ -144,7 +157,9 @@ class KVCacheDecoder:
         fn = "KVCacheDecoder"
         for name, value in (("batch", batch), ("heads", heads), ("dk", dk), ("dv", dv), ("capacity", capacity)):
             V.check_positive_int(fn, name, value)
-        self.scale = 1.0 / math.sqrt(dk) if scale is None else V.check_number(fn, "scale", scale)
+        batch, heads, dk, dv, capacity = int(batch), int(heads), int(dk), int(dv), int(capacity)
+        self.scale = 1.0 / math.sqrt(dk) if scale is None else V.check_finite_number(fn, "scale", scale)
+        V.check_dtype(fn, "dtype", dtype)
         self.keys = torch.zeros(batch, heads, capacity, dk, dtype=dtype, device=device)
         self.values = torch.zeros(batch, heads, capacity, dv, dtype=dtype, device=device)
         self.tokens_seen = 0

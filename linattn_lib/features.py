@@ -25,6 +25,8 @@ from torch import Tensor, nn
 
 from . import _validate as V
 
+SCALINGS = ("chi", "sqrt_d")
+
 # ---------------------------------------------------------------------------------------
 # deterministic maps
 # ---------------------------------------------------------------------------------------
@@ -32,11 +34,13 @@ from . import _validate as V
 
 def elu_plus_one(x: Tensor) -> Tensor:
     """elu(x) + 1 > 0: the Linear Transformer's feature map (Katharopoulos et al. 2020)."""
+    V.check_tensor("elu_plus_one", "x", x)
     return F.elu(x) + 1.0
 
 
 def relu(x: Tensor) -> Tensor:
     """max(x, 0): cosFormer's feature map. Non-negative, but a row can be all zeros."""
+    V.check_tensor("relu", "x", x)
     return F.relu(x)
 
 
@@ -45,7 +49,8 @@ def relu(x: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------
 
 
-def _generator(seed: Optional[int]) -> Optional[torch.Generator]:
+def _generator(seed: Optional[int], fn: str = "random features") -> Optional[torch.Generator]:
+    seed = V.check_seed(fn, "seed", seed)
     if seed is None:
         return None
     g = torch.Generator()
@@ -55,9 +60,11 @@ def _generator(seed: Optional[int]) -> Optional[torch.Generator]:
 
 def gaussian_matrix(m: int, d: int, *, seed: Optional[int] = None, dtype=torch.float32) -> Tensor:
     """(m, d) matrix of i.i.d. N(0, 1) entries: m independent directions w_i ~ N(0, I_d)."""
-    V.check_positive_int("gaussian_matrix", "m", m)
-    V.check_positive_int("gaussian_matrix", "d", d)
-    return torch.randn(m, d, generator=_generator(seed), dtype=torch.float64).to(dtype)
+    fn = "gaussian_matrix"
+    V.check_positive_int(fn, "m", m)
+    V.check_positive_int(fn, "d", d)
+    V.check_dtype(fn, "dtype", dtype)
+    return torch.randn(int(m), int(d), generator=_generator(seed, fn), dtype=torch.float64).to(dtype)
 
 
 def orthogonal_gaussian_matrix(
@@ -76,8 +83,10 @@ def orthogonal_gaussian_matrix(
     fn = "orthogonal_gaussian_matrix"
     V.check_positive_int(fn, "m", m)
     V.check_positive_int(fn, "d", d)
-    V.check_choice(fn, "scaling", scaling, ("chi", "sqrt_d"))
-    gen = _generator(seed)
+    V.check_choice(fn, "scaling", scaling, SCALINGS)
+    V.check_dtype(fn, "dtype", dtype)
+    m, d = int(m), int(d)
+    gen = _generator(seed, fn)
     n_blocks = -(-m // d)
     G = torch.randn(n_blocks, d, d, generator=gen, dtype=torch.float64)
     Q, R = torch.linalg.qr(G)  # one batched QR for all blocks
@@ -95,8 +104,13 @@ def random_projection(
 ) -> Tensor:
     """Block-orthogonal (default) or i.i.d. Gaussian (m, d) projection. `scaling` ("chi" or
     "sqrt_d") sets the row norms of the orthogonal one; i.i.d. rows have chi_d norms already."""
-    V.check_choice("random_projection", "scaling", scaling, ("chi", "sqrt_d"))
-    if orthogonal:
+    fn = "random_projection"
+    V.check_positive_int(fn, "m", m)
+    V.check_positive_int(fn, "d", d)
+    V.check_choice(fn, "scaling", scaling, SCALINGS)
+    V.check_seed(fn, "seed", seed)
+    V.check_dtype(fn, "dtype", dtype)
+    if V.check_flag(fn, "orthogonal", orthogonal):
         return orthogonal_gaussian_matrix(m, d, scaling=scaling, seed=seed, dtype=dtype)
     return gaussian_matrix(m, d, seed=seed, dtype=dtype)
 
@@ -108,7 +122,11 @@ def random_projection(
 
 def _check_proj(fn: str, x: Tensor, W: Tensor) -> None:
     V.check_tensor(fn, "x", x)
-    V.check_tensor(fn, "W", W, ndim=2)
+    if x.dim() == 0:
+        raise ValueError(f"{fn}: `x` must have a last axis d, laid out as (..., d), got {V.describe(x)}")
+    V.check_layout(fn, "W", W, ("m", "d"))
+    if W.shape[0] == 0:
+        raise ValueError(f"{fn}: `W` must have at least one row (m >= 1), got {V.describe(W)}")
     if W.shape[1] != x.shape[-1]:
         raise ValueError(
             f"{fn}: `W` has shape {tuple(W.shape)} but `x` has feature size d={x.shape[-1]}; "
@@ -127,10 +145,11 @@ def rff_features(x: Tensor, W: Tensor, b: Tensor, *, sigma: float = 1.0) -> Tens
     The sqrt(2/m) matters: cos a cos c = (cos(a - c) + cos(a + c)) / 2 and the second term
     averages to zero over b, so 1/sqrt(m) would estimate only half the kernel.
     """
-    _check_proj("rff_features", x, W)
+    fn = "rff_features"
+    _check_proj(fn, x, W)
+    _check_phases(fn, b, W.shape[0])
+    sigma = V.check_finite_number(fn, "sigma", sigma, positive=True)
     m = W.shape[0]
-    if tuple(b.shape) != (m,):
-        raise ValueError(f"rff_features: `b` has shape {tuple(b.shape)}; expected (m,) = ({m},)")
     return math.sqrt(2.0 / m) * torch.cos(_project(x / sigma, W) + b.to(x))
 
 
@@ -147,17 +166,26 @@ def trig_softmax_features(x: Tensor, W: Tensor) -> Tensor:
     return h / math.sqrt(W.shape[0]) * torch.cat([torch.sin(u), torch.cos(u)], dim=-1)
 
 
-def _stabilize(u: Tensor, stabilize: Optional[str]) -> Tensor:
+def _check_phases(fn: str, b, m: int) -> None:
+    """b: the (m,) random phases, a floating tensor."""
+    V.check_tensor(fn, "b", b)
+    if tuple(b.shape) != (m,):
+        raise ValueError(f"{fn}: `b` has shape {tuple(b.shape)}; expected (m,) = ({m},)")
+
+
+def _stabilize(u: Tensor, stabilize: Optional[str], fn: str = "positive features") -> Tensor:
     """Subtract a maximum from the exponent: exact for normalised attention, avoids overflow.
 
     "row" subtracts each row's own maximum (queries: a per-query constant cancels between the
     numerator and denominator of that query's output); "global" subtracts one maximum over all
-    rows of a sequence (keys: a constant common to every key cancels as well). The maximum is
-    detached: the gradient treats it as the constant it is for normalised attention.
+    rows of a sequence (keys of non-causal attention: a constant common to every key cancels
+    as well; causal attention uses `running_max_stabiliser` instead, so that no key sees a
+    later one). The maximum is detached: the gradient treats it as the constant it is for
+    normalised attention.
     """
-    _check_stabilize(stabilize)
+    _check_stabilize(fn, stabilize)
     if stabilize == "global" and u.dim() < 2:
-        raise ValueError(f"positive features: stabilize='global' needs x of shape (..., T, d), got a {u.dim()}-d input")
+        raise ValueError(f"{fn}: stabilize='global' needs x of shape (..., T, d), got a {u.dim()}-d input")
     if stabilize is None:
         return u
     if stabilize == "row":
@@ -165,9 +193,26 @@ def _stabilize(u: Tensor, stabilize: Optional[str]) -> Tensor:
     return u - u.amax(dim=(-1, -2), keepdim=True).detach()
 
 
-def _check_stabilize(stabilize: Optional[str]) -> None:
-    if stabilize not in (None, "row", "global"):
-        raise ValueError(f"positive features: unknown stabilize={stabilize!r}; expected None, 'row' or 'global'")
+def running_max_stabiliser(u: Tensor) -> tuple[Tensor, Tensor]:
+    """Causal stabiliser for key exponents u (..., T, m): (u - m_t, g), both detached in m.
+
+    m_t = max over j <= t and every feature of u_j: the largest exponent seen *so far*, so
+    no later key changes an earlier key's features. When the maximum grows from m_{t-1} to
+    m_t, a state built from the earlier keys must be rescaled by exp(m_{t-1} - m_t) <= 1,
+    as online softmax rescales its running sum: that is a per-token log-decay
+    g_t = m_{t-1} - m_t <= 0 (g_0 = 0), which `linear_attention(log_decay=g)` applies to S
+    and z alike. The product of the decays from j to t is exp(m_j - m_t), so every key ends
+    up scaled by exp(-m_t): a constant that cancels in the normalised output at query t.
+    """
+    if u.dim() < 2:
+        raise ValueError(f"running_max_stabiliser: `u` must be (..., T, m), got a {u.dim()}-d tensor")
+    m = u.detach().amax(dim=-1).cummax(dim=-1).values  # (..., T)
+    g = torch.cat([torch.zeros_like(m[..., :1]), m[..., :-1] - m[..., 1:]], dim=-1)
+    return u - m.unsqueeze(-1), g
+
+
+def _check_stabilize(fn: str, stabilize: Optional[str]) -> None:
+    V.check_choice(fn, "stabilize", stabilize, (None, "row", "global"))
 
 
 def positive_random_features(
@@ -189,16 +234,30 @@ def positive_random_features(
     default stays "torch" until the GPU benchmark (`python -m linattn_lib.gpu_check`) has shown
     that the fusion pays for itself.
     """
-    _check_proj("positive_random_features", x, W)
-    V.check_choice("positive_random_features", "backend", backend, ("torch", "triton"))
+    fn = "positive_random_features"
+    _check_proj(fn, x, W)
+    V.check_choice(fn, "backend", backend, ("torch", "triton"))
+    input_scale = V.check_finite_number(fn, "input_scale", input_scale)
+    _check_stabilize(fn, stabilize)
     if backend == "triton":
         from ._triton import positive_random_features_triton
 
-        _check_stabilize(stabilize)
         return positive_random_features_triton(x, W, input_scale=input_scale, stabilize=stabilize)
+    return torch.exp(_stabilize(_positive_exponents(x, W, input_scale), stabilize, fn)) / math.sqrt(W.shape[0])
+
+
+def _positive_exponents(x: Tensor, W: Tensor, input_scale: float) -> Tensor:
+    """w_i . x' - |x'|^2/2, x' = input_scale * x: the log of the FAVOR+ features times sqrt(m)."""
     x = x * input_scale
-    u = _project(x, W) - 0.5 * (x * x).sum(-1, keepdim=True)
-    return torch.exp(_stabilize(u, stabilize)) / math.sqrt(W.shape[0])
+    return _project(x, W) - 0.5 * (x * x).sum(-1, keepdim=True)
+
+
+def _hyperbolic_exponents(x: Tensor, W: Tensor, input_scale: float) -> Tensor:
+    """[w . x' - |x'|^2/2, -w . x' - |x'|^2/2]: the log of the SM^hyp+ features times sqrt(2m)."""
+    x = x * input_scale
+    u = _project(x, W)
+    half = 0.5 * (x * x).sum(-1, keepdim=True)
+    return torch.cat([u - half, -u - half], dim=-1)
 
 
 def hyperbolic_random_features(
@@ -208,12 +267,12 @@ def hyperbolic_random_features(
 
     Pairing +w with -w (cosh) is an antithetic sample: lower variance for the same draws.
     """
-    _check_proj("hyperbolic_random_features", x, W)
-    x = x * input_scale
-    u = _project(x, W)
-    half = 0.5 * (x * x).sum(-1, keepdim=True)
-    both = torch.cat([u - half, -u - half], dim=-1)
-    return torch.exp(_stabilize(both, stabilize)) / math.sqrt(2 * W.shape[0])
+    fn = "hyperbolic_random_features"
+    _check_proj(fn, x, W)
+    input_scale = V.check_finite_number(fn, "input_scale", input_scale)
+    _check_stabilize(fn, stabilize)
+    both = _hyperbolic_exponents(x, W, input_scale)
+    return torch.exp(_stabilize(both, stabilize, fn)) / math.sqrt(2 * W.shape[0])
 
 
 def clipped_trig_features(x: Tensor, W: Tensor, b: Tensor) -> Tensor:
@@ -222,10 +281,10 @@ def clipped_trig_features(x: Tensor, W: Tensor, b: Tensor) -> Tensor:
     Kept only to show its bias: clipping makes it non-negative but changes the kernel it
     estimates into a shift-invariant one with k(x, x) = 1/2, neither Gaussian nor softmax.
     """
-    _check_proj("clipped_trig_features", x, W)
+    fn = "clipped_trig_features"
+    _check_proj(fn, x, W)
     m = W.shape[0]
-    if tuple(b.shape) != (m,):
-        raise ValueError(f"clipped_trig_features: `b` has shape {tuple(b.shape)}; expected (m,) = ({m},)")
+    _check_phases(fn, b, m)
     u = _project(x, W) + b.to(x)
     return torch.cat([torch.sin(u).clamp_min(0), torch.cos(u).clamp_min(0)], dim=-1) / math.sqrt(m)
 
@@ -235,13 +294,27 @@ def clipped_trig_features(x: Tensor, W: Tensor, b: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------
 
 
+def _check_pairs(fn: str, x, y) -> None:
+    """x: (..., n, d) and y: (..., p, d), floating, one dtype and device, the same d."""
+    for name, t in (("x", x), ("y", y)):
+        V.check_tensor(fn, name, t)
+        if t.dim() < 2:
+            raise ValueError(f"{fn}: `{name}` must be laid out as (..., n, d), at least 2-d, got {V.describe(t)}")
+    V.check_same(fn, [("x", x), ("y", y)])
+    if x.shape[-1] != y.shape[-1]:
+        raise ValueError(f"{fn}: `y` has d={y.shape[-1]} but `x` has d={x.shape[-1]}; expected one feature size d")
+
+
 def softmax_kernel(x: Tensor, y: Tensor) -> Tensor:
     """exp(x . y) for every pair: (..., n, d), (..., p, d) -> (..., n, p)."""
+    _check_pairs("softmax_kernel", x, y)
     return torch.exp(x @ y.transpose(-1, -2))
 
 
 def gaussian_kernel(x: Tensor, y: Tensor, *, sigma: float = 1.0) -> Tensor:
     """exp(-|x - y|^2 / (2 sigma^2)) for every pair: (..., n, d), (..., p, d) -> (..., n, p)."""
+    _check_pairs("gaussian_kernel", x, y)
+    sigma = V.check_finite_number("gaussian_kernel", "sigma", sigma, positive=True)
     return torch.exp(-torch.cdist(x, y).pow(2) / (2 * sigma**2))
 
 
@@ -250,10 +323,12 @@ def gaussian_kernel(x: Tensor, y: Tensor, *, sigma: float = 1.0) -> Tensor:
 # ---------------------------------------------------------------------------------------
 
 KINDS = ("positive", "hyperbolic", "trig", "rff", "clipped")
+EXPONENTIAL_KINDS = ("positive", "hyperbolic")  # features exp(u): these have a stabiliser
 
 
 def default_num_features(d: int) -> int:
     """floor(d ln d), the default of the performer-pytorch reference code (266 for d = 64)."""
+    V.check_positive_int("default_num_features", "d", d)
     return max(1, int(d * math.log(d))) if d > 1 else 1
 
 
@@ -268,10 +343,10 @@ class RandomFeatureMap(nn.Module):
 
     Stabilised maps (the default) subtract a maximum from the exponents, a constant that
     cancels in normalised attention; the maximum is held constant in the gradient (detached),
-    so gradients are those of normalised attention with eps = 0, not of the raw map. The key
-    maximum is taken over the whole sequence, future keys included: exact in real arithmetic
-    for causal attention, but in float16 an early key far below a later maximum can underflow
-    to zero (keep features in float32, as chapter 3 shows).
+    so gradients are those of normalised attention with eps = 0, not of the raw map. With
+    `is_query=False` the key maximum is taken over the whole sequence (right for non-causal
+    attention); causal attention takes a running maximum instead (`causal_key_features`),
+    so that no key is scaled by a later one.
     """
 
     def __init__(
@@ -286,10 +361,17 @@ class RandomFeatureMap(nn.Module):
         seed: Optional[int] = None,
     ) -> None:
         super().__init__()
-        V.check_choice("RandomFeatureMap", "kind", kind, KINDS)
-        V.check_positive_int("RandomFeatureMap", "d", d)
-        self.d, self.m = d, default_num_features(d) if m is None else m
-        V.check_positive_int("RandomFeatureMap", "m", self.m)
+        fn = "RandomFeatureMap"
+        V.check_choice(fn, "kind", kind, KINDS)
+        V.check_positive_int(fn, "d", d)
+        if m is not None:
+            V.check_positive_int(fn, "m", m)
+        V.check_flag(fn, "orthogonal", orthogonal)
+        V.check_choice(fn, "scaling", scaling, SCALINGS)
+        V.check_flag(fn, "softmax_temperature", softmax_temperature)
+        seed = V.check_seed(fn, "seed", seed)
+        d = int(d)
+        self.d, self.m = d, default_num_features(d) if m is None else int(m)
         self.kind, self.orthogonal, self.scaling = kind, orthogonal, scaling
         self.input_scale = d**-0.25 if softmax_temperature else 1.0
         self._seed = seed
@@ -304,6 +386,7 @@ class RandomFeatureMap(nn.Module):
     @torch.no_grad()
     def redraw(self, seed: Optional[int] = None) -> None:
         """Draw a fresh projection (and fresh phases)."""
+        seed = V.check_seed("RandomFeatureMap.redraw", "seed", seed)
         W = random_projection(self.m, self.d, orthogonal=self.orthogonal, scaling=self.scaling, seed=seed)
         gen = _generator(None if seed is None else seed + 1)
         b = 2 * math.pi * torch.rand(self.m, generator=gen, dtype=torch.float64)
@@ -315,6 +398,11 @@ class RandomFeatureMap(nn.Module):
 
         backend="triton" runs the fused kernel; only the positive (FAVOR+) map has one.
         """
+        fn = "RandomFeatureMap"
+        self._check_x(fn, x)
+        is_query = V.check_flag(fn, "is_query", is_query)
+        stabilize = V.check_flag(fn, "stabilize", stabilize)
+        V.check_choice(fn, "backend", backend, ("torch", "triton"))
         W = self.W.to(x.dtype)
         mode = ("row" if is_query else "global") if stabilize and x.dim() >= 2 else None
         if backend != "torch" and self.kind != "positive":
@@ -328,6 +416,46 @@ class RandomFeatureMap(nn.Module):
         if self.kind == "rff":
             return rff_features(x * self.input_scale, W, self.b.to(x.dtype))
         return clipped_trig_features(x * self.input_scale, W, self.b.to(x.dtype))
+
+    def causal_key_features(self, k: Tensor) -> tuple[Tensor, Tensor]:
+        """Key features for causal attention with a running-max stabiliser: (phi_k, log_decay).
+
+        k: (..., T, d). phi_k_j = exp(u_j - m_j) / sqrt(m') with m_t the largest exponent of
+        keys 0..t (`running_max_stabiliser`), and log_decay (..., T) the rescaling of the
+        state when that maximum grows. `linear_attention(phi_q, phi_k, v,
+        log_decay=log_decay)` then equals attention with the raw features phi(k) (for
+        eps = 0), token t never sees a later key, and a decoder can keep the same state one
+        token at a time. Exponential kinds only ("positive", "hyperbolic"); the others have
+        nothing to stabilise and return a zero log-decay.
+        """
+        self._check_x("RandomFeatureMap.causal_key_features", k)
+        if k.dim() < 2:
+            raise ValueError(f"RandomFeatureMap.causal_key_features: `k` must be (..., T, d), got {V.describe(k)}")
+        if self.kind not in EXPONENTIAL_KINDS:
+            phi = self(k, is_query=False, stabilize=False)
+            return phi, phi.new_zeros(phi.shape[:-1])
+        u, log_decay = running_max_stabiliser(self.exponents(k))
+        return torch.exp(u) / math.sqrt(self.out_features), log_decay
+
+    def exponents(self, x: Tensor) -> Tensor:
+        """u with features exp(u) / sqrt(out_features), for the exponential kinds.
+
+        Stabilisers act on u: any constant subtracted from u that cancels in the normalised
+        output leaves the attention unchanged and keeps exp(u) in range.
+        """
+        self._check_x("RandomFeatureMap.exponents", x)
+        if self.kind not in EXPONENTIAL_KINDS:
+            raise ValueError(f"RandomFeatureMap.exponents: kind={self.kind!r} has no exponent; expected one of {EXPONENTIAL_KINDS}")
+        W = self.W.to(x.dtype)
+        if self.kind == "positive":
+            return _positive_exponents(x, W, self.input_scale)
+        return _hyperbolic_exponents(x, W, self.input_scale)
+
+    def _check_x(self, fn: str, x) -> None:
+        """x: a floating (..., d) tensor with this map's d."""
+        V.check_tensor(fn, "x", x)
+        if x.dim() == 0 or x.shape[-1] != self.d:
+            raise ValueError(f"{fn}: `x` must be laid out as (..., d) with d={self.d}, got {V.describe(x)}")
 
     def extra_repr(self) -> str:
         return f"d={self.d}, m={self.m}, kind={self.kind!r}, orthogonal={self.orthogonal}"

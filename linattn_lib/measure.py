@@ -135,3 +135,17 @@ def device_name(device=None) -> str:
 def default_device() -> torch.device:
     """CUDA when present, else CPU: notebooks run on either."""
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+def below(error, tol: float) -> str:
+    """Assert that a round-off-level `error` is below `tol` and return the text "< tol".
+
+    Round-off itself (3.6e-16 here, 1.9e-16 on another CPU or thread count) is not a
+    result: printing it would make a saved output hold on one machine only. What is true
+    everywhere is the bound, so the bound is what gets printed, and the check that it holds
+    fails loudly. `error` may be a float or a one-element tensor.
+    """
+    value = float(error)
+    if not value < tol:  # also catches NaN
+        raise AssertionError(f"error {value:.3g} is not below the bound {tol:g}")
+    return f"< {tol:g}"

@@ -19,6 +19,7 @@ Unnormalised variants (RetNet, Mamba-2 / SSD style) normalise each head's output
 from __future__ import annotations
 
 import math
+import numbers
 from dataclasses import asdict, dataclass, field
 from typing import Optional
 
@@ -33,6 +34,31 @@ from .ssm import retnet_log_decay
 
 ATTENTION_KINDS = ("softmax", "performer", "linear", "cosformer", "retnet", "ssd")
 LINEAR_KINDS = ATTENTION_KINDS[1:]
+
+
+def _check_width(fn: str, d_model, n_heads, heads_name: str = "n_heads") -> None:
+    """d_model and the number of heads are positive ints and the heads split d_model evenly."""
+    V.check_positive_int(fn, "d_model", d_model)
+    V.check_positive_int(fn, heads_name, n_heads)
+    if d_model % n_heads:
+        raise ValueError(
+            f"{fn}: `d_model`={d_model} must be divisible by `{heads_name}`={n_heads} "
+            f"(each head gets d_model // {heads_name} channels)"
+        )
+
+
+def _check_input(fn: str, x, module: nn.Module, d_model: int) -> None:
+    """x: (B, T, d_model), B, T >= 1, in the dtype and on the device of the module's weights."""
+    V.check_layout(fn, "x", x, ("B", "T", "d_model"))
+    if x.shape[-1] != d_model:
+        raise ValueError(f"{fn}: `x` has {x.shape[-1]} channels; expected (B, T, d_model) with d_model={d_model}, got {V.describe(x)}")
+    if x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"{fn}: `x` must have B >= 1 and T >= 1, got {V.describe(x)}")
+    w = next(module.parameters())
+    if x.dtype != w.dtype:
+        raise TypeError(f"{fn}: `x` has dtype {x.dtype} but the module's weights are {w.dtype}; cast one of them")
+    if x.device != w.device:
+        raise ValueError(f"{fn}: `x` is on {x.device} but the module's weights are on {w.device}")
 
 
 def _split_heads(x: Tensor, n_heads: int) -> Tensor:
@@ -75,8 +101,14 @@ class LinearAttention(nn.Module):
         super().__init__()
         fn = "LinearAttention"
         V.check_choice(fn, "kind", kind, LINEAR_KINDS)
-        if d_model % n_heads:
-            raise ValueError(f"{fn}: d_model={d_model} must be divisible by n_heads={n_heads}")
+        _check_width(fn, d_model, n_heads)
+        V.check_positive_int(fn, "max_len", max_len)
+        V.check_positive_int(fn, "chunk_size", chunk_size)
+        if num_features is not None:
+            V.check_positive_int(fn, "num_features", num_features)
+        seed = V.check_seed(fn, "seed", seed)
+        d_model, n_heads, max_len, chunk_size = int(d_model), int(n_heads), int(max_len), int(chunk_size)
+        self.d_model = d_model
         self.kind, self.n_heads, self.d_head = kind, n_heads, d_model // n_heads
         self.max_len, self.chunk_size = max_len, chunk_size
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
@@ -129,7 +161,38 @@ class LinearAttention(nn.Module):
         pos_offset: int = 0,
         return_state: bool = False,
     ):
-        """x: (B, T, d_model) -> (B, T, d_model) [, new state]."""
+        """x: (B, T, d_model) -> (B, T, d_model) [, new state].
+
+        `state` is a LinearAttentionState(S (B, H, F, d_head), z (B, H, F) when normalised),
+        F = `feature_size`, as returned with return_state=True; `pos_offset` (>= 0) is the
+        position of x's first token (cosFormer's re-weighting depends on it).
+        """
+        fn = "LinearAttention"
+        _check_input(fn, x, self, self.d_model)
+        pos_offset = V.check_int(fn, "pos_offset", pos_offset, low=0)
+        return_state = V.check_flag(fn, "return_state", return_state)
+        if state is not None:
+            self.check_state(fn, "state", state, batch=x.shape[0], device=x.device)
+        return self._forward(x, state=state, pos_offset=pos_offset, return_state=return_state)
+
+    @property
+    def feature_size(self) -> int:
+        """F, the size of the features phi(q), phi(k): the state S is (B, H, F, d_head)."""
+        if self.kind == "performer":
+            return self.feature_map.out_features
+        if self.kind == "cosformer":
+            return 2 * self.d_head
+        return self.d_head
+
+    def check_state(self, fn: str, name: str, state, *, batch: int, device) -> None:
+        """`state` fits this layer: S (batch, H, F, d_head) [and z (batch, H, F)], finite, on `device`."""
+        V.check_state(
+            fn, name, state, B=batch, H=self.n_heads, Dk=self.feature_size, Dv=self.d_head,
+            device=device, normalize=self.normalize,
+        )
+
+    def _forward(self, x: Tensor, *, state=None, pos_offset: int = 0, return_state: bool = False):
+        """`forward` without the input checks (for callers that checked already)."""
         q, k, v = (_split_heads(t, self.n_heads) for t in self.qkv(x).chunk(3, dim=-1))
         phi_q, phi_k = self._features(q, k, pos_offset)
         o, new_state = linear_attention(
@@ -147,13 +210,29 @@ class SoftmaxAttention(nn.Module):
 
     def __init__(self, d_model: int, n_heads: int) -> None:
         super().__init__()
-        if d_model % n_heads:
-            raise ValueError(f"SoftmaxAttention: d_model={d_model} must be divisible by n_heads={n_heads}")
-        self.n_heads = n_heads
+        _check_width("SoftmaxAttention", d_model, n_heads)
+        self.n_heads, self.d_head = n_heads, d_model // n_heads
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
 
+    def check_state(self, fn: str, name: str, state, *, batch: int, device) -> None:
+        """`state` is a KV cache (keys, values), each (batch, H, S, d_head), S >= 1, finite, on `device`."""
+        if not isinstance(state, (tuple, list)) or len(state) != 2:
+            raise TypeError(f"{fn}: `{name}` must be a KV cache (keys, values) of a softmax layer, got {type(state).__name__}")
+        for part, t in zip(("keys", "values"), state):
+            V.check_layout(fn, f"{name}[{part!r}]", t, ("B", "H", "S", "d_head"))
+            S = t.shape[2]
+            V.check_shape(fn, f"{name}[{part!r}]", t, (batch, self.n_heads, S, self.d_head), ("B", "H", "S", "d_head"))
+            if t.device != device:
+                raise ValueError(f"{fn}: `{name}` is on {t.device} but the inputs are on {device}")
+            V.check_values(fn, f"{name}[{part!r}]", t)
+        if state[0].shape != state[1].shape:
+            raise ValueError(f"{fn}: `{name}` keys {tuple(state[0].shape)} and values {tuple(state[1].shape)} must have one shape")
+
     def forward(self, x: Tensor, *, state: Optional[tuple[Tensor, Tensor]] = None, pos_offset: int = 0, return_state: bool = False):
+        return self._forward(x, state=state, pos_offset=pos_offset, return_state=return_state)
+
+    def _forward(self, x: Tensor, *, state: Optional[tuple[Tensor, Tensor]] = None, pos_offset: int = 0, return_state: bool = False):
         q, k, v = (_split_heads(t, self.n_heads) for t in self.qkv(x).chunk(3, dim=-1))
         if state is not None:  # the KV cache: every past key and value
             k, v = torch.cat([state[0], k], dim=2), torch.cat([state[1], v], dim=2)
@@ -179,6 +258,33 @@ class ModelConfig:
     softmax_layers: tuple = field(default_factory=tuple)
     seed: int = 0
 
+    def __post_init__(self) -> None:
+        self.validate()
+
+    def validate(self, fn: str = "ModelConfig") -> None:
+        """Every field has a usable value; raises otherwise (called on creation and by TinyLM)."""
+        for name in ("vocab_size", "block_size", "n_layer"):
+            V.check_positive_int(fn, name, getattr(self, name))
+        _check_width(fn, self.d_model, self.n_head, "n_head")
+        V.check_choice(fn, "attention", self.attention, ATTENTION_KINDS)
+        if self.num_features is not None:
+            V.check_positive_int(fn, "num_features", self.num_features)
+        V.check_seed(fn, "seed", self.seed)
+        layers = self.softmax_layers
+        if isinstance(layers, (str, bytes)) or not isinstance(layers, (tuple, list, range)):
+            raise TypeError(
+                f"{fn}: `softmax_layers` must be a tuple of layer indices, e.g. (0,) for a softmax first "
+                f"layer, got {type(layers).__name__} {layers!r}"
+            )
+        for i in layers:
+            if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < self.n_layer:
+                raise ValueError(
+                    f"{fn}: `softmax_layers` holds {i!r}; expected layer indices in 0..{self.n_layer - 1} "
+                    f"(n_layer={self.n_layer}), got {tuple(layers)!r}"
+                )
+        if len(set(int(i) for i in layers)) != len(layers):
+            raise ValueError(f"{fn}: `softmax_layers` lists a layer twice: {tuple(layers)!r}")
+
     def to_dict(self) -> dict:
         return asdict(self)
 
@@ -198,7 +304,7 @@ class Block(nn.Module):
         self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model))
 
     def forward(self, x, *, state=None, pos_offset=0):
-        a, state = self.attn(self.ln1(x), state=state, pos_offset=pos_offset, return_state=True)
+        a, state = self.attn._forward(self.ln1(x), state=state, pos_offset=pos_offset, return_state=True)
         x = x + a
         return x + self.mlp(self.ln2(x)), state
 
@@ -213,7 +319,8 @@ class TinyLM(nn.Module):
 
     def __init__(self, cfg: ModelConfig) -> None:
         super().__init__()
-        V.check_choice("TinyLM", "attention", cfg.attention, ATTENTION_KINDS)
+        V.check_instance("TinyLM", "cfg", cfg, ModelConfig, "a ModelConfig")
+        cfg.validate("TinyLM")  # the fields may have been changed since the config was made
         self.cfg = cfg
         torch.manual_seed(cfg.seed)
         self.tok = nn.Embedding(cfg.vocab_size, cfg.d_model)
@@ -229,15 +336,64 @@ class TinyLM(nn.Module):
     def num_parameters(self) -> int:
         return sum(p.numel() for p in self.parameters())
 
+    def _check_idx(self, fn: str, name: str, idx, *, allow_ignore: bool = False) -> None:
+        """Token ids: an integer (B, T) tensor, B, T >= 1, every id in [0, vocab_size)."""
+        V.check_tensor(fn, name, idx, layout=("B", "T"), floating=False)
+        if idx.dtype == torch.bool or idx.is_floating_point() or idx.is_complex():
+            raise TypeError(f"{fn}: `{name}` must hold integer token ids (e.g. torch.long), got {V.describe(idx)}")
+        if idx.shape[0] == 0 or idx.shape[1] == 0:
+            raise ValueError(f"{fn}: `{name}` must have B >= 1 and T >= 1, got {V.describe(idx)}")
+        vocab = self.cfg.vocab_size
+        ids = idx[idx != -100] if allow_ignore else idx
+        if ids.numel() and (bool((ids < 0).any()) or bool((ids >= vocab).any())):
+            ignore = " (or -100, ignored by the loss)" if allow_ignore else ""
+            raise ValueError(
+                f"{fn}: `{name}` holds token ids in [{int(ids.min())}, {int(ids.max())}]; expected ids in "
+                f"[0, vocab_size) = [0, {vocab}){ignore}"
+            )
+
+    def _check_states(self, fn: str, states, batch: int, device) -> None:
+        """One state per layer (None for a layer that starts fresh), each fitting its layer."""
+        if not isinstance(states, (list, tuple)) or len(states) != len(self.blocks):
+            got = f"{type(states).__name__} of length {len(states)}" if isinstance(states, (list, tuple)) else type(states).__name__
+            raise ValueError(
+                f"{fn}: `states` must be a list of n_layer={len(self.blocks)} per-layer states "
+                f"(as returned with return_states=True), got {got}"
+            )
+        for i, (block, st) in enumerate(zip(self.blocks, states)):
+            if st is not None:
+                block.attn.check_state(fn, f"states[{i}]", st, batch=batch, device=device)
+
     def forward(self, idx: Tensor, targets: Optional[Tensor] = None, *, states=None, pos_offset: int = 0, return_states: bool = False):
-        """idx: (B, T) token ids -> logits (B, T, vocab) [, loss] [, states]."""
-        V.check_tensor("TinyLM", "idx", idx, ndim=2, floating=False)
+        """idx: (B, T) token ids -> logits (B, T, vocab) [, loss] [, states].
+
+        targets: (B, T) ids for the cross-entropy loss (-100 marks a position to ignore).
+        states / pos_offset: resume from the per-layer states of a previous call that ended at
+        position pos_offset (what `generate` does).
+        """
+        fn = "TinyLM"
+        self._check_idx(fn, "idx", idx)
+        if targets is not None:
+            self._check_idx(fn, "targets", targets, allow_ignore=True)
+            if targets.shape != idx.shape:
+                raise ValueError(f"{fn}: `targets` has shape {tuple(targets.shape)}; expected the shape of `idx`, {tuple(idx.shape)}")
+        pos_offset = V.check_int(fn, "pos_offset", pos_offset, low=0)
+        return_states = V.check_flag(fn, "return_states", return_states)
+        if states is not None:
+            self._check_states(fn, states, idx.shape[0], idx.device)
+        return self._forward(idx, targets, states=states, pos_offset=pos_offset, return_states=return_states)
+
+    def _forward(self, idx: Tensor, targets: Optional[Tensor] = None, *, states=None, pos_offset: int = 0, return_states: bool = False):
+        """`forward` without the input checks (for `generate`, whose inputs were checked once)."""
         B, T = idx.shape
         if pos_offset + T > self.cfg.block_size:
-            raise ValueError(f"TinyLM: positions up to {pos_offset + T} exceed block_size={self.cfg.block_size}")
+            raise ValueError(
+                f"TinyLM: positions up to {pos_offset + T} (`pos_offset`={pos_offset} + T={T}) exceed "
+                f"block_size={self.cfg.block_size}"
+            )
         pos = torch.arange(pos_offset, pos_offset + T, device=idx.device)
         x = self.tok(idx) + self.pos(pos)
-        states = states or [None] * len(self.blocks)
+        states = [None] * len(self.blocks) if states is None else states
         new_states = []
         for block, st in zip(self.blocks, states):
             x, st = block(x, state=st, pos_offset=pos_offset)
@@ -253,27 +409,39 @@ class TinyLM(nn.Module):
     @torch.no_grad()
     def stepwise_logits(self, idx: Tensor) -> Tensor:
         """Logits computed one token at a time from the recurrent states (equals `forward`)."""
+        self._check_idx("TinyLM.stepwise_logits", "idx", idx)
         states, outs = None, []
         for t in range(idx.shape[1]):
-            logits, states = self(idx[:, t : t + 1], states=states, pos_offset=t, return_states=True)
+            logits, states = self._forward(idx[:, t : t + 1], states=states, pos_offset=t, return_states=True)
             outs.append(logits)
         return torch.cat(outs, dim=1)
 
     @torch.no_grad()
     def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0, greedy: bool = False, generator: Optional[torch.Generator] = None) -> Tensor:
-        """Continue `idx` (B, T0) by `max_new_tokens` tokens, up to block_size in total."""
+        """Continue `idx` (B, T0) by `max_new_tokens` (>= 0) tokens, up to block_size in total.
+
+        Samples from softmax(logits / temperature) (temperature > 0, finite), or takes the
+        argmax when greedy=True.
+        """
+        fn = "TinyLM.generate"
+        self._check_idx(fn, "idx", idx)
+        max_new_tokens = V.check_int(fn, "max_new_tokens", max_new_tokens, low=0)
+        temperature = V.check_finite_number(fn, "temperature", temperature, positive=True)
+        greedy = V.check_flag(fn, "greedy", greedy)
+        if generator is not None:
+            V.check_instance(fn, "generator", generator, torch.Generator, "None or a torch.Generator")
         if idx.shape[1] + max_new_tokens > self.cfg.block_size:
             raise ValueError(
-                f"TinyLM.generate: prompt {idx.shape[1]} + {max_new_tokens} new tokens exceeds block_size={self.cfg.block_size}"
+                f"{fn}: prompt {idx.shape[1]} + {max_new_tokens} new tokens (`max_new_tokens`) exceeds block_size={self.cfg.block_size}"
             )
-        logits, states = self(idx, states=None, return_states=True)
+        logits, states = self._forward(idx, states=None, return_states=True)
         out = [idx]
         pos = idx.shape[1]
         for _ in range(max_new_tokens):
-            last = logits[:, -1] / max(temperature, 1e-8)
+            last = logits[:, -1] / temperature
             nxt = last.argmax(-1, keepdim=True) if greedy else torch.multinomial(torch.softmax(last, -1), 1, generator=generator)
             out.append(nxt)
-            logits, states = self(nxt, states=states, pos_offset=pos, return_states=True)
+            logits, states = self._forward(nxt, states=states, pos_offset=pos, return_states=True)
             pos += 1
         return torch.cat(out, dim=1)
 

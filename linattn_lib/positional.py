@@ -49,7 +49,9 @@ def sinusoidal_positions(
     fn = "sinusoidal_positions"
     V.check_positive_int(fn, "T", T)
     V.check_positive_int(fn, "d", d)
+    V.check_finite_number(fn, "base", base)
     V.check_number(fn, "base", base, low=1.0, strict_low=True)
+    V.check_dtype(fn, "dtype", dtype)
     pos = torch.arange(T, dtype=torch.float64, device=device).unsqueeze(1)
     two_i = torch.arange(0, d, 2, dtype=torch.float64, device=device)
     angle = pos / base ** (two_i / d)  # (T, ceil(d/2))
@@ -119,7 +121,7 @@ def _cosformer_coefficients(variant: str, lam: float, M: float) -> tuple[float, 
 def _check_cosformer_args(fn: str, T: int, variant: str, lam, M) -> tuple[float, float]:
     V.check_choice(fn, "variant", variant, COSFORMER_VARIANTS)
     lam = V.check_number(fn, "lam", lam, low=0.0, high=1.0)
-    M = float(T) if M is None else V.check_number(fn, "M", M, low=0.0, strict_low=True)
+    M = float(T) if M is None else V.check_finite_number(fn, "M", M, positive=True)
     if M < T:
         raise ValueError(
             f"{fn}: `M` must be >= the sequence length T={T}, got M={M:g}; with M < T the weight stops "
@@ -148,6 +150,8 @@ def cosformer_weights(
     """
     fn = "cosformer_weights"
     V.check_positive_int(fn, "T", T)
+    causal = V.check_flag(fn, "causal", causal)
+    V.check_dtype(fn, "dtype", dtype)
     lam, M = _check_cosformer_args(fn, T, variant, lam, M)
     return _reweighting(T, causal=causal, variant=variant, lam=lam, M=M, device=device).to(dtype)
 
@@ -188,6 +192,7 @@ def cosformer_attention_matrix(
     """
     fn = "cosformer_attention_matrix"
     _check_features(fn, q, k)
+    causal = V.check_flag(fn, "causal", causal)
     normalizer = _default_normalizer(variant, normalizer)
     V.check_choice(fn, "normalizer", normalizer, COSFORMER_NORMALIZERS)
     lam, M = _check_cosformer_args(fn, q.shape[2], variant, lam, M)
@@ -277,6 +282,7 @@ def cosformer_attention(
     """
     fn = "cosformer_attention"
     _check_features(fn, q, k, v)
+    causal = V.check_flag(fn, "causal", causal)
     V.check_choice(fn, "form", form, POSITIONAL_FORMS)
     normalizer = _default_normalizer(variant, normalizer)
     V.check_choice(fn, "normalizer", normalizer, COSFORMER_NORMALIZERS)
@@ -294,7 +300,7 @@ def cosformer_attention(
 
 
 def _check_key_normalized(fn: str, causal: bool) -> None:
-    if causal:
+    if V.check_flag(fn, "causal", causal):
         raise ValueError(
             f"{fn}: causal=True is impossible: the key normaliser z_j = sum_{{i>=j}} phi(q_i).phi(k_j) "
             "sums over *future* queries, which an autoregressive model does not have yet "
@@ -376,6 +382,7 @@ def band_bias_matrix(w: Tensor, T: int, *, causal: bool = True) -> Tensor:
     """
     fn = "band_bias_matrix"
     V.check_positive_int(fn, "T", T)
+    causal = V.check_flag(fn, "causal", causal)
     V.check_layout(fn, "w", w, ("H", "W"))
     _check_band(fn, w, w.shape[0], causal)
     i = torch.arange(T, device=w.device)
@@ -436,6 +443,8 @@ def band_bias_attention(
     """
     fn = "band_bias_attention"
     V.check_qkv(fn, q, k, v)
+    causal = V.check_flag(fn, "causal", causal)
+    normalize = V.check_flag(fn, "normalize", normalize)
     _check_band(fn, w, q.shape[1], causal, like=q)
     V.check_choice(fn, "form", form, POSITIONAL_FORMS)
     eps = V.check_eps(fn, eps)

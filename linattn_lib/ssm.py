@@ -33,6 +33,20 @@ WKV_FORMS = ("recurrent", "quadratic", "naive")
 # --------------------------------------------------------------------------------------
 
 
+def _check_unnormalized_state(fn: str, state, *, B: int, H: int, Dk: int, Dv: int, device) -> None:
+    """`initial_state` = LinearAttentionState(S (B, H, Dk, Dv), None): finite, on `device`, no z.
+
+    These recurrences have no normaliser, so a z would be ignored: refuse it instead (it is
+    the sign of a state from a normalised `linear_attention` call).
+    """
+    V.check_state(fn, "initial_state", state, B=B, H=H, Dk=Dk, Dv=Dv, device=device, normalize=False)
+    if state[1] is not None:
+        raise ValueError(
+            f"{fn}: `initial_state.z` must be None (this recurrence has no normaliser), got "
+            f"{V.describe(state[1]) if isinstance(state[1], Tensor) else type(state[1]).__name__}"
+        )
+
+
 def _check_ssd_inputs(fn: str, x: Tensor, dt: Tensor, A: Tensor, B: Tensor, C: Tensor) -> None:
     V.check_layout(fn, "x", x, ("B", "H", "T", "P"))
     batch, H, T, _ = x.shape
@@ -84,6 +98,11 @@ def ssd(
     fn = "ssd"
     _check_ssd_inputs(fn, x, dt, A, B, C)
     V.check_choice(fn, "form", form, FORMS)
+    V.check_positive_int(fn, "chunk_size", chunk_size)
+    return_state = V.check_flag(fn, "return_state", return_state)
+    if initial_state is not None:
+        batch, H, _, P = x.shape
+        _check_unnormalized_state(fn, initial_state, B=batch, H=H, Dk=B.shape[-1], Dv=P, device=x.device)
     return linear_attention(
         C, B, x * dt.unsqueeze(-1), causal=True, normalize=False, log_decay=dt * A.view(1, -1, 1),
         form=form, chunk_size=chunk_size, initial_state=initial_state, return_state=return_state,
@@ -227,11 +246,15 @@ def selective_scan_reference(
     fn = "selective_scan_reference"
     _check_scan_inputs(fn, x, dt, A, B, C)
     V.check_choice(fn, "discretization", discretization, DISCRETIZATIONS)
+    return_state = V.check_flag(fn, "return_state", return_state)
     batch, H, T, P = x.shape
     N = B.shape[-1]
     h = x.new_zeros(batch, H, P, N)
     if initial_state is not None:
         V.check_shape(fn, "initial_state", initial_state, (batch, H, P, N), ("B", "H", "P", "N"))
+        if initial_state.device != x.device:
+            raise ValueError(f"{fn}: `initial_state` is on {initial_state.device} but `x` is on {x.device}")
+        V.check_values(fn, "initial_state", initial_state)
         h = initial_state.to(x.dtype)
     # bring everything to one (B, H, T, P, N) grid: a state entry per (channel p, state n)
     dt_full = dt if dt.dim() == 4 else dt.unsqueeze(-1).expand(batch, H, T, P)
@@ -259,6 +282,7 @@ def retnet_log_decay(H: int, *, dtype: torch.dtype = torch.float32, device=None)
     log_decay=retnet_log_decay(H), normalize=False)`.
     """
     V.check_positive_int("retnet_log_decay", "H", H)
+    V.check_dtype("retnet_log_decay", "dtype", dtype)
     h = torch.arange(H, dtype=torch.float64, device=device)
     return torch.log1p(-torch.exp2(-5.0 - h)).to(dtype)
 
@@ -333,13 +357,12 @@ def gla_attention(
     _check_gla_inputs(fn, q, k, v, log_gates)
     V.check_choice(fn, "form", form, FORMS)
     V.check_positive_int(fn, "chunk_size", chunk_size)
+    return_state = V.check_flag(fn, "return_state", return_state)
     batch, H, T, Dk = q.shape
     S = q.new_zeros(batch, H, Dk, v.shape[-1])
     if initial_state is not None:
-        if not isinstance(initial_state, LinearAttentionState):
-            raise TypeError(f"{fn}: `initial_state` must be a LinearAttentionState(S, None), got {type(initial_state).__name__}")
-        V.check_shape(fn, "initial_state.S", initial_state.S, tuple(S.shape), ("B", "H", "Dk", "Dv"))
-        S = initial_state.S.to(q.dtype)
+        _check_unnormalized_state(fn, initial_state, B=batch, H=H, Dk=Dk, Dv=v.shape[-1], device=q.device)
+        S = initial_state[0].to(q.dtype)
     if form == "recurrent":
         o, S = _gla_recurrent(q, k, v, log_gates, S)
     elif form == "quadratic":

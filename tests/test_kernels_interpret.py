@@ -63,6 +63,32 @@ DECAYS = {
     "token-extreme": (20.0, 40.0),  # every chunk-crossing factor underflows to exactly 0
 }
 
+
+
+def _reset_every_10(B, H, T):
+    """Log-decay -0.01 per token and -1e5 (a reset: exp(-1e5) = 0) at every 10th token."""
+    g = torch.full((B, H, T), -0.01)
+    g[..., 9::10] = -1e5
+    return g
+
+
+def _reset_at_random(B, H, T):
+    """Resets at random tokens (1 in 4), moderate decays in between, per (batch, head)."""
+    gen = torch.Generator().manual_seed(3)
+    g = -0.1 * torch.rand(B, H, T, generator=gen)
+    return torch.where(torch.rand(B, H, T, generator=gen) < 0.25, torch.full_like(g, -1e4), g)
+
+
+# Decays with a reset: a prefix sum inside a chunk reaches -1e5, so any decay taken as the
+# difference of two prefix sums (gc_i - gc_j, total - prefix) keeps ~1e-2 of absolute
+# precision in fp32 -- the kernels were off by 0.16 there (outputs up to 17) where every torch
+# form gave 1.5e-6. "head-reset": one head decays weakly, the other resets at every token.
+RESETS = {
+    "token-reset10": _reset_every_10,
+    "token-reset-random": _reset_at_random,
+    "head-reset": lambda B, H, T: torch.tensor([-0.01, -1e5] * H)[:H],
+}
+
 # B, H, T, Dk, Dv, decay, normalize, resume from a non-zero state
 CAUSAL_CASES = [
     (1, 2, 1, 16, 16, None, True, True),
@@ -125,7 +151,9 @@ def make_inputs(B, H, T, Dk, Dv, decay, normalize, resume, dtype, seed=0):
         k = torch.randn(B, H, T, Dk, generator=gen)
     v = torch.randn(B, H, T, Dv, generator=gen)
     x = {"q": q.to(dtype), "k": k.to(dtype), "v": v.to(dtype)}
-    if decay is not None:
+    if decay in RESETS:
+        x["g"] = RESETS[decay](B, H, T)
+    elif decay is not None:
         lo, hi = DECAYS[decay]
         shape = (H,) if decay.startswith("head") else (B, H, T)
         x["g"] = -(lo + (hi - lo) * torch.rand(shape, generator=gen))
@@ -205,11 +233,175 @@ def test_causal_half(case, dtype):
     check_against_reference(case, dtype, causal=True)
 
 
+# Decay resets (see RESETS): T not a multiple of the chunk, with and without normaliser and
+# initial state, per token and per head. Before the fix the per-token cases were off by up to
+# 1e-2 relative (outputs) and 1e-1 (gradients) in float32.
+RESET_CASES = [
+    (1, 2, 45, 16, 16, "token-reset10", True, False),
+    (2, 1, 45, 16, 32, "token-reset10", False, True),
+    (1, 2, 70, 48, 16, "token-reset-random", True, True),
+    (1, 2, 40, 16, 16, "head-reset", False, True),
+]
+
+
+@pytest.mark.parametrize("case", RESET_CASES, ids=_id)
+def test_causal_decay_reset_fp32(case):
+    check_against_reference(case, torch.float32, causal=True)
+
+
+@pytest.mark.parametrize("dtype", DTYPES[1:], ids=str)
+def test_causal_decay_reset_half(dtype):
+    check_against_reference(RESET_CASES[0], dtype, causal=True)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="patches the kernel module (the interpreter reads it per launch)")
+def test_decay_reset_without_tl_gather(monkeypatch):
+    """Triton < 3.2 has no tl.gather: the shift of g then comes from a masked row sum."""
+    import sys
+
+    module = sys.modules["linattn_lib.kernels.chunk_fwd"]
+    monkeypatch.setattr(module, "_shifted", module._shifted_sum)
+    check_against_reference(RESET_CASES[1], torch.float32, causal=True)
+
+
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
 @pytest.mark.parametrize("case", NONCAUSAL_CASES, ids=lambda c: f"B{c[0]}H{c[1]}T{c[2]}-k{c[3]}v{c[4]}-{'norm' if c[5] else 'unnorm'}{'-resume' if c[6] else ''}")
 def test_noncausal(case, dtype):
     B, H, T, Dk, Dv, normalize, resume = case
     check_against_reference((B, H, T, Dk, Dv, None, normalize, resume), dtype, causal=False)
+
+
+# --------------------------------------------------------------------------------------
+# non-finite input: causality is kept (masks select, they do not multiply)
+# --------------------------------------------------------------------------------------
+
+# (what to spoil, index, value, t = first spoiled position, normalize, decay). The kernels are
+# called through `linear_attention_triton` (linear_attention itself refuses NaN and inf).
+NAN, INF = float("nan"), float("inf")
+SPOILED = [
+    ("k", (0, 0, 5, 0), NAN, 5, True, "token"),
+    ("v", (0, slice(None), 7), INF, 7, True, "token"),
+    ("v", (0, 1, 18, 3), -INF, 18, False, None),
+    ("k", (0, 0, 5, 0), NAN, 5, False, "head"),
+    ("q", (0, 1, 20), NAN, 20, True, "token"),
+    ("v", (Ellipsis, slice(33, None), slice(None)), NAN, 33, False, "token"),  # right-padding
+]
+
+
+def _spoiled_run(x, normalize, t, loss_len, dtype=torch.float32):
+    """Outputs, and gradients of a loss on the first `loss_len` outputs, of the kernels."""
+    from linattn_lib._triton import linear_attention_triton
+
+    leaves = {n: x[n].to(dtype).clone().requires_grad_() if n != "g" else x[n].clone().requires_grad_() for n in x}
+    o = linear_attention_triton(leaves["q"], leaves["k"], leaves["v"], normalize=normalize, log_decay=leaves.get("g"))
+    w = torch.randn(o.shape[:2] + (64, o.shape[-1]), generator=torch.Generator().manual_seed(1))[:, :, :loss_len]
+    grads = torch.autograd.grad((o[:, :, :loss_len].float() * w.to(o.device)).sum(), list(leaves.values()))
+    return o.detach(), dict(zip(leaves, grads))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, on the NaN
+@pytest.mark.parametrize("name,index,value,t,normalize,decay", SPOILED,
+                         ids=lambda c: str(c) if isinstance(c, (str, int)) else None)
+def test_nonfinite_input_does_not_reach_earlier_positions(name, index, value, t, normalize, decay):
+    """A NaN or inf at position t: the outputs before t are those of the sequence cut at t, and
+    so are the gradients of a loss on them (the gradients from t on are exactly 0); nothing is
+    silently finite where the input was not. Before the fix every output of a chunk holding
+    the NaN (and, in the backward pass, every gradient) was NaN."""
+    B, H, T, D = 1, 2, 40, 16
+    gen = torch.Generator().manual_seed(0)
+    x = {n: torch.rand(B, H, T, D, generator=gen) for n in ("q", "k")}
+    x["v"] = torch.randn(B, H, T, D, generator=gen)
+    if decay == "token":
+        x["g"] = -torch.rand(B, H, T, generator=gen)
+    elif decay == "head":
+        x["g"] = -torch.rand(H, generator=gen)
+    x = {n: a.to(DEVICE) for n, a in x.items()}
+    cut = {n: (a[:, :, :t] if a.dim() > 1 else a) for n, a in x.items()}
+    bad = dict(x)
+    bad[name] = x[name].clone()
+    bad[name][index] = value
+    o_cut, g_cut = _spoiled_run(cut, normalize, t, t)
+    o, grads = _spoiled_run(bad, normalize, t, t)
+    assert torch.isfinite(o[:, :, :t]).all()
+    assert rel(o[:, :, :t], o_cut) <= 1e-6
+    spoiled_head = index[:2] if index[0] is not Ellipsis else (slice(None), slice(None))
+    assert not torch.isfinite(o[spoiled_head][..., t, :]).all(), "the output at t must not look valid"
+    if name == "q":  # a query reaches its own output only
+        o_clean, _ = _spoiled_run(x, normalize, t, t)
+        assert rel(o[:, :, t + 1:], o_clean[:, :, t + 1:]) <= 1e-6
+    for n, g in grads.items():
+        if g.dim() == 1:  # a per-head decay: summed over the positions
+            assert torch.isfinite(g).all() and rel(g, g_cut[n]) <= 1e-5, n
+            continue
+        assert torch.isfinite(g).all(), f"d{n} is not finite"
+        assert rel(g[:, :, :t], g_cut[n]) <= 1e-6, n
+        assert not g[:, :, t:].any(), f"d{n} past the loss must be exactly 0"
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")
+@pytest.mark.parametrize("dtype", DTYPES[1:], ids=str)
+def test_nonfinite_input_half(dtype):
+    """The same in 16-bit (the tensor-core configs): k = NaN at t = 5, v = inf at t = 40."""
+    B, H, T, D = 1, 2, 48, 16
+    gen = torch.Generator().manual_seed(0)
+    x = {n: torch.rand(B, H, T, D, generator=gen).to(DEVICE) for n in ("q", "k", "v")}
+    x["g"] = -torch.rand(B, H, T, generator=gen).to(DEVICE)
+    bad = dict(x, k=x["k"].clone(), v=x["v"].clone())
+    bad["k"][0, 0, 5, 0] = NAN
+    bad["v"][0, 1, 40] = INF
+    for h, t in ((0, 5), (1, 40)):
+        o, grads = _spoiled_run({n: a[:, h:h + 1] for n, a in bad.items()}, True, t, t, dtype)
+        o_cut, g_cut = _spoiled_run({n: a[:, h:h + 1, :t] for n, a in x.items()}, True, t, t, dtype)
+        assert torch.isfinite(o[:, :, :t]).all() and rel(o[:, :, :t], o_cut) <= 1e-3
+        assert not torch.isfinite(o[:, :, t]).all()
+        for n, g in grads.items():
+            assert torch.isfinite(g).all() and not g[:, :, t:].any(), n
+            assert rel(g[:, :, :t], g_cut[n]) <= 1e-2, n
+
+
+def _padded_batch(garbage):
+    """Two sequences of 23 and 31 tokens right-padded to 40 with `garbage` in q, k and v."""
+    T, lengths = 40, (23, 31)
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.rand(2, 2, T, 16, generator=gen) for _ in range(2))
+    v = torch.randn(2, 2, T, 16, generator=gen)
+    g = -torch.rand(2, 2, T, generator=gen)
+    w = torch.randn(2, 2, T, 16, generator=gen)  # the loss weights
+    real = [tuple(a[b:b + 1, :, :n] for a in (q, k, v, g, w)) for b, n in enumerate(lengths)]
+    q, k, v = q.clone(), k.clone(), v.clone()
+    for b, n in enumerate(lengths):
+        for a, value in zip((q, k, v), garbage):
+            a[b, :, n:] = value
+    for b, n in enumerate(lengths):
+        w[b, :, n:] = 0  # a loss masked to the real tokens
+    return (q, k, v, g, w), real, lengths
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, on the garbage
+@pytest.mark.parametrize("garbage", [(NAN, INF, NAN), (1e30, 1e30, -1e30)], ids=["nan-inf", "huge-finite"])
+def test_right_padding_with_garbage_never_poisons_a_sequence(garbage):
+    """A batch right-padded with garbage -- NaN and inf, or huge finite values whose scores
+    overflow to inf -- and a loss masked to the real tokens: every output and gradient of a real
+    token equals that of the unpadded sequence, and the padded tokens' gradients are exactly 0.
+    The finite garbage goes through the public `linear_attention`, which refuses NaN."""
+    from linattn_lib._triton import linear_attention_triton
+
+    batch, real, lengths = _padded_batch(garbage)
+    xs = [a.to(DEVICE).requires_grad_() for a in batch[:4]]
+    if all(map(lambda x: abs(x) < INF, garbage)):
+        o = linear_attention(*xs[:3], log_decay=xs[3], backend="triton")
+    else:
+        o = linear_attention_triton(*xs[:3], log_decay=xs[3])
+    grads = torch.autograd.grad((o * batch[4].to(DEVICE)).sum(), xs)
+    for b, (ref, n) in enumerate(zip(real, lengths)):
+        rx = [a.to(DEVICE).requires_grad_() for a in ref[:4]]
+        ro = linear_attention_triton(*rx[:3], log_decay=rx[3])
+        rgrads = torch.autograd.grad((ro * ref[4].to(DEVICE)).sum(), rx)
+        assert torch.isfinite(o[b, :, :n]).all() and rel(o[b, :, :n], ro[0]) <= 1e-6
+        for name, gr, rg in zip("qkvg", grads, rgrads):
+            assert torch.isfinite(gr[b]).all(), (b, name)
+            assert rel(gr[b, :, :n], rg[0]) <= 1e-6, (b, name)
+            assert not gr[b, :, n:].any(), (b, name)
 
 
 def test_chunked_resume_equals_one_pass():
@@ -374,6 +566,47 @@ def test_decode_step_checks_its_inputs():
         linear_attention_decode_step(q, q, torch.rand(1, 2, 8), state, log_decay_t=torch.ones(2))
     with pytest.raises(ValueError, match="backend"):
         linear_attention_decode_step(q, q, torch.rand(1, 2, 8), state, backend="cuda")
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_decode_step_validates_its_arguments(backend):
+    """eps must be a finite number >= 0 (NaN made every output NaN, inf made them 0, True passed
+    as 1), normalize a bool, the state must own its memory (an expanded state was updated in
+    place through one shared row), and a 3-d input is named (B, H, Dk), not (B, H, T). A refused
+    call leaves the state untouched."""
+    import numpy as np
+
+    fn = "linear_attention_decode_step"
+    q = torch.rand(3, 2, 8)
+    v = torch.rand(3, 2, 8)
+    state = LinearAttentionState(torch.rand(3, 2, 8, 8), torch.rand(3, 2, 8))
+    before = (state.S.clone(), state.z.clone())
+
+    def step(*args, **kw):
+        return linear_attention_decode_step(*args, backend=backend, **kw)
+
+    for eps, exc in ((float("nan"), ValueError), (float("inf"), ValueError), (-1.0, ValueError), (True, TypeError),
+                     ("1e-6", TypeError), (torch.tensor(1e-6), TypeError)):
+        with pytest.raises(exc, match=rf"{fn}: .*`eps`"):
+            step(q, q, v, state, eps=eps)
+    for flag in ("no", 1, None, torch.tensor(True)):
+        with pytest.raises(TypeError, match=rf"{fn}: `normalize` must be True or False"):
+            step(q, q, v, state, normalize=flag)
+    expanded = LinearAttentionState(torch.zeros(1, 2, 8, 8).expand(3, 2, 8, 8), torch.zeros(1, 2, 8).expand(3, 2, 8))
+    with pytest.raises(ValueError, match=rf"{fn}: `state\.S` is updated in place but axis 0 has stride 0"):
+        step(q, q, v, expanded)
+    with pytest.raises(ValueError, match=rf"{fn}: `state\.z` is updated in place"):
+        step(q, q, v, LinearAttentionState(state.S, torch.zeros(1, 2, 8).expand(3, 2, 8)))
+    with pytest.raises(ValueError, match=rf"{fn}: `q_t` must be a 3-d tensor laid out as \(B, H, Dk\)"):
+        step(q[0], q, v, state)
+    with pytest.raises(ValueError, match=rf"{fn}: `v_t` must be a 3-d tensor laid out as \(B, H, Dv\)"):
+        step(q, q, v[:, :, None], state)
+    assert torch.equal(state.S, before[0]) and torch.equal(state.z, before[1])
+    # what passes: eps = 0 (an int), a numpy bool, an unnormalised step with a state lacking z
+    o = step(q, q, v, state, eps=0, normalize=np.bool_(True))
+    assert o.shape == (3, 2, 8) and torch.isfinite(o).all()
+    o = step(q, q, v, LinearAttentionState(state.S, None), normalize=False)
+    assert o.shape == (3, 2, 8)
 
 
 # --------------------------------------------------------------------------------------

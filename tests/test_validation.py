@@ -134,3 +134,48 @@ def test_masks_check_their_inputs():
     with pytest.raises(ValueError, match="`T` must be a positive int"):
         causal_mask(3.5)
     assert torch.equal(causal_mask(3), torch.ones(3, 3).tril())
+
+
+# ------------------------------------------------------------------ the shared scalar checks
+
+
+def test_scalar_checks_accept_numpy_and_refuse_lookalikes():
+    from linattn_lib import _validate as V
+
+    assert V.check_flag("f", "causal", np.bool_(False)) is False
+    for bad in ("no", "False", 1, 0, None, torch.tensor(True)):
+        with pytest.raises(TypeError, match=r"f: `causal` must be True or False"):
+            V.check_flag("f", "causal", bad)
+    assert V.check_finite_number("f", "scale", np.float32(0.5)) == 0.5
+    assert V.check_finite_number("f", "scale", -2) == -2.0  # no sign constraint unless asked
+    for bad, exc in (("x", TypeError), (True, TypeError), (torch.tensor(1.0), TypeError),
+                     (float("nan"), ValueError), (float("-inf"), ValueError)):
+        with pytest.raises(exc, match=r"f: `scale` must be a"):
+            V.check_finite_number("f", "scale", bad)
+    with pytest.raises(ValueError, match=r"`t` must be a finite number > 0, got 0"):
+        V.check_finite_number("f", "t", 0, positive=True)
+    with pytest.raises(ValueError, match=r"`t` must be a finite number >= 0, got -1"):
+        V.check_finite_number("f", "t", -1, nonnegative=True)
+    assert V.check_int("f", "n", np.int64(0), low=0) == 0
+    with pytest.raises(TypeError, match=r"`n` must be an int, got float 2.0"):
+        V.check_int("f", "n", 2.0)
+    with pytest.raises(ValueError, match=r"`n` must be an int in \[0, inf\], got -3"):
+        V.check_int("f", "n", -3, low=0)
+    assert V.check_seed("f", "seed", None) is None and V.check_seed("f", "seed", np.int64(-1)) == -1
+    with pytest.raises(TypeError, match=r"`seed` must be None or an int seed, got str 'a'"):
+        V.check_seed("f", "seed", "a")
+    with pytest.raises(TypeError, match=r"`dtype` must be a floating-point torch.dtype"):
+        V.check_dtype("f", "dtype", torch.int64)
+
+
+def test_layout_names_and_in_place_overlap():
+    from linattn_lib import _validate as V
+
+    with pytest.raises(ValueError, match=r"f: `q_t` must be a 3-d tensor laid out as \(B, H, D\), got shape \(2, 8\)"):
+        V.check_tensor("f", "q_t", torch.zeros(2, 8), layout=("B", "H", "D"))
+    with pytest.raises(ValueError, match=r"`x` must be a 3-d tensor, got"):  # no guessed layout for 3-d
+        V.check_tensor("f", "x", torch.zeros(2, 8), ndim=3)
+    V.check_no_overlap("f", "S", torch.zeros(2, 3)[:, ::2])  # strided but not overlapping: fine
+    V.check_no_overlap("f", "S", torch.zeros(1, 3).expand(1, 3))  # size-1 axis: nothing shared
+    with pytest.raises(ValueError, match=r"f: `state.S` is updated in place but axis 0 has stride 0"):
+        V.check_no_overlap("f", "state.S", torch.zeros(1, 3).expand(4, 3))

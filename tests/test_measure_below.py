@@ -1,0 +1,18 @@
+"""`measure.below`: the portable way to print a round-off-level error."""
+import math
+
+import pytest
+import torch
+
+from linattn_lib.measure import below
+
+
+def test_below_prints_the_bound():
+    assert below(3.6e-16, 1e-14) == "< 1e-14"
+    assert below(torch.tensor(1.9e-16, dtype=torch.float64), 1e-12) == "< 1e-12"
+
+
+@pytest.mark.parametrize("error", [1e-12, 2e-12, math.nan, math.inf])
+def test_below_fails_loudly(error):
+    with pytest.raises(AssertionError, match="is not below the bound 1e-12"):
+        below(error, 1e-12)
