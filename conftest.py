@@ -18,6 +18,13 @@ What it does:
   masks the few volatile substrings (timings, addresses) that remain.
 * nbval waits only 5 s for each output message after a cell has finished; big
   outputs and widgets need longer.
+* The portability gate: nbval's kernels run under a numeric environment other than
+  the one `make execute` saves with (one thread, ATen's scalar code path instead of
+  AVX2/AVX-512, MKL's "compatible" matmul path). Each of these changes the round-off of
+  torch's reductions, elementwise kernels or matmuls (measured on the development
+  machine, see README "How the tests work"), so an output that prints round-off fails
+  here, on the developer's machine, and not only on a reader's other CPU. Set
+  LINATTN_PORTABILITY_GATE=0 to run the kernels in the environment as it is.
 * nbval 0.11 sends cells with store_history=False. IPython then cannot see the cell's
   trailing `;` (it looks in the history), so `plt.plot(x);` shows its return value under
   nbval but not in Jupyter, Colab or `make execute`. Cells are sent the way Jupyter sends
@@ -38,6 +45,12 @@ NBVAL_SKIP_COMPARE = (
     "stderr",
 )
 NBVAL_OUTPUT_TIMEOUT_S = 60
+PORTABILITY_ENV = {
+    "OMP_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "ATEN_CPU_CAPABILITY": "default",
+    "MKL_CBWR": "COMPATIBLE",
+}
 
 os.environ["PYTHONHASHSEED"] = "0"
 os.environ.pop("MPLBACKEND", None)
@@ -55,11 +68,28 @@ def _execute_like_jupyter(self, cell_input, allow_stdin=None):
     return self.kc.execute(cell_input, store_history=True, allow_stdin=allow_stdin, stop_on_error=False)
 
 
+def portability_gate_on() -> bool:
+    return os.environ.get("LINATTN_PORTABILITY_GATE", "1") != "0"
+
+
+def _start_kernel_in_gate_env(start_new_kernel):
+    """Wrap jupyter_client's start_new_kernel so that kernels get PORTABILITY_ENV."""
+
+    def start(*args, **kwargs):
+        kwargs["env"] = {**os.environ, **kwargs.get("env", {}), **PORTABILITY_ENV}
+        return start_new_kernel(*args, **kwargs)
+
+    return start
+
+
 def pytest_configure(config: pytest.Config) -> None:
     if getattr(config.option, "nbval", False) or getattr(config.option, "nbval_lax", False):
+        import nbval.kernel
         from nbval.kernel import RunningKernel
 
         RunningKernel.execute_cell_input = _execute_like_jupyter
+        if portability_gate_on():
+            nbval.kernel.start_new_kernel = _start_kernel_in_gate_env(nbval.kernel.start_new_kernel)
 
     # addopts gives the sanitizer relative to the repository root; make it work
     # when pytest is started from another directory (e.g. `cd book && pytest --nbval`).

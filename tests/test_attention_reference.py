@@ -1,5 +1,6 @@
 """The three forms of linear attention agree; softmax matches torch's SDPA; states resume exactly."""
 import itertools
+import math
 
 import pytest
 import torch
@@ -126,12 +127,43 @@ def test_softmax_matches_sdpa(causal):
 
 
 def test_softmax_is_safe_for_large_logits():
+    """Scores of order 1e4 in float32: a naive exp overflows to inf/nan; the safe softmax gives
+    the float64 answer, which here is (nearly) a one-hot pick of each row's best key."""
     q = torch.full((1, 1, 4, 2), 100.0)
-    assert torch.isfinite(softmax_attention(q, q, q)).all()
+    v = torch.arange(8.0).view(1, 1, 4, 2)
+    out = softmax_attention(q, q, v)  # equal scores: the plain average of the values
+    assert torch.allclose(out, v.mean(2, keepdim=True).expand_as(v), atol=1e-6)
+    out = softmax_attention(q, q, v, causal=True)  # causal: the average of the values so far
+    assert torch.allclose(out, v.cumsum(2) / torch.arange(1, 5.0).view(1, 1, 4, 1), atol=1e-5)
+    g = torch.Generator().manual_seed(4)
+    q, k = (100 * torch.randn(2, 3, 12, 8, generator=g, dtype=D64) for _ in range(2))
+    v = torch.randn(2, 3, 12, 5, generator=g, dtype=D64)
+    for causal in (False, True):
+        s = (q @ k.transpose(-1, -2)) / math.sqrt(8)
+        if causal:
+            s = s.masked_fill(~torch.ones(12, 12, dtype=torch.bool).tril(), -math.inf)
+        w = (s - s.amax(-1, keepdim=True)).exp()
+        want = (w / w.sum(-1, keepdim=True)) @ v
+        got = softmax_attention(q.float(), k.float(), v.float(), causal=causal)
+        assert torch.isfinite(got).all()
+        assert (got.double() - want).abs().max() < 1e-4, causal
+        # one best key per row: the output is (nearly) that key's value
+        best = s.argmax(-1, keepdim=True).expand(-1, -1, -1, 5)
+        picked = (w.max(-1).values > 0.999 * w.sum(-1)).unsqueeze(-1).expand_as(want)
+        assert picked.float().mean() > 0.5
+        assert torch.allclose(got.double()[picked], v.gather(2, best)[picked], atol=1e-2)
 
 
 def test_dtype_is_preserved():
-    q, k, v = (x.float() for x in make(1, 1, 10, 4, 4))
-    for form in ("quadratic", "recurrent", "chunked"):
-        assert linear_attention(q.half(), k.half(), v.half(), form=form).dtype == torch.float16
-        assert linear_attention(q, k, v, form=form).dtype == torch.float32
+    """float16 in, float16 out; float32 in, float32 out; each equal to the float64 result to the
+    precision of its dtype."""
+    q, k, v = make(1, 2, 70, 4, 4)  # T = 70 > one chunk of 64
+    ld = decay("token", 1, 2, 70, strength=0.3)
+    for normalize in (True, False):
+        want = reference_linear_attention(q, k, v, normalize=normalize, log_decay=ld, form="quadratic")
+        for form in ("quadratic", "recurrent", "chunked"):
+            for dtype, tol in ((torch.float16, 3e-3), (torch.float32, 1e-6)):
+                out = linear_attention(q.to(dtype), k.to(dtype), v.to(dtype), normalize=normalize, log_decay=ld.to(dtype), form=form)
+                assert out.dtype == dtype, (form, dtype)
+                err = ((out.double() - want).norm() / want.norm()).item()
+                assert err < tol, (form, dtype, normalize, err)

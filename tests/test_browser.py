@@ -7,9 +7,10 @@ and recorded. For each page the test asserts:
 * nothing was requested from the network (MathJax, fonts, widget managers: all vendored);
 * no console errors, no uncaught exceptions, no failed or 4xx/5xx requests;
 * the math is typeset: every `.math` element holds MathJax output, none holds a TeX error;
-* every image (figure, slider frame) decoded, and chapters have figures;
-* every static slider changes the frame it shows when moved with the keyboard, and chapters
-  3, 5 and 6 have one (m, lambda, decay);
+* every image (figure, slider frame) decoded, and each notebook page shows as many figures as
+  its saved outputs hold (image outputs counted in the .ipynb), and every slider all its frames;
+* every static slider's frames are distinct images, moving it with the keyboard changes the
+  image shown (not only the index), and chapters 3, 5 and 6 have one (m, lambda, decay);
 * no dead widget view (live ipywidgets need a kernel; their cells are tagged remove-output);
 * every same-site link resolves to a file, and every #fragment to an id on the target page;
 * notebook pages have a Colab launch link built from `_config.yml`.
@@ -27,6 +28,7 @@ Environment:
 from __future__ import annotations
 
 import functools
+import hashlib
 import html.parser
 import http.server
 import json
@@ -75,6 +77,34 @@ def _toc_files() -> list[str]:
 
 
 PAGES = _toc_files()
+
+# MyST-NB shows one MIME type per output, the first of these that the output has (its HTML
+# priority list); an output is a figure when that type is an image.
+_SHOWN_BEFORE_IMAGES = ("application/vnd.jupyter.widget-view+json", "application/javascript", "text/html")
+_REMOVED_TAGS = {"remove-output", "remove_output", "remove-cell", "remove_cell"}
+
+
+def _saved_figures(page: str):
+    """(figures, frames per slider) that the notebook's saved outputs hold, as the book shows
+    them: image outputs, and the frames of each static slider (an HTML output), skipping cells
+    whose outputs the book removes. None for a page that is not a notebook."""
+    path = ROOT / f"{page}.ipynb"
+    if not path.exists():
+        return None
+    figures, sliders = 0, []
+    for cell in json.loads(path.read_text(encoding="utf-8"))["cells"]:
+        if cell["cell_type"] != "code" or _REMOVED_TAGS & set(cell.get("metadata", {}).get("tags", [])):
+            continue
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            shown = next((m for m in _SHOWN_BEFORE_IMAGES if m in data), None)
+            if shown is None and any(m.startswith("image/") for m in data):
+                figures += 1
+            elif shown == "text/html":
+                text = "".join(data["text/html"]) if isinstance(data["text/html"], list) else data["text/html"]
+                if "linattn-slider" in text:
+                    sliders.append(text.count('<img class="frame"'))
+    return figures, sliders
 
 
 def _unavailable(reason: str):
@@ -194,6 +224,10 @@ _PAGE_SCRIPT = """async () => {
     mjx_containers: document.querySelectorAll('mjx-container').length,
     images: imgs.map(img => ({src: img.currentSrc.startsWith('data:') ? 'data:…' + img.alt : img.currentSrc,
                               ok: img.complete && img.naturalWidth > 0})),
+    // figures: images in cell outputs other than slider frames; one entry per slider: its frames
+    figures: [...document.querySelectorAll('.cell_output img')].filter(img => !img.closest('.linattn-slider'))
+             .map(img => img.complete && img.naturalWidth > 0),
+    slider_frames: [...document.querySelectorAll('.linattn-slider')].map(el => el.querySelectorAll('img.frame').length),
     links: [...document.querySelectorAll('a[href]')].map(a => a.href),
     dead_widgets: document.querySelectorAll('script[type="application/vnd.jupyter.widget-view+json"], .jupyter-widgets-disconnected').length,
     sliders: document.querySelectorAll('.linattn-slider').length,
@@ -207,8 +241,14 @@ _VISIBLE_FRAME = """el => {
   const shown = frames.map((f, i) => [i, getComputedStyle(f).display !== 'none' && f.naturalWidth > 0]).filter(x => x[1]).map(x => x[0]);
   return {shown, n: frames.length, value: el.querySelector('input[type=range]').value,
           label: el.querySelector('.linattn-value').textContent,
-          labels: JSON.parse(el.dataset.labels)};
+          labels: JSON.parse(el.dataset.labels),
+          srcs: frames.map(f => f.currentSrc || f.src),
+          shown_srcs: shown.map(i => frames[i].currentSrc || frames[i].src)};
 }"""
+
+
+def _digest(src: str) -> str:
+    return hashlib.sha256(src.encode()).hexdigest()[:12]
 
 
 def _check_sliders(page, shots: Path, stem: str) -> list[dict]:
@@ -228,15 +268,23 @@ def _check_sliders(page, shots: Path, stem: str) -> list[dict]:
         shot = shots / f"{stem}--slider{k}.png"
         slider.screenshot(path=str(shot))
         target = int(after["value"])
+        # the image itself must change, not only which <img> is visible: identical frames (a
+        # slider over a parameter that the drawing ignores) would pass an index check
+        shown = [_digest(x["shown_srcs"][0]) if len(x["shown_srcs"]) == 1 else None for x in (before, after, step)]
+        frame_digests = [_digest(src) for src in before["srcs"]]
+        distinct = len(set(frame_digests)) == len(frame_digests)
         ok = (
             len(before["shown"]) == 1 and len(after["shown"]) == 1 and len(step["shown"]) == 1
             and after["shown"] != before["shown"] and after["shown"] == [target]
             and after["label"] == after["labels"][target]
             and step["shown"] == [int(step["value"])] and step["shown"] != after["shown"]
+            and None not in shown and shown[0] != shown[1] and shown[2] != shown[1]
+            and shown[1] == frame_digests[target]
         )
         results.append({"frames": before["n"], "before": before["shown"], "after": after["shown"],
-                        "after_one_step": step["shown"], "label_after": after["label"], "ok": ok,
-                        "screenshot": str(shot)})
+                        "after_one_step": step["shown"], "label_after": after["label"],
+                        "shown_image_digests": shown, "frame_digests": frame_digests,
+                        "distinct_frames": distinct, "ok": ok, "screenshot": str(shot)})
     return results
 
 
@@ -317,14 +365,41 @@ def test_chapter_has_math_and_figures(reports, name):
     assert sum(img["ok"] for img in rep["images"]) > 0, f"{name}: no figure was displayed"
 
 
+def test_saved_figures_are_counted_from_the_notebooks():
+    """The expectations below come from the notebooks' saved outputs: every chapter holds
+    figures, and the slider chapters hold a slider of several frames (no build needed)."""
+    for name in PAGES:
+        chapter = re.match(r"book/(\d\d)_", name)
+        saved = _saved_figures(name)
+        if chapter:
+            assert saved is not None and saved[0] > 0, f"{name}: its notebook holds no saved figure"
+            if chapter.group(1) in SLIDER_CHAPTERS:
+                assert saved[1] and all(n > 1 for n in saved[1]), f"{name}: saved sliders {saved[1]}"
+
+
+@pytest.mark.parametrize("name", [p for p in PAGES if _saved_figures(p) is not None])
+def test_page_shows_every_saved_figure(reports, name):
+    """As many figures on the page as image outputs in the notebook (a page that lost figures
+    in the build fails), each one displayed, and every slider with all its saved frames."""
+    rep = reports[name]
+    figures, sliders = _saved_figures(name)
+    assert len(rep["figures"]) == figures, \
+        f"{name}: the notebook's saved outputs hold {figures} figures, the page shows {len(rep['figures'])}"
+    assert all(rep["figures"]), f"{name}: {rep['figures'].count(False)} of {figures} figures did not load"
+    assert rep["slider_frames"] == sliders, \
+        f"{name}: sliders with {rep['slider_frames']} frames on the page, {sliders} in the notebook"
+
+
 @pytest.mark.parametrize("name", PAGES)
 def test_static_sliders_move(reports, name):
     rep = reports[name]
     chapter = re.match(r"book/(\d\d)_", name)
     if chapter and chapter.group(1) in SLIDER_CHAPTERS:
         assert rep["slider_checks"], f"{name} needs a static slider over {SLIDER_CHAPTERS[chapter.group(1)]}"
+    same = [s for s in rep["slider_checks"] if not s["distinct_frames"]]
+    assert not same, f"{name}: sliders with identical frames (the image does not depend on the parameter): {same}"
     failed = [s for s in rep["slider_checks"] if not s["ok"]]
-    assert not failed, f"{name}: sliders that did not change the shown frame: {failed}"
+    assert not failed, f"{name}: sliders that did not change the shown image: {failed}"
 
 
 def test_root_redirects_to_the_introduction(server, browser_context, html_dir):

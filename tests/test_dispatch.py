@@ -1,11 +1,12 @@
 """The length-based dispatcher: its stated rule, the crossover interpolation, and both branches."""
+import json
 import math
 
 import pytest
 import torch
 import torch.nn.functional as F
 
-from linattn_lib import elu_plus_one, linear_attention
+from linattn_lib import dispatch, elu_plus_one, linear_attention
 from linattn_lib.dispatch import (
     FALLBACK_CROSSOVER,
     MEASURED_CROSSOVER,
@@ -63,17 +64,68 @@ def test_choose_form_and_measure_smoke():
     before = torch.get_num_threads()
     c = measure_crossover(8, lengths=(16, 32), heads=1, repeats=1, threads=1)
     assert torch.get_num_threads() == before and c.threads == 1
+    assert c.lengths == [16, 32] and (c.d, c.heads, c.batch, c.causal) == (8, 1, 1, True)
     assert len(c.softmax_s) == len(c.linear_s) == 2 and all(t > 0 for t in c.softmax_s + c.linear_s)
-    assert c.to_dict()["d"] == 8
+    # the crossover is the one its own times give
+    assert c.t_star == crossover_from_times(c.lengths, c.softmax_s, c.linear_s)
+    assert c.to_dict()["d"] == 8 and c.to_dict()["ratio"] == (None if c.t_star is None else c.t_star / 8)
+
+
+def test_measure_crossover_locates_a_known_crossover(monkeypatch):
+    """With timings that cross at a known length (softmax ~ T^2, linear ~ 300 T: equal at
+    T = 300), measure_crossover reports that crossover, between the lengths it was given."""
+    calls = []
+
+    def fake_time(kind, T, d, *, device="cpu", heads=4, batch=1, causal=True, repeats=5):
+        calls.append((kind, T, d, heads, batch, causal, repeats))
+        return float(T * T) if kind == "softmax" else 300.0 * T
+
+    monkeypatch.setattr(dispatch, "time_attention", fake_time)
+    L = (64, 128, 256, 512, 1024)
+    c = measure_crossover(16, lengths=L, heads=3, batch=2, repeats=2, threads=1)
+    assert c.softmax_s == [float(T * T) for T in L] and c.linear_s == [300.0 * T for T in L]
+    assert c.t_star == pytest.approx(300.0) and c.ratio == pytest.approx(300.0 / 16)
+    assert sorted(calls) == sorted((k, T, 16, 3, 2, True, 2) for k in ("softmax", "linear") for T in L)
+    # linear never faster: no crossover; always faster: the first length
+    monkeypatch.setattr(dispatch, "time_attention", lambda kind, T, d, **kw: 1.0 if kind == "softmax" else 2.0)
+    assert measure_crossover(16, lengths=L, threads=None).t_star is None
+    monkeypatch.setattr(dispatch, "time_attention", lambda kind, T, d, **kw: 2.0 if kind == "softmax" else 1.0)
+    assert measure_crossover(16, lengths=L, threads=None).t_star == 64.0
+
+
+def test_time_attention_times_the_named_computation(monkeypatch):
+    """time_attention times softmax (SDPA) or linear (elu+1) attention on its (B, H, T, d)
+    inputs: the function handed to the timer computes exactly that."""
+    seen = {}
+
+    def fake_time_fn(fn, **kw):
+        seen["out"] = fn()
+        return 0.125
+
+    monkeypatch.setattr(dispatch, "time_fn", fake_time_fn)
+    for kind in ("softmax", "linear"):
+        assert dispatch.time_attention(kind, 40, 8, heads=3, batch=2) == 0.125
+        q, k, v = dispatch._inputs(40, 8, 3, 2, "cpu")
+        want = F.scaled_dot_product_attention(q, k, v, is_causal=True) if kind == "softmax" else \
+            linear_attention(elu_plus_one(q), elu_plus_one(k), v)
+        assert seen["out"].shape == (2, 3, 40, 8)
+        torch.testing.assert_close(seen["out"], want)
 
 
 def test_cli_writes_json(tmp_path):
     from linattn_lib.dispatch import main
 
     out = tmp_path / "x.json"
-    payload = main(["--d", "8", "--lengths", "8", "16", "--heads", "1", "--repeats", "1", "--out", str(out)])
+    payload = main(["--d", "8", "16", "--lengths", "8", "16", "--heads", "1", "--repeats", "1", "--out", str(out)])
     assert out.is_file() and payload["meta"]["command"].startswith("python -m linattn_lib.dispatch")
-    assert payload["crossovers"][0]["d"] == 8 and payload["meta"]["timing_threads"] == 1
+    assert json.loads(out.read_text()) == json.loads(json.dumps(payload))
+    assert payload["meta"]["timing_threads"] == 1
+    assert [c["d"] for c in payload["crossovers"]] == [8, 16]
+    for c in payload["crossovers"]:
+        assert c["lengths"] == [8, 16] and c["heads"] == 1 and c["threads"] == 1
+        assert len(c["softmax_s"]) == len(c["linear_s"]) == 2 and all(t > 0 for t in c["softmax_s"] + c["linear_s"])
+        assert c["t_star"] == crossover_from_times(c["lengths"], c["softmax_s"], c["linear_s"])
+        assert c["ratio"] == (None if c["t_star"] is None else c["t_star"] / c["d"])
 
 
 def test_bad_input():

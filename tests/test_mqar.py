@@ -9,12 +9,74 @@ from linattn_lib.experiments.mqar import (
     IGNORE,
     MQARConfig,
     build_model,
+    evaluate,
     make_mixed_batch,
     make_mqar_batch,
     num_queries,
+    recall_accuracy,
     run,
     state_numbers,
 )
+
+
+@pytest.fixture(autouse=True)
+def one_thread():
+    """Training runs on one thread (the sweep's setting, and reproducible); the process's
+    thread count is restored afterwards (the CLI's in-process jobs set it too)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)
+
+
+class LookupOracle(torch.nn.Module):
+    """A "model" that reads the key-value table from the context and, at a queried key, puts
+    its logit on that key's value; `wrong_keys` are answered with `wrong_value` (a key token,
+    never a value) instead, so the accuracy that is left is known in advance."""
+
+    def __init__(self, vocab_size, wrong_keys=(), wrong_value=0):
+        super().__init__()
+        self.V, self.wrong_keys, self.wrong_value = vocab_size, set(wrong_keys), wrong_value
+
+    def forward(self, x):
+        B, T = x.shape
+        logits = torch.zeros(B, T, self.V)
+        for b in range(B):
+            table = {}
+            for t in range(0, T, 2):  # (key, value) pairs: the context, then the queries
+                key = x[b, t].item()
+                if key in table:  # a key seen before: a query, answered from the table
+                    logits[b, t, self.wrong_value if key in self.wrong_keys else table[key]] = 1.0
+                elif t + 1 < T:
+                    table[key] = x[b, t + 1].item()
+        return logits
+
+
+def expected_oracle_accuracy(cfg, n, wrong_keys):
+    """The fraction of queries whose key is not in wrong_keys, counted on evaluate's batches."""
+    gen = torch.Generator().manual_seed(10_000 + 100 * cfg.seed + n)
+    right = total = 0
+    for _ in range(cfg.eval_batches):
+        x, y = make_mqar_batch(cfg.eval_batch_size, n, cfg.seq_len, cfg.vocab_size, generator=gen)
+        asked = x[y != IGNORE]
+        right += sum(1 for key in asked.tolist() if key not in wrong_keys)
+        total += asked.numel()
+    return right / total
+
+
+def test_evaluate_scores_known_answers():
+    """evaluate / recall_accuracy against models whose accuracy is known: a perfect lookup scores
+    1, one that answers every query with a fixed token 0, one that gets half the keys wrong the
+    fraction of queries asking for the other half."""
+    cfg = MQARConfig(eval_pairs=(2, 4), seq_len=16, vocab_size=16, eval_batches=2, eval_batch_size=32)
+    assert evaluate(LookupOracle(16), cfg) == {2: 1.0, 4: 1.0}
+    assert evaluate(LookupOracle(16, wrong_keys=range(8)), cfg) == {2: 0.0, 4: 0.0}
+    got = evaluate(LookupOracle(16, wrong_keys=range(0, 8, 2)), cfg)
+    for n in (2, 4):
+        want = expected_oracle_accuracy(cfg, n, set(range(0, 8, 2)))
+        assert 0.2 < want < 0.8 and got[n] == pytest.approx(want, abs=1e-6), (n, got, want)
+    x, y = make_mqar_batch(8, 3, 16, 16, generator=torch.Generator().manual_seed(3))
+    assert recall_accuracy(LookupOracle(16), x, y) == 1.0
 
 
 def test_batch_format_targets_only_after_queried_keys():
@@ -79,9 +141,24 @@ def test_quick_cli_writes_json_with_metadata(tmp_path):
     for key in ("library_version", "torch_version", "hardware", "date_utc", "sweep_seconds", "seeds", "config"):
         assert key in meta
     assert {r["kind"] for r in data["results"]} == {"softmax", "linear"}
-    for r in data["results"]:
+    for r in payload["results"]:
         assert set(r["accuracy"]) == {"2", "3"}  # one accuracy per evaluated pair count
-        assert all(0.0 <= a <= 1.0 for a in r["accuracy"].values()) and r["config"]["seed"] == 0
+        assert r["config"]["seed"] == 0 and r["config"]["steps"] == 5
+        # the recorded numbers are those of this run's config (seeded: the same on a rerun),
+        # and its accuracies are the model's argmax hits on evaluate's held-out batches
+        cfg = MQARConfig(**r["config"])
+        again, model = run(cfg, return_model=True)
+        assert again["accuracy"] == r["accuracy"] and again["final_loss"] == r["final_loss"]
+        for n in (2, 3):
+            gen = torch.Generator().manual_seed(10_000 + 100 * cfg.seed + n)
+            hits = total = 0
+            with torch.no_grad():
+                for _ in range(cfg.eval_batches):
+                    x, y = make_mqar_batch(cfg.eval_batch_size, n, cfg.seq_len, cfg.vocab_size, generator=gen)
+                    mask = y != IGNORE
+                    hits += (model(x).argmax(-1)[mask] == y[mask]).sum().item()
+                    total += mask.sum().item()
+            assert r["accuracy"][str(n)] == round(hits / total, 4), (r["kind"], n)
 
 
 def test_mixed_batch_splits_rows_over_pair_counts():
@@ -94,7 +171,6 @@ def test_mixed_batch_splits_rows_over_pair_counts():
 
 
 def test_tiny_softmax_run_learns_the_lookup():
-    torch.set_num_threads(1)
     cfg = MQARConfig(kind="softmax", train_pairs=(2, 4), eval_pairs=(2, 4), seq_len=16, vocab_size=16, d_model=32,
                      steps=150, batch_size=32, lr=1e-2, warmup=10, eval_batches=2, eval_batch_size=64)
     r = run(cfg)

@@ -35,6 +35,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from ..generation import torch_threads
 from ..models import ModelConfig, TinyLM
 from .common import parse_cli, progress_bar, run_metadata, seed_everything, train, write_json
 
@@ -341,8 +342,8 @@ def sweep_grid(kinds, d_models, state_kinds, seeds, base_d_model: int) -> list[t
 def _run_one(job: tuple) -> dict:
     kind, d, seed, common = job
     common = dict(common)
-    torch.set_num_threads(common.pop("threads", 1))
-    return run(config_for(kind, d_model=d, seed=seed, **common))
+    with torch_threads(common.pop("threads", 1)):  # restored: with --jobs 1 this is the caller's process
+        return run(config_for(kind, d_model=d, seed=seed, **common))
 
 
 def main(argv: Optional[list[str]] = None) -> dict:
