@@ -137,15 +137,32 @@ def default_device() -> torch.device:
     return torch.device("cuda" if torch.cuda.is_available() else "cpu")
 
 
+_SUPERSCRIPT = str.maketrans("0123456789-", "⁰¹²³⁴⁵⁶⁷⁸⁹⁻")
+
+
+def power_of_ten(x: float) -> str:
+    """x as a power of ten for the page: 1e-12 -> "10⁻¹²", 5e-13 -> "5×10⁻¹³", 0.5 -> "0.5".
+
+    Bounds read better this way than as 1e-12, and are never mistaken for a measured
+    round-off value (which would differ from machine to machine).
+    """
+    if x == 0 or 1e-3 <= abs(x) < 1e4:
+        return f"{x:g}"
+    mantissa, exponent = f"{x:e}".split("e")
+    m = float(mantissa)
+    power = "10" + str(int(exponent)).translate(_SUPERSCRIPT)
+    return power if m == 1 else f"{m:g}×{power}"
+
+
 def below(error, tol: float) -> str:
     """Assert that a round-off-level `error` is below `tol` and return the text "< tol".
 
     Round-off itself (3.6e-16 here, 1.9e-16 on another CPU or thread count) is not a
     result: printing it would make a saved output hold on one machine only. What is true
-    everywhere is the bound, so the bound is what gets printed, and the check that it holds
-    fails loudly. `error` may be a float or a one-element tensor.
+    everywhere is the bound, so the bound is what gets printed ("< 10⁻¹²"), and the check
+    that it holds fails loudly. `error` may be a float or a one-element tensor.
     """
     value = float(error)
     if not value < tol:  # also catches NaN
         raise AssertionError(f"error {value:.3g} is not below the bound {tol:g}")
-    return f"< {tol:g}"
+    return f"< {power_of_ten(tol)}"

@@ -73,11 +73,26 @@ def static_slider(
     return StaticSlider(frames, [fmt.format(v) for v in values], name=name, initial=initial)
 
 
-def live_slider(draw: Callable[..., object], **controls):
-    """`ipywidgets.interact(draw, **controls)` for readers with a kernel (no-op without ipywidgets)."""
+def live_slider(draw: Callable[..., object], **controls) -> None:
+    """Show `ipywidgets.interactive(draw, **controls)` for readers with a kernel.
+
+    Displays the controls and returns None, so no stray return value prints below them.
+    The plain-text fallback (what a page without a kernel, and nbval, see) is one short line
+    naming the controls, instead of ipywidgets' repr cut at 110 characters. Without
+    ipywidgets it says how to get it.
+    """
     try:
         import ipywidgets
+        from IPython.display import display
     except ImportError:  # pragma: no cover - ipywidgets is in the book extra
         print("ipywidgets is not installed: pip install ipywidgets for live sliders")
         return None
-    return ipywidgets.interact(draw, **controls)
+    names = ", ".join(controls)
+
+    class _Interactive(ipywidgets.interactive):
+        def __repr__(self) -> str:
+            text = f"<live slider over {names}>"
+            return text if len(text) <= 80 else text[:76] + "...>"
+
+    display(_Interactive(draw, **controls))
+    return None

@@ -8,8 +8,9 @@ from linattn_lib.measure import below
 
 
 def test_below_prints_the_bound():
-    assert below(3.6e-16, 1e-14) == "< 1e-14"
-    assert below(torch.tensor(1.9e-16, dtype=torch.float64), 1e-12) == "< 1e-12"
+    assert below(3.6e-16, 1e-14) == "< 10⁻¹⁴"
+    assert below(torch.tensor(1.9e-16, dtype=torch.float64), 1e-12) == "< 10⁻¹²"
+    assert below(1e-6, 5e-5) == "< 5×10⁻⁵" and below(0.01, 0.05) == "< 0.05"
 
 
 @pytest.mark.parametrize("error", [1e-12, 2e-12, math.nan, math.inf])
