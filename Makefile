@@ -62,10 +62,10 @@ execute: $(STAMP)  ## re-run notebooks and save their outputs (all, or NB=book/x
 	$(PY) tests/execute_notebooks.py $(NB)
 
 bench: $(STAMP)  ## benchmark the attention implementations
-	$(PY) -m linattn_lib.bench
+	$(PY) -m linattn_lib.experiments.bench
 
 gpu-check: $(STAMP)  ## check the compiled Triton kernels on a CUDA GPU
-	$(PY) -m linattn_lib.gpu_check
+	$(PY) -m linattn_lib.experiments.gpu_check
 
 mathjax:  ## refresh the vendored MathJax in book/_static/mathjax (needs npm)
 	tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \

@@ -3,7 +3,7 @@
 One chunked engine for causal linear attention (forward, backward), a non-causal pair of
 kernels, a decoding step and the fused FAVOR+ feature map. Each module holds its `@triton.jit` kernels and the launcher
 that picks a config and starts them; nothing is launched at import time. The autograd
-wrappers live in `linattn_lib/_triton.py`.
+wrappers live in `linattn_lib/core/triton_ops.py`.
 
     chunk_fwd.py   chunk_fwd_kernel       causal forward; run backwards in time it gives dV
     chunk_bwd.py   chunk_bwd_dqk_kernel   dQ, and run backwards in time dK

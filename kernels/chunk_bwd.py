@@ -35,7 +35,7 @@ a matmul (0 * NaN = NaN) and spoil the gradients of the tokens before it.
 
 The gradient of the log-decay needs no kernel of its own: G_t enters as +G_t on the query side
 and -G_t on the key side, so dL/dG_t = q_t . dq_t - k_t . dk_t (+ <dS_T, S_T> at the last token),
-and dL/dg_t is the reverse cumulative sum of that (linattn_lib/_triton.py).
+and dL/dg_t is the reverse cumulative sum of that (linattn_lib/core/triton_ops.py).
 """
 from __future__ import annotations
 
@@ -215,7 +215,7 @@ def chunk_bwd_dqk(
     and the gradient of the final state (dS_T, dz_T). dden is the fp32 (B, H, T) gradient of
     the denominator (normalised attention only). The result has dtype `out_dtype` (default:
     the dtype of k). lengths: None or (B, H) integers: tokens from lengths[b, h] on are read as
-    zeros and get exactly 0 (a tail no loss term depends on; see linattn_lib/_triton.py).
+    zeros and get exactly 0 (a tail no loss term depends on; see linattn_lib/core/triton_ops.py).
     """
     B, H, T, Dv = do.shape
     Dk = k.shape[-1]

@@ -1,6 +1,6 @@
 """Causal chunked linear attention: the forward kernel (and, run backwards in time, dV).
 
-The recurrence (see linattn_lib/attention.py) with log-decay g_t <= 0 is
+The recurrence (see linattn_lib/core/state.py) with log-decay g_t <= 0 is
 
     S_t = exp(g_t) S_{t-1} + k_t v_t^T        o_t = q_t S_t            (numerator)
     z_t = exp(g_t) z_{t-1} + k_t              d_t = q_t . z_t          (denominator)
@@ -92,8 +92,8 @@ def chunk_log_decays(g, o_t, BT: tl.constexpr, REVERSE: tl.constexpr):
     Nothing is a difference of two cumulative sums. After a reset (g = -1e5) a prefix sum is
     ~ -1e5, and gc_i - gc_j keeps ~1e-2 of absolute precision in fp32 however close i and j
     are. Here every sum starts after the pair's first token and adds only the terms between
-    the two (as `segsum` in linattn_lib/masks.py does), and the decay to the chunk end is a
-    sum from the next token on (`_sum_after` in linattn_lib/attention.py). All terms have one
+    the two (as `segsum` in linattn_lib/core/masks.py does), and the decay to the chunk end is a
+    sum from the next token on (`sum_after` in linattn_lib/core/state.py). All terms have one
     sign, so each sum is accurate relative to itself, and all are <= 0: exp never overflows.
     The 2-d sums are scans along axis 1, which stays inside a warp on a GPU.
     """

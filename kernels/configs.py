@@ -49,7 +49,7 @@ DIM_NAMES = {
 # 500 to 1,900 instructions per chunk kernel at every head dim; in bf16 these spill (next to) nothing at head dims 64 and
 # 128 on sm_80/sm_90 (the chunk kernels still spill some at 256). Registers are not the whole
 # story -- smaller tiles re-read q and k more often, smaller chunks mean more, smaller
-# matmuls -- so `python -m linattn_lib.gpu_check` times every candidate on a real GPU
+# matmuls -- so `python -m linattn_lib.experiments.gpu_check` times every candidate on a real GPU
 # (`run_config_sweep`); its numbers should replace this evidence.
 _TABLE: dict[str, dict[str, dict[int, tuple[int, int, int]]]] = {
     "chunk_fwd": {

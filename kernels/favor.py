@@ -2,7 +2,7 @@
 
     phi(x)_i = exp(w_i . x' - |x'|^2 / 2 - c) / sqrt(m),     x' = input_scale * x
 
-(Performer's positive random features; `linattn_lib.features.positive_random_features` is the
+(Performer's positive random features; `linattn_lib.core.features.positive_random_features` is the
 reference). The shift c changes nothing for normalised attention -- it cancels between the
 numerator and the denominator -- and keeps exp from overflowing:
 
@@ -23,7 +23,7 @@ launcher takes the maximum per sequence in torch (T numbers), and MODE 2 applies
 launches, so x is read twice.
 
 Forward only: the gradient is cheap in torch from the saved output (see
-`linattn_lib/_triton.py`): d phi_i / d x' = phi_i (w_i - x'), with c held constant as the
+`linattn_lib/core/triton_ops.py`): d phi_i / d x' = phi_i (w_i - x'), with c held constant as the
 reference does (it is detached there).
 """
 from __future__ import annotations

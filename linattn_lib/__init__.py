@@ -1,14 +1,21 @@
 """linattn_lib: linear attention, exact references and fast kernels.
 
 Layout everywhere is (B, H, T, D), like torch.nn.functional.scaled_dot_product_attention.
+
+The package, by folder (the arrows run one way: experiments and chapters use core):
+
+* `core/`: the mathematics (softmax, `linear_attention` and its backends, decoding, feature
+  maps, Performer, positions, SSMs); imports only `core/`, `_validate` and the kernels;
+* `nn/`: modules and the small model zoo;
+* `distributed/`: sequence parallelism on torch.distributed;
+* `chapters/`: helpers only the book uses (plots, widgets, cost models, estimators, ...);
+* `experiments/`: every `python -m` command (MQAR, char-LM, complexity, bench, gpu_check);
+* `kernels` (the top-level `kernels/` folder): the Triton kernels.
 """
-from .attention import (
-    LinearAttentionState,
-    linear_attention,
-    softmax_attention,
-    softmax_attention_weights,
-)
-from .features import (
+from .core.linear import linear_attention
+from .core.softmax import softmax_attention, softmax_attention_weights
+from .core.state import LinearAttentionState
+from .core.features import (
     RandomFeatureMap,
     clipped_trig_features,
     default_num_features,
@@ -24,9 +31,9 @@ from .features import (
     softmax_kernel,
     trig_softmax_features,
 )
-from .masks import causal_mask, decay_mask, segsum
-from .performer import performer_attention
-from .positional import (
+from .core.masks import causal_mask, decay_mask, segsum
+from .core.performer import performer_attention
+from .core.positional import (
     band_bias_attention,
     band_bias_matrix,
     cosformer_attention,
@@ -36,7 +43,7 @@ from .positional import (
     key_normalized_attention_matrix,
     sinusoidal_positions,
 )
-from .ssm import (
+from .core.ssm import (
     gla_attention,
     retnet_log_decay,
     rwkv4_wkv,
@@ -45,26 +52,11 @@ from .ssm import (
     ssd,
     zoh_discretize,
 )
-from .decoding import KVCacheDecoder, RecurrentDecoder
-from .models import LinearAttention, ModelConfig, TinyLM
-from ._triton import linear_attention_decode_step
+from .core.decode import KVCacheDecoder, RecurrentDecoder, linear_attention_decode_step
+from .nn import LinearAttention, ModelConfig, TinyLM
+from .distributed import launch, ring_attention, sequence_parallel_linear_attention
 
 __version__ = "0.1.0"
-
-# imported on first use: `python -m linattn_lib.distributed` must not find it imported already
-_LAZY = {
-    "sequence_parallel_linear_attention": "distributed",
-    "ring_attention": "distributed",
-    "launch": "distributed",
-}
-
-
-def __getattr__(name):
-    if name in _LAZY:
-        import importlib
-
-        return getattr(importlib.import_module(f".{_LAZY[name]}", __name__), name)
-    raise AttributeError(f"module 'linattn_lib' has no attribute {name!r}")
 
 __all__ = [
     "LinearAttentionState",

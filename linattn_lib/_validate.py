@@ -144,13 +144,20 @@ def check_log_decay(fn: str, log_decay: Tensor, q: Tensor, *, causal: bool) -> N
             f"{fn}: `log_decay` has shape {_fmt_shape(log_decay.shape)}; expected (H,) = ({H},) "
             f"per head or (B, H, T) = {_fmt_shape((B, H, T))} per token"
         )
-    if not bool(torch.isfinite(log_decay).all()):
-        raise ValueError(f"{fn}: `log_decay` contains NaN or infinite values ({describe(log_decay)})")
-    if bool((log_decay > 0).any()):
+    check_values(fn, "log_decay", log_decay, high=0.0, why="a decay factor exp(log_decay) in (0, 1]")
+
+
+def check_step_log_decay(fn: str, name: str, x: Tensor, *, B: int, H: int, device: torch.device) -> None:
+    """One decoding step's log-decay: (H,) per head or (B, H), on `device`, finite, <= 0."""
+    check_tensor(fn, name, x)
+    if tuple(x.shape) not in ((H,), (B, H)):
         raise ValueError(
-            f"{fn}: `log_decay` must be <= 0 (a decay factor exp(log_decay) in (0, 1]); "
-            f"got a maximum of {float(log_decay.max()):.4g}"
+            f"{fn}: `{name}` has shape {_fmt_shape(x.shape)}; expected (H,) = ({H},) per head "
+            f"or (B, H) = {_fmt_shape((B, H))} for this token"
         )
+    if x.device != device:
+        raise ValueError(f"{fn}: `{name}` is on {x.device} but the state is on {device}")
+    check_values(fn, name, x, high=0.0, why=f"a decay factor exp({name}) in (0, 1]")
 
 
 def check_state(fn: str, name: str, state, *, B: int, H: int, Dk: int, Dv: int, device, normalize: bool) -> None:
@@ -336,4 +343,21 @@ def check_no_overlap(fn: str, name: str, x: Tensor) -> None:
                 f"{fn}: `{name}` is updated in place but axis {axis} has stride 0 (an expanded view, "
                 f"{describe(x)}, strides {tuple(x.stride())}); expected a tensor that owns its memory: "
                 "pass .clone() or .contiguous()"
+            )
+def check_all_finite(fn: str, named: Sequence[tuple[str, Tensor]]) -> None:
+    """Refuse NaN and inf in q, k, v.
+
+    In the chunked and quadratic forms a value at position t meets the causal mask's zeros
+    in a matmul (0 * NaN = NaN) and would poison outputs *before* t, which the recurrent
+    form keeps; so every form refuses it instead, naming the first position. (Finite
+    garbage, e.g. in right-padding, is harmless: masks select, they do not multiply.)
+    """
+    for name, x in named:
+        bad = ~torch.isfinite(x)
+        if bad.any():
+            where = tuple(int(i) for i in bad.nonzero()[0])
+            value = x[where].item()
+            raise ValueError(
+                f"{fn}: `{name}` has a non-finite value ({value}) at index {where} ({describe(x)}); "
+                "expected finite values (pad with zeros, not NaN or inf)"
             )

@@ -7,8 +7,8 @@ import torch
 import torch.nn.functional as F
 
 from linattn_lib import LinearAttentionState, linear_attention, softmax_attention
-from linattn_lib.attention import reference_linear_attention
-from linattn_lib.masks import decay_mask, segsum
+from linattn_lib.core.reference import reference_linear_attention
+from linattn_lib.core.masks import decay_mask, segsum
 
 D64 = torch.float64
 

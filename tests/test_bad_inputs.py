@@ -96,7 +96,7 @@ def row(name, call, exc, fn, arg, detail=None, *, id):
 
 
 ROWS = [
-    # --- attention.py
+    # --- core/linear.py
     row("linear_attention", lambda: L.linear_attention(q4()[0], q4(), q4()), ValueError, "linear_attention", "q",
         r"\(B, H, T, D\)", id="3d-q"),
     row("linear_attention", lambda: L.linear_attention(*qkv(), causal="no"), TypeError, "linear_attention", "causal",
@@ -116,7 +116,7 @@ ROWS = [
         "softmax_attention_weights", "causal", id="causal-str"),
     row("softmax_attention_weights", lambda: L.softmax_attention_weights(q4(), q4()[0]), ValueError,
         "softmax_attention_weights", "k", id="3d-k"),
-    # --- the decode step (_triton.py)
+    # --- the decode step (core/decode.py)
     row("linear_attention_decode_step", lambda: decode(eps=NAN), ValueError, "linear_attention_decode_step", "eps",
         id="eps-nan"),
     row("linear_attention_decode_step", lambda: decode(eps=INF), ValueError, "linear_attention_decode_step", "eps",
@@ -241,7 +241,7 @@ ROWS = [
     row("ssd", lambda: L.ssd(*ssd_args(), chunk_size=0), ValueError, "ssd", "chunk_size", id="chunk_size-0"),
     row("zoh_discretize", lambda: L.zoh_discretize(-torch.rand(2, 3), torch.rand(2, 3), -torch.rand(2)), ValueError,
         "zoh_discretize", "dt", id="dt-negative"),
-    # --- decoding.py
+    # --- core/decode.py
     row("KVCacheDecoder", lambda: L.KVCacheDecoder(1, 2, 3, 4, scale=NAN), ValueError, "KVCacheDecoder", "scale",
         id="scale-nan"),
     row("KVCacheDecoder", lambda: L.KVCacheDecoder(1, 2, 3, 4, dtype="float32"), TypeError, "KVCacheDecoder", "dtype",
@@ -259,7 +259,7 @@ ROWS = [
         id="eps-inf"),
     row("RecurrentDecoder", lambda: L.RecurrentDecoder(3, 2, 8, 8).step(token()[0], token(), token()), ValueError,
         "RecurrentDecoder.step", "q_t", r"\(B, H, D\)", id="2d-q_t-names-BHD"),
-    # --- models.py
+    # --- nn/models.py
     row("LinearAttention", lambda: L.LinearAttention(16, 0), ValueError, "LinearAttention", "n_heads", id="heads-0"),
     row("LinearAttention", lambda: L.LinearAttention(16, -4), ValueError, "LinearAttention", "n_heads",
         id="heads-negative"),
@@ -300,13 +300,13 @@ ROWS = [
         id="max_new_tokens-negative"),
     row("TinyLM", lambda: lm().generate(ids(1, 3), 2, greedy="yes"), TypeError, "TinyLM.generate", "greedy",
         id="greedy-str"),
-    # --- distributed.py: the argument checks run before any collective, so no process group
+    # --- distributed/: the argument checks run before any collective, so no process group
     row("sequence_parallel_linear_attention", lambda: L.sequence_parallel_linear_attention(q4()[0], q4(), q4()),
         ValueError, "sequence_parallel_linear_attention", "q", r"\(B, H, T, D\)", id="3d-q"),
     row("ring_attention", lambda: L.ring_attention(q4()[0], q4(), q4(), seq_len=4), ValueError, "ring_attention", "q",
         r"\(B, H, T, D\)", id="3d-q"),
     row("launch", lambda: L.launch(print, 0), ValueError, "launch", "world_size", id="world_size-0"),
-    # --- masks.py
+    # --- core/masks.py
     row("segsum", lambda: L.segsum(torch.tensor(1.0)), ValueError, "segsum", "g", id="0d-g"),
     row("decay_mask", lambda: L.decay_mask(torch.tensor([0.5, -0.1])), ValueError, "decay_mask", "log_decay",
         id="positive"),

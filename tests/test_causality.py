@@ -92,7 +92,7 @@ def test_linear_attention_torch(form, normalize, decay):
 @pytest.mark.parametrize("normalize", [True, False])
 def test_linear_attention_triton_interpreter(normalize):
     pytest.importorskip("triton")
-    from linattn_lib._triton import triton_available
+    from linattn_lib.core.triton_ops import triton_available
 
     if not triton_available():
         pytest.skip("Triton kernels unavailable")
@@ -206,7 +206,7 @@ def test_decoders():
         _assert_prefix_unchanged(fn, {"q": q, "k": k, "v": v}, QKV_T, positive=("q", "k"))
 
 
-@pytest.mark.parametrize("kind", la.models.LINEAR_KINDS)
+@pytest.mark.parametrize("kind", la.nn.LINEAR_KINDS)
 def test_linear_attention_layer(kind):
     layer = la.LinearAttention(16, 2, kind=kind, max_len=32).double()
     x = _randn(2, T, 16, seed=1)
@@ -214,7 +214,7 @@ def test_linear_attention_layer(kind):
         _assert_prefix_unchanged(lambda x: layer(x), {"x": x}, {"x": 1}, out_time_dim=1)
 
 
-@pytest.mark.parametrize("attention", la.models.ATTENTION_KINDS)
+@pytest.mark.parametrize("attention", la.nn.ATTENTION_KINDS)
 def test_tiny_lm(attention):
     cfg = la.ModelConfig(vocab_size=11, block_size=32, n_layer=2, n_head=2, d_model=16, attention=attention)
     model = la.TinyLM(cfg).double().eval()
@@ -290,7 +290,7 @@ def test_performer_finite_at_large_scales():
 @pytest.mark.parametrize("causal", [True, False])
 def test_performer_stabilisers_are_exact(kind, causal):
     """In float64 the stabilised forms (running max, per-feature max) equal the raw features."""
-    from linattn_lib.performer import _causal_per_feature
+    from linattn_lib.core.performer import _causal_per_feature
 
     q, k, v = (2 * x for x in _qkv(Dk=8, positive=False))
     fm = la.RandomFeatureMap(8, 20, kind=kind, seed=0).double()

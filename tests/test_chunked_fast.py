@@ -1,4 +1,4 @@
-"""The fast chunked torch path (linattn_lib._chunked) against the float64 reference.
+"""The fast chunked torch path (linattn_lib.core.torch_chunked) against the float64 reference.
 
 Forward and gradients on awkward lengths and chunk sizes, every option (causal or not,
 normalised or not, decay per head or per token, initial state in, final state out), a float64
@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-import linattn_lib._chunked as fast
+import linattn_lib.core.torch_chunked as fast
 from linattn_lib import LinearAttentionState, linear_attention
-from linattn_lib.attention import reference_linear_attention
+from linattn_lib.core.reference import reference_linear_attention
 
 ROOT = Path(__file__).resolve().parents[1]
 TS = (1, 7, 63, 64, 65, 200)
@@ -278,7 +278,7 @@ def test_chunk_size_does_not_change_the_result():
 
 
 def test_bench_flop_count_formula():
-    from linattn_lib.bench import chunked_forward_flops
+    from linattn_lib.experiments.bench import chunked_forward_flops
 
     B, H, T, D, C = 1, 8, 16384, 64, 64
     per_chunk = 2 * C * C * D + 2 * C * C * (D + 1) + 4 * C * D * (D + 1)  # v' = [v, 1]
@@ -287,13 +287,13 @@ def test_bench_flop_count_formula():
 
 
 def test_bench_sweep_cli_writes_json_and_plot(tmp_path):
-    from linattn_lib.bench import main
+    from linattn_lib.experiments.bench import main
 
     argv = ["sweep", "--quick", "--device", "cpu", "--providers", "linattn-torch,naive-quadratic,sdpa,linattn-triton",
             "--no-progress", "--out", str(tmp_path)]
     assert main(argv) == 0
     data = json.loads((tmp_path / "sweep-cpu-quick.json").read_text())
-    assert data["command"].startswith("python -m linattn_lib.bench sweep")
+    assert data["command"].startswith("python -m linattn_lib.experiments.bench sweep")
     assert {"hardware", "torch_version", "library_version", "config", "records"} <= set(data)
     done = {(r["provider"], r["mode"]) for r in data["records"] if "median_s" in r}
     assert {("linattn-torch", "fwd"), ("sdpa", "fwd+bwd"), ("naive-quadratic", "fwd")} <= done
@@ -302,9 +302,9 @@ def test_bench_sweep_cli_writes_json_and_plot(tmp_path):
 
 
 def test_bench_targets_cli_quick(tmp_path):
-    """`python -m linattn_lib.bench --quick`: the targets table at tiny sizes, in a subprocess."""
+    """`python -m linattn_lib.experiments.bench --quick`: the targets table at tiny sizes, in a subprocess."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))
-    cmd = [sys.executable, "-m", "linattn_lib.bench", "--quick", "--no-plot", "--no-progress", "--out", str(tmp_path)]
+    cmd = [sys.executable, "-m", "linattn_lib.experiments.bench", "--quick", "--no-plot", "--no-progress", "--out", str(tmp_path)]
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, cwd=ROOT, timeout=120)
     assert out.returncode == 0, out.stderr[-2000:]
     assert "CPU targets" in out.stdout and "counted FLOPs" in out.stdout
@@ -316,7 +316,7 @@ def test_bench_targets_cli_quick(tmp_path):
     assert f["linattn_s"] == statistics.median(f["linattn_times_s"]) and f["sdpa_s"] == statistics.median(f["sdpa_times_s"])
     assert math.isclose(f["matmul_fraction"], (f["linattn_flops"] / f["linattn_s"]) / (2 * f["matmul_n"] ** 3 / f["matmul_s"]))
     c = data["config"]
-    from linattn_lib.bench import chunked_forward_flops
+    from linattn_lib.experiments.bench import chunked_forward_flops
 
     assert f["linattn_flops"] == chunked_forward_flops(c["B"], c["H"], c["T"], c["D"], c["D"], c["chunk_size"])
     lo, hi = (str(t) for t in c["growth_T"])
@@ -326,7 +326,7 @@ def test_bench_targets_cli_quick(tmp_path):
 
 def expected_verdicts(res):
     """The four verdicts that the measurements in `res` call for, from the stated goals."""
-    from linattn_lib import bench
+    from linattn_lib.experiments import bench
 
     f, g, m = res["forward"], res["growth"], res["memory"]
     v = lambda ok: "n/a" if ok is None else ("PASS" if ok else "FAIL")  # noqa: E731
@@ -359,7 +359,7 @@ def _synthetic_targets(speedup, fraction, growth, memory_ratio):
 def test_targets_verdicts_follow_the_goals():
     """format_targets: PASS exactly when a measurement meets its goal, FAIL when it misses it
     (on both sides of each threshold), n/a when memory could not be measured."""
-    from linattn_lib import bench
+    from linattn_lib.experiments import bench
 
     meta = dict(hardware="test", torch_version="x", library_version="y", threads=1)
     eps = 1e-6
@@ -383,7 +383,7 @@ def test_targets_verdicts_follow_the_goals():
 def test_bench_matmuls_only_ceiling_computes_the_four_products():
     """The ceiling the targets table compares against really does the forward's matmuls:
     per chunk, q (k^T v') + (q k^T) v' with v' = [v, 1], blockwise, every chunk written."""
-    from linattn_lib.bench import chunk_matmuls_only
+    from linattn_lib.experiments.bench import chunk_matmuls_only
 
     g = torch.Generator().manual_seed(3)
     B, H, T, D, C = 2, 3, 200, 16, 32  # T not a multiple of C: the last chunk is padded
@@ -403,7 +403,7 @@ def test_reset_gate_keeps_float32_precision(form):
     """One huge log-decay (a reset, g = -1e4) followed by slow decay: differences of prefix sums
     would keep only ~1e-3 of absolute precision in float32 (errors of 1e-4 in o, 5e-4 in z).
     The decay factors are summed from the right place instead, so float32 stays at ~1e-6."""
-    from linattn_lib.attention import reference_linear_attention
+    from linattn_lib.core.reference import reference_linear_attention
 
     g_ = torch.Generator().manual_seed(0)
     T = 200
@@ -419,7 +419,7 @@ def test_reset_gate_keeps_float32_precision(form):
 
 
 def test_bench_rejects_unknown_modes_and_providers():
-    from linattn_lib.bench import main
+    from linattn_lib.experiments.bench import main
 
     for argv in (["sweep", "--quick", "--mode", "bwd"], ["sweep", "--quick", "--providers", "flash"]):
         with pytest.raises(SystemExit, match="unknown"):

@@ -4,8 +4,8 @@ import math
 import pytest
 import torch
 
-from linattn_lib import costs
-from linattn_lib.costs import (
+from linattn_lib.chapters import costs
+from linattn_lib.chapters.costs import (
     MODELS,
     attention_core_flops,
     cost_table,
@@ -108,7 +108,7 @@ def test_rejects_unknown_dtype():
 
 
 def test_describe_costs_says_when_heads_do_not_divide_d():
-    from linattn_lib.costs import describe_costs
+    from linattn_lib.chapters.costs import describe_costs
 
     assert "12 heads of 64)" in describe_costs(8192, 768, 12, 12)
     assert "d is not a multiple of them" in describe_costs(10, 10, 3)

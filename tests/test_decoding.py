@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from linattn_lib import LinearAttentionState, linear_attention, softmax_attention
-from linattn_lib.decoding import KVCacheDecoder, RecurrentDecoder
+from linattn_lib.core.decode import KVCacheDecoder, RecurrentDecoder
 
 D64 = torch.float64
 TOL = 1e-10
@@ -101,7 +101,7 @@ def test_decoder_errors():
         dec.step(q, k.float(), v)
     with pytest.raises(ValueError, match=r"`log_decay_t` must be <= 0"):
         dec.step(q, k, v, torch.full((3,), 0.1, dtype=D64))
-    with pytest.raises(ValueError, match=r"`log_decay_t` has shape \(2, 3, 1\); expected \(H,\) = \(3,\) or \(B, H\) = \(2, 3\)"):
+    with pytest.raises(ValueError, match=r"`log_decay_t` has shape \(2, 3, 1\); expected \(H,\) = \(3,\) per head or \(B, H\) = \(2, 3\)"):
         dec.step(q, k, v, torch.zeros(2, 3, 1, dtype=D64))
     with pytest.raises(ValueError, match=r"`dk` must be a positive int, got 0"):
         RecurrentDecoder(2, 3, 0, 4)

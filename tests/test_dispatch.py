@@ -6,8 +6,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linattn_lib import dispatch, elu_plus_one, linear_attention
-from linattn_lib.dispatch import (
+from linattn_lib.chapters import dispatch
+from linattn_lib import elu_plus_one, linear_attention
+from linattn_lib.chapters.dispatch import (
     FALLBACK_CROSSOVER,
     MEASURED_CROSSOVER,
     Crossover,
@@ -113,11 +114,11 @@ def test_time_attention_times_the_named_computation(monkeypatch):
 
 
 def test_cli_writes_json(tmp_path):
-    from linattn_lib.dispatch import main
+    from linattn_lib.chapters.dispatch import main
 
     out = tmp_path / "x.json"
     payload = main(["--d", "8", "16", "--lengths", "8", "16", "--heads", "1", "--repeats", "1", "--out", str(out)])
-    assert out.is_file() and payload["meta"]["command"].startswith("python -m linattn_lib.dispatch")
+    assert out.is_file() and payload["meta"]["command"].startswith("python -m linattn_lib.chapters.dispatch")
     assert json.loads(out.read_text()) == json.loads(json.dumps(payload))
     assert payload["meta"]["timing_threads"] == 1
     assert [c["d"] for c in payload["crossovers"]] == [8, 16]

@@ -29,7 +29,7 @@ from linattn_lib.distributed import (
     single_process_reference,
     split_sequence,
 )
-from linattn_lib.attention import LinearAttentionState
+from linattn_lib.core.state import LinearAttentionState
 
 F64, F32 = torch.float64, torch.float32
 
@@ -244,7 +244,7 @@ def test_arguments_that_differ_between_ranks_raise_on_every_rank():
 
 
 def test_disagreement_lists_ranks_compactly():
-    from linattn_lib.distributed import _rank_list
+    from linattn_lib.distributed.sequence_parallel import _rank_list
 
     assert _rank_list([3]) == "rank 3"
     assert _rank_list([0, 2]) == "ranks 0, 2"

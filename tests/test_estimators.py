@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from linattn_lib import softmax_attention_weights
-from linattn_lib import estimators as E
-from linattn_lib.features import orthogonal_gaussian_matrix
+from linattn_lib.chapters import estimators as E
+from linattn_lib.core.features import orthogonal_gaussian_matrix
 
 D64 = torch.float64
 
@@ -134,7 +134,7 @@ def test_feature_attention_view_and_plot():
     import matplotlib
 
     matplotlib.use("Agg")
-    from linattn_lib.viz import plot_attention_approximations
+    from linattn_lib.chapters.plots import plot_attention_approximations
 
     g = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(12, 8, generator=g) * 0.5 for _ in range(3))

@@ -4,7 +4,7 @@ import json
 import torch
 
 from linattn_lib.experiments.common import run_metadata, seed_everything, train, write_json
-from linattn_lib.models import ModelConfig, TinyLM
+from linattn_lib.nn.models import ModelConfig, TinyLM
 
 
 def test_train_lowers_loss_and_is_reproducible():
@@ -49,7 +49,7 @@ def test_quick_runs_never_overwrite_committed_results():
 
 
 def test_format_bytes_never_switches_to_scientific_notation():
-    from linattn_lib.costs import format_bytes
+    from linattn_lib.chapters.costs import format_bytes
 
     assert format_bytes(1000) == "1000 B" and format_bytes(1023 * 2**20) == "1023 MiB"
     assert format_bytes(1.5 * 2**20) == "1.5 MiB" and format_bytes(192 * 2**30) == "192 GiB"

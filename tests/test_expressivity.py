@@ -5,8 +5,8 @@ import pytest
 import torch
 
 from linattn_lib import elu_plus_one, softmax_attention_weights
-from linattn_lib.estimators import approx_attention_weights
-from linattn_lib.expressivity import (
+from linattn_lib.chapters.estimators import approx_attention_weights
+from linattn_lib.chapters.expressivity import (
     attention_layer_flops,
     flop_ratio,
     identity_distance_bound,

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from linattn_lib import linear_attention, softmax_attention
-from linattn_lib.features import (
+from linattn_lib.core.features import (
     RandomFeatureMap,
     clipped_trig_features,
     elu_plus_one,
@@ -19,7 +19,7 @@ from linattn_lib.features import (
     softmax_kernel,
     trig_softmax_features,
 )
-from linattn_lib.performer import performer_attention
+from linattn_lib.core.performer import performer_attention
 
 D64 = torch.float64
 
@@ -186,7 +186,7 @@ def test_performer_default_eps_does_not_bias_stabilised_output():
 
 
 def test_feature_map_input_checks_found_in_review():
-    from linattn_lib.features import RandomFeatureMap, positive_random_features
+    from linattn_lib.core.features import RandomFeatureMap, positive_random_features
 
     with pytest.raises(ValueError, match="scaling"):
         RandomFeatureMap(4, 8, orthogonal=False, scaling="bogus")

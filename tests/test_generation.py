@@ -1,9 +1,19 @@
-"""Decode profiling and saved-for-backward accounting (linattn_lib.generation)."""
+"""Decode profiling and saved-for-backward accounting (linattn_lib.chapters.profiling)."""
 import pytest
 import torch
 
-from linattn_lib import KVCacheDecoder, RecurrentDecoder, elu_plus_one, linear_attention, softmax_attention
-from linattn_lib.generation import profile_decoding, profile_forward_backward, saved_tensor_bytes
+from linattn_lib import (
+    KVCacheDecoder,
+    RecurrentDecoder,
+    elu_plus_one,
+    linear_attention,
+    softmax_attention,
+)
+from linattn_lib.chapters.profiling import (
+    profile_decoding,
+    profile_forward_backward,
+    saved_tensor_bytes,
+)
 
 
 def _qkv(T, B=1, H=2, D=4):

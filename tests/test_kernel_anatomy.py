@@ -1,4 +1,4 @@
-"""linattn_lib.kernel_anatomy: the traffic model against the interpreter, the source map, the compile report."""
+"""linattn_lib.chapters.kernel_anatomy: the traffic model against the interpreter, the source map, the compile report."""
 from __future__ import annotations
 
 import math
@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from linattn_lib import kernel_anatomy as ka
+from linattn_lib.chapters import kernel_anatomy as ka
 
 
 def test_cost_arithmetic_and_rooflines():
@@ -37,7 +37,7 @@ def test_closed_forms_by_hand():
 
 
 triton = pytest.importorskip("triton")
-from linattn_lib._triton import _load_kernels  # noqa: E402
+from linattn_lib.core.triton_ops import _load_kernels  # noqa: E402
 
 K = _load_kernels()
 needs_kernels = pytest.mark.skipif(K is None, reason="the Triton kernels do not import here")

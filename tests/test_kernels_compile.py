@@ -50,11 +50,11 @@ def _kernels():
     """linattn_lib.kernels, installed or from this checkout."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from linattn_lib._triton import _import_error, _load_kernels
+    from linattn_lib.core.triton_ops import _import_error, _load_kernels
 
     K = _load_kernels()
     if K is None:
-        from linattn_lib import _triton
+        from linattn_lib.core import triton_ops as _triton
 
         raise ImportError(f"linattn_lib.kernels does not import: {_triton._import_error or _import_error}")
     return K
@@ -91,7 +91,7 @@ def _compile_one(job: dict) -> dict:
             options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
         )
         result.update(ok=True, shared=int(compiled.metadata.shared), cubin_bytes=len(compiled.asm["cubin"]))
-        from linattn_lib.kernel_anatomy import sass_stats
+        from linattn_lib.chapters.kernel_anatomy import sass_stats
 
         result["sass"] = sass_stats(compiled.asm["cubin"])  # None without cuobjdump
     except Exception as e:  # reported by the test, with the message

@@ -2,7 +2,7 @@
 
 On a CPU-only machine (CI) every kernel runs in the Triton interpreter: the same kernel
 source a GPU compiles, executed with numpy. On a CUDA machine the same tests run the compiled
-kernels on the GPU (`python -m linattn_lib.gpu_check` does that), with bfloat16 added.
+kernels on the GPU (`python -m linattn_lib.experiments.gpu_check` does that), with bfloat16 added.
 LINATTN_KERNEL_TEST_DEVICE=cpu|cuda overrides the choice.
 
 The metric is the relative RMS error rel(a, b) = ||a - b|| / ||b|| against a float64 reference
@@ -37,8 +37,9 @@ import torch
 pytest.importorskip("triton")
 
 from linattn_lib import LinearAttentionState, linear_attention  # noqa: E402
-from linattn_lib._triton import linear_attention_decode_step, triton_available  # noqa: E402
-from linattn_lib.attention import reference_linear_attention  # noqa: E402
+from linattn_lib.core.decode import linear_attention_decode_step
+from linattn_lib.core.triton_ops import triton_available  # noqa: E402
+from linattn_lib.core.reference import reference_linear_attention  # noqa: E402
 
 if not triton_available():  # pragma: no cover - triton imports but the kernels do not
     pytest.skip("the Triton kernels do not import here", allow_module_level=True)
@@ -290,7 +291,7 @@ SPOILED = [
 
 def _spoiled_run(x, normalize, t, loss_len, dtype=torch.float32):
     """Outputs, and gradients of a loss on the first `loss_len` outputs, of the kernels."""
-    from linattn_lib._triton import linear_attention_triton
+    from linattn_lib.core.triton_ops import linear_attention_triton
 
     leaves = {n: x[n].to(dtype).clone().requires_grad_() if n != "g" else x[n].clone().requires_grad_() for n in x}
     o = linear_attention_triton(leaves["q"], leaves["k"], leaves["v"], normalize=normalize, log_decay=leaves.get("g"))
@@ -384,7 +385,7 @@ def test_right_padding_with_garbage_never_poisons_a_sequence(garbage):
     overflow to inf -- and a loss masked to the real tokens: every output and gradient of a real
     token equals that of the unpadded sequence, and the padded tokens' gradients are exactly 0.
     The finite garbage goes through the public `linear_attention`, which refuses NaN."""
-    from linattn_lib._triton import linear_attention_triton
+    from linattn_lib.core.triton_ops import linear_attention_triton
 
     batch, real, lengths = _padded_batch(garbage)
     xs = [a.to(DEVICE).requires_grad_() for a in batch[:4]]
@@ -445,7 +446,7 @@ def test_gradient_of_state_only():
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="checks the CPU dispatch")
 def test_auto_backend_on_cpu_does_not_use_triton(monkeypatch):
-    import linattn_lib._triton as T
+    import linattn_lib.core.triton_ops as T
 
     def boom(*args, **kwargs):
         raise AssertionError("backend='auto' must not run Triton on CPU tensors")
@@ -465,7 +466,7 @@ def test_interpreter_leaves_the_compiler_intact():
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    from linattn_lib._triton import _load_kernels
+    from linattn_lib.core.triton_ops import _load_kernels
 
     K = _load_kernels()
     call_before = JITFunction.__call__
@@ -482,7 +483,7 @@ def test_interpreter_leaves_the_compiler_intact():
 
 def test_auto_dispatch_knows_what_the_kernels_take():
     """backend='auto' sends CUDA tensors to Triton only when the kernels support them."""
-    from linattn_lib._triton import triton_supports
+    from linattn_lib.core.triton_ops import triton_supports
 
     x = torch.rand(1, 1, 4, 64)
     assert triton_supports(x, x) and triton_supports(x.half(), x.half()) and triton_supports(x.bfloat16(), x.bfloat16())
@@ -507,7 +508,7 @@ def test_unsupported_dtypes_raise_clear_errors():
 def test_sm75_configs(monkeypatch, dtype):
     """The configs a T4 (sm_75) would pick -- 16-token chunks for the forward at a head dim above
     128 -- run in the interpreter when told the GPU is an sm_75."""
-    from linattn_lib._triton import _load_kernels
+    from linattn_lib.core.triton_ops import _load_kernels
 
     configs = _load_kernels().configs
     monkeypatch.setattr(configs, "device_capability", lambda device: (7, 5))
@@ -617,7 +618,7 @@ def test_decode_step_validates_its_arguments(backend):
 def test_selected_configs_come_from_the_table():
     """Whatever the head dim, dtype or GPU, a launcher picks a config listed in CONFIGS (the
     list the ahead-of-time compile test builds and checks)."""
-    from linattn_lib._triton import _load_kernels
+    from linattn_lib.core.triton_ops import _load_kernels
 
     K = _load_kernels()
     for kernel, table in K.CONFIGS.items():
@@ -654,7 +655,7 @@ def _favor_inputs(shape, m, dtype, seed=0):
 def test_favor_features_and_gradients(case, dtype):
     """The fused kernel against the torch map in float64 on the same (rounded) inputs: values,
     and gradients in x and W through the kernel's autograd wrapper."""
-    from linattn_lib.features import positive_random_features
+    from linattn_lib.core.features import positive_random_features
 
     shape, m, stabilize = case
     x, W = _favor_inputs(shape, m, dtype)
@@ -689,7 +690,7 @@ def test_favor_feature_backend_in_performer_attention():
 
 
 def test_favor_backend_rejects_what_it_cannot_do():
-    from linattn_lib.features import RandomFeatureMap, positive_random_features
+    from linattn_lib.core.features import RandomFeatureMap, positive_random_features
 
     x = torch.randn(2, 5, 8, device=DEVICE)
     W = torch.randn(6, 8, device=DEVICE)
@@ -709,7 +710,7 @@ def test_favor_backend_rejects_what_it_cannot_do():
 def test_gpu_check_favor_rows_run_on_cpu():
     """gpu_check's FAVOR+ comparison, with a stand-in timer and the interpreter: every row runs
     forward and backward and names what it timed."""
-    from linattn_lib.gpu_check import run_favor_benchmark
+    from linattn_lib.experiments.gpu_check import run_favor_benchmark
 
     calls = []
 
@@ -729,7 +730,7 @@ def test_gpu_check_favor_rows_run_on_cpu():
 def test_gpu_check_config_sweep_runs_every_candidate_on_cpu():
     """gpu_check's launch-config sweep, with a stand-in timer and the interpreter: every
     candidate of both chunk kernels is launched, the chosen one is among them and marked."""
-    from linattn_lib.gpu_check import run_config_sweep
+    from linattn_lib.experiments.gpu_check import run_config_sweep
 
     rows = run_config_sweep(1, 1, 40, 16, do_bench=lambda fn, **kw: (fn(), 0.5)[1], device="cpu")
     assert [r.get("error") for r in rows] == [None] * len(rows)

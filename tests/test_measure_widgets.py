@@ -7,7 +7,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 from linattn_lib.measure import fit_loglog_slope, peak_memory_bytes, time_fn  # noqa: E402
-from linattn_lib.widgets import StaticSlider, static_slider  # noqa: E402
+from linattn_lib.chapters.widgets import StaticSlider, static_slider  # noqa: E402
 
 
 def test_loglog_slope_recovers_exponent():

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from linattn_lib import decay_mask, linear_attention, retnet_log_decay
-from linattn_lib.memory_horizon import (
+from linattn_lib.chapters.memory_horizon import (
     bounded_state_norm,
     continuous_horizon,
     effective_window,
@@ -115,6 +115,6 @@ def test_table_and_errors():
 
 
 def test_lag_weights_with_a_full_reset():
-    from linattn_lib.memory_horizon import lag_weights
+    from linattn_lib.chapters.memory_horizon import lag_weights
 
     assert lag_weights(float("-inf"), 3).tolist() == [1.0, 0.0, 0.0, 0.0]

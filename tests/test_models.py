@@ -7,7 +7,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linattn_lib.models import ATTENTION_KINDS, LINEAR_KINDS, LinearAttention, ModelConfig, TinyLM
+from linattn_lib.nn.models import (
+    ATTENTION_KINDS,
+    LINEAR_KINDS,
+    LinearAttention,
+    ModelConfig,
+    TinyLM,
+)
 
 VARIANTS = [(kind, ()) for kind in ATTENTION_KINDS] + [("linear", (1,))]  # last: a hybrid
 

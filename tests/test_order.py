@@ -1,8 +1,8 @@
-"""Permutation equivariance / invariance checks (linattn_lib.order)."""
+"""Permutation equivariance / invariance checks (linattn_lib.chapters.order)."""
 import pytest
 import torch
 
-from linattn_lib.order import (
+from linattn_lib.chapters.order import (
     SelfAttentionWeights,
     equivariance_error,
     invariance_error,
@@ -73,7 +73,7 @@ def test_self_attention_rejects_bad_kind(setup):
 
 
 def test_local_mass():
-    from linattn_lib.order import local_mass
+    from linattn_lib.chapters.order import local_mass
 
     T = 6
     eye = torch.eye(T)
@@ -93,7 +93,7 @@ def test_local_mass_of_an_all_zero_matrix_is_an_error_not_nan():
     import pytest
     import torch
 
-    from linattn_lib.order import local_mass
+    from linattn_lib.chapters.order import local_mass
 
     with pytest.raises(ValueError, match="no mass"):
         local_mass(torch.zeros(3, 3), 1)

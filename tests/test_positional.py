@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from linattn_lib import linear_attention
-from linattn_lib.positional import (
+from linattn_lib.core.positional import (
     band_bias_attention,
     band_bias_matrix,
     cosformer_attention,

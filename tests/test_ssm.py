@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from linattn_lib import LinearAttentionState, linear_attention
-from linattn_lib.ssm import (
+from linattn_lib.core.ssm import (
     gla_attention,
     retnet_log_decay,
     rwkv4_wkv,

@@ -123,7 +123,7 @@ def test_initial_state_errors_name_the_state_layout_and_values():
 
 
 def test_masks_check_their_inputs():
-    from linattn_lib.masks import causal_mask, decay_mask, segsum
+    from linattn_lib.core.masks import causal_mask, decay_mask, segsum
 
     with pytest.raises(ValueError, match="log_decay"):
         decay_mask(torch.tensor([2.0, 3.0, 1.0]))  # growth, not decay

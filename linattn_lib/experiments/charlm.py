@@ -35,7 +35,7 @@ from typing import Optional
 
 import torch
 
-from ..models import ModelConfig, TinyLM
+from ..nn.models import ModelConfig, TinyLM
 from .common import parse_cli, run_metadata, seed_everything, train, write_json
 
 # Pure-Python standard-library modules with rich docstrings, present in CPython 3.10-3.13.

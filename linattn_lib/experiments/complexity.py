@@ -21,7 +21,7 @@ CLI (writes the JSON the chapter plots; the speed table uses the text's sizes):
 
     python -m linattn_lib.experiments.complexity   # -> book/results/complexity_<cpu|cuda>.json
 
-On CUDA the times are wall times from `linattn_lib.bench.cuda_time` (Triton's do_bench); on the
+On CUDA the times are wall times from `linattn_lib.experiments.bench.cuda_time` (Triton's do_bench); on the
 CPU they are single-thread CPU times (see `cpu_time_fn`).
 """
 from __future__ import annotations
@@ -39,11 +39,18 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..attention import linear_attention, softmax_attention
-from ..features import RandomFeatureMap, elu_plus_one
-from ..measure import default_device, fit_loglog_slope, peak_memory_bytes, settle_cpu_allocator, time_fn
-from ..performer import performer_attention
-from ..positional import cosformer_attention
+from ..core.linear import linear_attention
+from ..core.softmax import softmax_attention
+from ..core.features import RandomFeatureMap, elu_plus_one
+from ..measure import (
+    default_device,
+    fit_loglog_slope,
+    peak_memory_bytes,
+    settle_cpu_allocator,
+    time_fn,
+)
+from ..core.performer import performer_attention
+from ..core.positional import cosformer_attention
 
 METHODS = ("softmax", "performer", "linear", "cosformer", "decayed")
 ALL_METHODS = ("softmax", "softmax_fused", "performer", "linear", "cosformer", "decayed")
@@ -130,7 +137,7 @@ def _cuda_seconds(call: Callable[[], object], repeats: int, device) -> float:
     """CUDA time through the benchmark module's timer (Triton's do_bench, median), when Triton
     is installed; torch-synchronised wall time otherwise."""
     try:
-        from ..bench import cuda_time
+        from .bench import cuda_time
 
         return cuda_time(call)[0]
     except ImportError:

@@ -35,8 +35,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..generation import torch_threads
-from ..models import ModelConfig, TinyLM
+from ..chapters.profiling import torch_threads
+from ..nn.models import ModelConfig, TinyLM
 from .common import parse_cli, progress_bar, run_metadata, seed_everything, train, write_json
 
 IGNORE = -100
@@ -190,7 +190,7 @@ def layer_state_numbers(cfg: MQARConfig, kind: str) -> int:
     if kind == "softmax":
         return 2 * cfg.seq_len * cfg.d_model
     if kind == "performer":
-        from ..features import default_num_features
+        from ..core.features import default_num_features
 
         m = default_num_features(d_head)
     else:

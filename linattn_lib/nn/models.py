@@ -27,10 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _validate as V
-from .attention import LinearAttentionState, linear_attention
-from .features import RandomFeatureMap, elu_plus_one
-from .ssm import retnet_log_decay
+from .. import _validate as V
+from ..core.state import LinearAttentionState
+from ..core.linear import linear_attention
+from ..core.features import RandomFeatureMap, elu_plus_one
+from ..core.ssm import retnet_log_decay
 
 ATTENTION_KINDS = ("softmax", "performer", "linear", "cosformer", "retnet", "ssd")
 LINEAR_KINDS = ATTENTION_KINDS[1:]

@@ -15,7 +15,7 @@ collects the small exact calculations the chapters lean on:
   the exact ones;
 * `performer_theorem4_num_features`: the number of features Performer's Theorem 4 asks for.
 
-Every sample is computed with the library's own feature maps (`linattn_lib.features`), so the
+Every sample is computed with the library's own feature maps (`linattn_lib.core.features`), so the
 statistics measured here are those of the code the book uses. Computations run in float64.
 """
 from __future__ import annotations
@@ -26,9 +26,9 @@ from typing import Iterable
 import torch
 from torch import Tensor
 
-from . import _validate as V
-from .attention import softmax_attention, softmax_attention_weights
-from .features import (
+from .. import _validate as V
+from ..core.softmax import softmax_attention, softmax_attention_weights
+from ..core.features import (
     RandomFeatureMap,
     clipped_trig_features,
     hyperbolic_random_features,
@@ -37,7 +37,7 @@ from .features import (
     rff_features,
     trig_softmax_features,
 )
-from .performer import performer_attention
+from ..core.performer import performer_attention
 
 D64 = torch.float64
 

@@ -1,6 +1,6 @@
 """Fast chunked linear attention on the CPU: the `backend="torch"` path of `linear_attention`.
 
-Same semantics as `reference_linear_attention` (see the top of `attention.py`):
+Same semantics as `reference_linear_attention` (the recurrence is stated in `state.py`):
 
     S_t = exp(g_t) S_{t-1} + k_t v_t^T,   z_t = exp(g_t) z_{t-1} + k_t,
     o_t = q_t S_t / (q_t . z_t + eps)     (or q_t S_t when normalize=False),
@@ -49,6 +49,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .masks import decay_mask
+from .state import LinearAttentionState, compute_dtype, noncausal, suffix_sum, sum_after
 
 BLOCK_TOKENS = 4096  # tokens per block: ~50 torch calls each, so not too many blocks; temporaries ~1 MiB
 SCAN_ONE_LEVEL_MAX = 16  # scans over more chunks than this go in two levels (see _Scan)
@@ -66,8 +67,6 @@ def chunked_linear_attention(q, k, v, *, causal, normalize, log_decay, eps, chun
     backward); non-causal ones are one global state and one product, for which plain autograd
     already keeps only O(T) tensors.
     """
-    from .attention import LinearAttentionState
-
     S0, z0 = (None, None) if initial_state is None else initial_state
     if not normalize:
         z0 = None
@@ -76,13 +75,9 @@ def chunked_linear_attention(q, k, v, *, causal, normalize, log_decay, eps, chun
     else:
         if log_decay is not None:
             raise ValueError("chunked_linear_attention: `log_decay` needs causal=True")
-        o, S, z = _noncausal(q, k, v, S0, z0, normalize, float(eps))
+        o, S, z = noncausal(q, k, v, S0, z0, normalize, float(eps))
     o = o.to(v.dtype)
     return (o, LinearAttentionState(S, z)) if return_state else o
-
-
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
 
 
 def _initial(S0, z0, B, H, Dk, Dv, normalize, dtype, device) -> Tensor:
@@ -98,26 +93,6 @@ def _split_state(Sa: Tensor, B, H, Dv, normalize):
     """(B*H, Dk, Dv') -> S (B, H, Dk, Dv) and z (B, H, Dk) (None when not normalising)."""
     S = Sa[..., :Dv].reshape(B, H, -1, Dv)
     return S, (Sa[..., Dv].reshape(B, H, -1) if normalize else None)
-
-
-# --------------------------------------------------------------------------------------
-# non-causal: one global state, then one product (plain autograd keeps only O(T) tensors)
-# --------------------------------------------------------------------------------------
-
-
-def _noncausal(q, k, v, S0, z0, normalize, eps):
-    """o = q S / (q . z + eps) with the global state S = S0 + k^T v and z = z0 + sum_t k_t."""
-    dtype = _compute_dtype(q)
-    q, k, v = (x.to(dtype) for x in (q, k, v))
-    S = k.transpose(-1, -2) @ v
-    if S0 is not None:
-        S = S + S0.to(dtype)
-    o = q @ S
-    z = None
-    if normalize:
-        z = k.sum(-2) if z0 is None else z0.to(dtype) + k.sum(-2)
-        o = o / (q @ z.unsqueeze(-1) + eps)
-    return o, S, z
 
 
 # --------------------------------------------------------------------------------------
@@ -175,7 +150,7 @@ class _Decay:
         # exp(g_{j+1} + ... + g_C): key j decayed to the chunk end, summed from j + 1 on rather
         # than taken as b_C - b_j, which would cancel catastrophically after one huge step
         # (a "reset" g = -1e4 early in the chunk leaves b_C - b_j with float32's 1e-3 spacing).
-        self.k_scale = F.pad(g.flip(-1).cumsum(-1).flip(-1)[:, 1:], (0, 1)).exp().unsqueeze(-1)
+        self.k_scale = sum_after(g).exp().unsqueeze(-1)
         # (G, C, C): exp(b_i - b_j) for i >= j, 0 above the diagonal. The same cancellation
         # threatens b_i - b_j, so the differences are taken in float64 (C prefix sums per chunk:
         # cheap), then rounded once; the reference builds its mask with `segsum` instead.
@@ -238,7 +213,7 @@ class _Scan:
         else:
             self.L = F.pad(decay_mask(gamma)[:, :-1], (0, 0, 1, 0))  # row i: decay_mask row i - 1
             self.c = F.pad(gamma[:, :-1].cumsum(1), (1, 0)).exp().unsqueeze(-1)  # (h, n, 1)
-            self.c_rev = F.pad(gamma[:, 1:].flip(1).cumsum(1).flip(1), (0, 1)).exp().unsqueeze(-1)
+            self.c_rev = sum_after(gamma).exp().unsqueeze(-1)
             self.first, self.last = gamma[:, :1].exp(), gamma[:, -1:].exp()  # (h, 1)
 
     def __call__(
@@ -311,7 +286,7 @@ def _scan_for(decay: Optional[_Decay], h: int, n: int, like: Tensor) -> _Scan:
 def _prepare(q, k, v, log_decay, C):
     """Inputs as (B*H*N, C, D) chunk batches in the compute dtype, T padded to a multiple of C."""
     B, H, T, Dk = q.shape
-    dtype = _compute_dtype(q)
+    dtype = compute_dtype(q)
     pad = (-T) % C
     g = None
     if log_decay is not None:
@@ -395,7 +370,7 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         dlog = None
         if dc is not None and ctx.needs_input_grad[3]:
             # dL/dg_s = sum_{t >= s} dL/dc_t; the final state depends on every g: + <dS_T, S_T>
-            dc = dc.view(BH, N * C).flip(-1).cumsum(-1).flip(-1)
+            dc = suffix_sum(dc.view(BH, N * C))
             dc += (dS_T * ctx.S_T).sum((-1, -2)).unsqueeze(-1)
             dlog = dc.view(B, H, N * C)[:, :, :T]
             dlog = (dlog.sum((0, 2)) if log_decay.dim() == 1 else dlog).to(log_decay.dtype)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from . import _validate as V
+from .. import _validate as V
 
 
 def segsum(g: Tensor) -> Tensor:

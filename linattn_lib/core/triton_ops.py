@@ -14,7 +14,7 @@ What runs where (see kernels/chunk_fwd.py and kernels/chunk_bwd.py for the maths
                       chunk_fwd     (anti-causal)        -> dv and the gradient of the initial state
                       torch, O(B H T)                    -> the gradient of the log-decay
     non-causal        noncausal_state + noncausal_output, forward and backward
-    decoding          decode (one token, state updated in place)
+    decoding          decode (one token, state updated in place; wrapper in decode.py)
 
 Gradients flow to q, k, v, the log-decay and the initial state (S0 and z0).
 """
@@ -29,8 +29,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _validate as V
-from .attention import DEFAULT_EPS, LinearAttentionState
+from .. import _validate as V
+from .state import DEFAULT_EPS, LinearAttentionState, suffix_sum
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -249,7 +249,7 @@ class _CausalLinearAttention(torch.autograd.Function):
                 r[..., -1] += (dS_T * S_T).sum((-2, -1))
                 if dz_T is not None:
                     r[..., -1] += (dz_T * z_T).sum(-1)
-            dg = r.flip(-1).cumsum(-1).flip(-1)
+            dg = suffix_sum(r)
             dg = (dg.sum((0, 2)) if g.dim() == 1 else dg).to(g.dtype)
         if dq is not None:
             dq = dq.to(q.dtype) if need_q else None
@@ -347,118 +347,6 @@ def linear_attention_triton(
     o, S = out[0], out[1]
     z = out[2] if normalize else None
     return o, LinearAttentionState(S, z)
-
-
-# --------------------------------------------------------------------------------------
-# decoding: one token, state updated in place
-# --------------------------------------------------------------------------------------
-
-
-def _check_decode(fn, q, k, v, state, log_decay, normalize):
-    V.check_tensor(fn, "q_t", q, layout=("B", "H", "Dk"))
-    V.check_tensor(fn, "k_t", k, layout=("B", "H", "Dk"))
-    V.check_tensor(fn, "v_t", v, layout=("B", "H", "Dv"))
-    V.check_same(fn, [("q_t", q), ("k_t", k), ("v_t", v)])
-    B, H, Dk = q.shape
-    Dv = v.shape[-1]
-    if tuple(k.shape) != (B, H, Dk):
-        raise ValueError(f"{fn}: `k_t` has shape {tuple(k.shape)}; expected (B, H, Dk) = {(B, H, Dk)} like `q_t`")
-    if tuple(v.shape[:2]) != (B, H):
-        raise ValueError(f"{fn}: `v_t` has shape {tuple(v.shape)}; expected (B, H, Dv) with (B, H) = {(B, H)}")
-    V.check_state(fn, "state", state, B=B, H=H, Dk=Dk, Dv=Dv, device=q.device, normalize=normalize)
-    # The state is updated in place: an expanded view (stride 0, e.g. from .expand()) would
-    # have every batch row (or head) write the same memory.
-    V.check_no_overlap(fn, "state.S", state[0])
-    if normalize:
-        V.check_no_overlap(fn, "state.z", state[1])
-    if log_decay is not None:
-        V.check_tensor(fn, "log_decay_t", log_decay)
-        if tuple(log_decay.shape) not in ((H,), (B, H)):
-            raise ValueError(
-                f"{fn}: `log_decay_t` has shape {tuple(log_decay.shape)}; expected (H,) = ({H},) per head "
-                f"or (B, H) = {(B, H)} for this token"
-            )
-        if log_decay.device != q.device:
-            raise ValueError(f"{fn}: `log_decay_t` is on {log_decay.device} but `q_t` is on {q.device}")
-        if not bool(torch.isfinite(log_decay).all()) or bool((log_decay > 0).any()):
-            raise ValueError(
-                f"{fn}: `log_decay_t` must be finite and <= 0 (a decay factor in (0, 1]), got values in "
-                f"[{float(log_decay.min()):.4g}, {float(log_decay.max()):.4g}]"
-            )
-
-
-def _decode_torch(q, k, v, S, z, log_decay, eps):
-    B, H, _ = q.shape
-    a = None
-    if log_decay is not None:
-        a = torch.exp(log_decay.float()).expand(B, H) if log_decay.dim() == 2 else torch.exp(log_decay.float()).view(1, H).expand(B, H)
-    S32 = S.float()
-    if a is not None:
-        S32 = S32 * a[..., None, None]
-    S32 = S32 + k.float().unsqueeze(-1) * v.float().unsqueeze(-2)
-    S.copy_(S32)
-    o = (q.float().unsqueeze(-2) @ S32).squeeze(-2)
-    if z is not None:
-        z32 = z.float() * a[..., None] if a is not None else z.float()
-        z32 = z32 + k.float()
-        z.copy_(z32)
-        o = o / ((q.float() * z32).sum(-1, keepdim=True) + eps)
-    return o.to(v.dtype)
-
-
-def linear_attention_decode_step(
-    q_t: Tensor,
-    k_t: Tensor,
-    v_t: Tensor,
-    state: LinearAttentionState,
-    *,
-    log_decay_t: Optional[Tensor] = None,
-    normalize: bool = True,
-    eps: float = DEFAULT_EPS,
-    backend: str = "auto",
-) -> Tensor:
-    """One generation step of causal linear attention; updates `state` in place.
-
-        S <- exp(g) S + k_t v_t^T,   z <- exp(g) z + k_t,   o_t = q_t S / (q_t . z + eps)
-
-    Args:
-        q_t, k_t: (B, H, Dk) features of the new token; v_t: (B, H, Dv).
-        state: LinearAttentionState(S (B, H, Dk, Dv), z (B, H, Dk) or None), e.g. the state
-            returned by `linear_attention(..., return_state=True)` on the prompt. S and z are
-            overwritten with the new state (keep them in float32 for long generations).
-        log_decay_t: optional log-decay (<= 0) of this step, (H,) or (B, H).
-        normalize: divide by q_t . z + eps (needs state.z).
-        backend: "auto" (the Triton kernel for CUDA tensors, torch otherwise), "torch", or
-            "triton" (on CPU: the interpreter).
-
-    Returns:
-        o_t of shape (B, H, Dv) in the dtype of v_t: exactly what the parallel form gives at
-        this position. Inference only: no gradient flows through this function.
-    """
-    fn = "linear_attention_decode_step"
-    V.check_choice(fn, "backend", backend, ("auto", "torch", "triton"))
-    normalize = V.check_flag(fn, "normalize", normalize)
-    eps = V.check_eps(fn, eps)  # a number (not a bool), finite, >= 0
-    _check_decode(fn, q_t, k_t, v_t, state, log_decay_t, normalize)
-    S, z = state[0], (state[1] if normalize else None)
-    contiguous = S.is_contiguous() and (z is None or z.is_contiguous())
-    use_triton = backend == "triton" or (
-        backend == "auto" and q_t.is_cuda and contiguous and q_t.dtype in SUPPORTED_DTYPES and triton_available()
-    )
-    with torch.no_grad():
-        if not use_triton:
-            return _decode_torch(q_t, k_t, v_t, S, z, log_decay_t, eps)
-        _check_inputs(fn, q_t, v_t)
-        for name, x in (("state.S", S), ("state.z", z)):
-            if x is not None and not x.is_contiguous():
-                raise ValueError(
-                    f"{fn}: backend='triton' updates `{name}` in place and needs it contiguous, got strides "
-                    f"{tuple(x.stride())} for shape {tuple(x.shape)}; pass a contiguous state (.contiguous())"
-                )
-        for name, x in (("state.S", S), ("state.z", z)):
-            if x is not None and x.dtype not in SUPPORTED_DTYPES:
-                raise TypeError(f"{fn}: backend='triton' needs a float32/float16/bfloat16 `{name}`, got {x.dtype}")
-        return _kernels.decode_step(q_t, k_t, v_t, S, z, log_decay=log_decay_t, eps=eps)
 
 
 # --------------------------------------------------------------------------------------

@@ -21,7 +21,8 @@ from typing import Optional, Sequence
 import torch
 from torch import Tensor
 
-from .attention import LinearAttentionState, linear_attention
+from ..core.state import LinearAttentionState
+from ..core.linear import linear_attention
 
 __all__ = [
     "effective_window",

@@ -4,7 +4,7 @@ Chapter 4 of the book compares linear attention with softmax attention in the tw
 the sequence length shows up in practice:
 
 * **Decoding** token by token: `profile_decoding` runs a decoder (`RecurrentDecoder` or
-  `KVCacheDecoder` from `linattn_lib.decoding`, or anything with `step(q_t, k_t, v_t)` and
+  `KVCacheDecoder` from `linattn_lib.core.decode`, or anything with `step(q_t, k_t, v_t)` and
   `nbytes`) over a sequence and records, at chosen context lengths, the median time of the steps
   just before that length and the bytes the decoder holds.
 * **Training**: `saved_tensor_bytes` counts the bytes autograd keeps alive for the backward pass
@@ -23,7 +23,7 @@ from typing import Callable, Optional, Sequence
 import torch
 from torch import Tensor
 
-from .measure import peak_memory_bytes, settle_cpu_allocator, synchronize
+from ..measure import peak_memory_bytes, settle_cpu_allocator, synchronize
 
 
 def _check_lengths(fn: str, name: str, lengths: Sequence[int], limit: Optional[int] = None) -> list[int]:

@@ -23,7 +23,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from . import _validate as V
+from .. import _validate as V
 
 SCALINGS = ("chi", "sqrt_d")
 
@@ -231,7 +231,7 @@ def positive_random_features(
 
     backend="triton" computes the map in one fused kernel (kernels/favor.py: projection,
     stabiliser and exp without intermediate (T, m) tensors), differentiable like this one. The
-    default stays "torch" until the GPU benchmark (`python -m linattn_lib.gpu_check`) has shown
+    default stays "torch" until the GPU benchmark (`python -m linattn_lib.experiments.gpu_check`) has shown
     that the fusion pays for itself.
     """
     fn = "positive_random_features"
@@ -240,7 +240,7 @@ def positive_random_features(
     input_scale = V.check_finite_number(fn, "input_scale", input_scale)
     _check_stabilize(fn, stabilize)
     if backend == "triton":
-        from ._triton import positive_random_features_triton
+        from .triton_ops import positive_random_features_triton
 
         return positive_random_features_triton(x, W, input_scale=input_scale, stabilize=stabilize)
     return torch.exp(_stabilize(_positive_exponents(x, W, input_scale), stabilize, fn)) / math.sqrt(W.shape[0])

@@ -1,6 +1,6 @@
 """Check the compiled Triton kernels on a CUDA GPU, and time them.
 
-    python -m linattn_lib.gpu_check --out gpu_results/
+    python -m linattn_lib.experiments.gpu_check --out gpu_results/
 
 1. runs tests/test_kernels_interpret.py with CUDA tensors, so every kernel is compiled for
    this GPU and checked against the float64 references (bfloat16 cases included);
@@ -48,7 +48,7 @@ def _environment() -> dict:
     except ImportError:
         info["triton"] = None
     try:
-        from . import __version__
+        from .. import __version__
 
         info["linattn_lib"] = __version__
     except ImportError:
@@ -99,7 +99,7 @@ def run_benchmark(B: int = 1, H: int = 16, T: int = 16384, D: int = 128) -> list
     import torch.nn.functional as F
     from triton.testing import do_bench
 
-    from .attention import linear_attention
+    from ..core.linear import linear_attention
 
     dev, dtype = "cuda", torch.bfloat16
     torch.manual_seed(0)
@@ -157,7 +157,7 @@ def run_favor_benchmark(B: int, H: int, T: int, d: int = 64, m: int = 256, *, do
     default on CUDA."""
     import torch
 
-    from .features import positive_random_features, random_projection
+    from ..core.features import positive_random_features, random_projection
 
     dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter has no bf16
     x = (torch.randn(B, H, T, d, device=device) * 1.5).to(dtype).requires_grad_()
@@ -179,7 +179,7 @@ def candidate_configs(kernel: str, d_whole: int, dtype, capability) -> list[dict
     lengths 32 and 64, tiles of 16, 32 and 64 columns, 4 and 8 warps, at the pipelining depth
     the launcher uses for this dtype -- those that fit the GPU's shared memory per block are
     decided by the run itself (a config that does not fit fails to launch and is reported)."""
-    from .kernels import DIM_NAMES, select_config
+    from ..kernels import DIM_NAMES, select_config
 
     chosen = select_config(kernel, d_whole, dtype, capability)
     whole, tiled = DIM_NAMES[kernel]
@@ -201,7 +201,7 @@ def run_config_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, d
     should replace that evidence."""
     import torch
 
-    from . import kernels as K
+    from .. import kernels as K
 
     if device == "cuda":
         cap = torch.cuda.get_device_capability()

@@ -340,7 +340,7 @@ def compile_report(kernel: str, target: str, dtype: str, d_whole: int, *, config
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    from ._triton import _require_kernels
+    from ..core.triton_ops import _require_kernels
 
     K = _require_kernels("compile_report")
     fn, spec = K.KERNELS[kernel]

@@ -6,7 +6,7 @@ from typing import Mapping, Optional, Sequence
 import matplotlib.pyplot as plt
 import numpy as np
 
-from .measure import fit_loglog_slope
+from ..measure import fit_loglog_slope
 
 
 def _np(x):

@@ -24,8 +24,9 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _validate as V
-from .attention import DEFAULT_EPS, linear_attention
+from .. import _validate as V
+from .linear import linear_attention
+from .state import DEFAULT_EPS, suffix_sum
 
 COSFORMER_VARIANTS = ("original", "lambda")
 COSFORMER_NORMALIZERS = ("similarity", "text")
@@ -345,7 +346,7 @@ def key_normalized_attention(
     eps = V.check_eps(fn, eps)
     if form == "quadratic":
         return key_normalized_attention_matrix(q, k, eps=eps) @ v
-    future_q = torch.flip(torch.cumsum(torch.flip(q, [2]), dim=2), [2])  # sum_{i>=j} q_i
+    future_q = suffix_sum(q, dim=2)  # sum_{i>=j} q_i
     z = (k * future_q).sum(-1, keepdim=True)
     return linear_attention(q, k, v / (z + eps), causal=False, normalize=False)
 

@@ -62,8 +62,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from . import _validate as V
-from .attention import DEFAULT_EPS, LinearAttentionState, expand_log_decay, linear_attention
+from .. import _validate as V
+from ..core.linear import linear_attention
+from ..core.softmax import softmax_attention
+from ..core.state import (
+    DEFAULT_EPS, LinearAttentionState, compute_dtype, expand_log_decay, sum_after,
+)
 
 LOOPBACK = "127.0.0.1"  # the only address `launch` ever uses
 
@@ -373,10 +377,6 @@ def _check_same_on_every_rank(fn: str, args: Sequence[_Arg], group, x: Tensor) -
 # --------------------------------------------------------------------------------------
 
 
-def _compute_dtype(x: Tensor) -> torch.dtype:
-    return torch.float64 if x.dtype == torch.float64 else torch.float32
-
-
 def local_state(k: Tensor, v: Tensor, log_decay: Optional[Tensor] = None, *, normalize: bool = True):
     """The state one slice builds from zero, and the log-decay across it (differentiable).
 
@@ -390,16 +390,16 @@ def local_state(k: Tensor, v: Tensor, log_decay: Optional[Tensor] = None, *, nor
         Float32 (float64 for float64 input).
     """
     B, H, T, _ = k.shape
-    dtype = _compute_dtype(k)
+    dtype = compute_dtype(k)
     kk, vv = k.to(dtype), v.to(dtype)
     if log_decay is None:
         S = kk.transpose(-1, -2) @ vv
         z = kk.sum(-2) if normalize else None
         return S, z, torch.zeros(B, H, dtype=dtype, device=k.device)
     g = expand_log_decay(log_decay, B, H, T, dtype=dtype, device=k.device)
-    c = torch.cumsum(g, dim=-1)
-    G = c[..., -1] if T > 0 else torch.zeros(B, H, dtype=dtype, device=k.device)
-    kw = kk * torch.exp(G.unsqueeze(-1) - c).unsqueeze(-1)  # every exponent <= 0
+    G = g.sum(-1)  # the decay across the whole slice (0 for an empty one)
+    # exp(g_{j+1} + ... + g_T) <= 1, summed from j + 1 on, not c_T - c_j (see core/state.py)
+    kw = kk * torch.exp(sum_after(g)).unsqueeze(-1)
     S = kw.transpose(-1, -2) @ vv
     z = kw.sum(-2) if normalize else None
     return S, z, G
@@ -702,7 +702,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, seq_len: int, causal: boo
     if T != bounds[rank][1] - bounds[rank][0]:
         raise ValueError(f"{fn}: rank {rank} holds T_r={T} tokens, but split_sequence({seq_len}, {world}) "
                          f"gives it {bounds[rank][1] - bounds[rank][0]}")
-    dtype = _compute_dtype(q)
+    dtype = compute_dtype(q)
     with torch.no_grad():
         qs = q.to(dtype) * scale
         m = torch.full((B, H, T), float("-inf"), dtype=dtype, device=q.device)
@@ -1093,7 +1093,6 @@ def compare_with_reference(results_by_rank: Sequence[list], cases: Sequence[dict
     max |reference| of the output and of every gradient, per case. A per-head (H,) log-decay is
     a parameter shared by the ranks: every rank must hold its full gradient (summed over the
     group), so that error is the largest over the ranks."""
-    from .attention import softmax_attention
 
     report = []
     world = len(results_by_rank)

@@ -20,8 +20,10 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _validate as V
-from .attention import FORMS, LinearAttentionState, expand_log_decay, linear_attention
+from .. import _validate as V
+from .linear import linear_attention
+from .reference import FORMS
+from .state import LinearAttentionState, expand_log_decay, sum_after
 from .masks import segsum
 
 DISCRETIZATIONS = ("zoh", "mamba")
@@ -306,7 +308,8 @@ def _gla_block(q: Tensor, k: Tensor, v: Tensor, g: Tensor, S: Tensor) -> tuple[T
     G = torch.cumsum(g, dim=-2)
     out = A @ v + (q * torch.exp(G)) @ S
     G_end = G[..., -1:, :]
-    k_to_end = k * torch.exp(G_end - G)
+    # g_{j+1} + ... + g_end, summed from j + 1 on (not G_end - G_j: see core/state.py)
+    k_to_end = k * torch.exp(sum_after(g.transpose(-1, -2))).transpose(-1, -2)
     S = torch.exp(G_end).transpose(-1, -2) * S + k_to_end.transpose(-1, -2) @ v
     return out, S
 

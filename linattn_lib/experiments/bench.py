@@ -1,8 +1,8 @@
 """Benchmarks: linear attention next to softmax attention, side by side, and the CPU targets.
 
-    python -m linattn_lib.bench                  # the CPU targets (B=1, H=8, T=16384, D=64, fp32)
-    python -m linattn_lib.bench sweep --T 1024,4096,16384 --D 64 --chunk-size 64,128
-    python -m linattn_lib.bench --quick          # tiny sizes, a few seconds (a smoke test)
+    python -m linattn_lib.experiments.bench                  # the CPU targets (B=1, H=8, T=16384, D=64, fp32)
+    python -m linattn_lib.experiments.bench sweep --T 1024,4096,16384 --D 64 --chunk-size 64,128
+    python -m linattn_lib.experiments.bench --quick          # tiny sizes, a few seconds (a smoke test)
 
 Every run prints a table, and writes JSON (command, configuration, hardware, versions, every
 measurement) and a PNG plot into --out (default ``bench_results/``).
@@ -40,13 +40,13 @@ from typing import Callable, Optional
 import torch
 import torch.nn.functional as F
 
-from .attention import linear_attention
-from .experiments.common import progress_bar, run_metadata, write_json
-from .measure import device_name, peak_memory_bytes
+from ..core.linear import linear_attention
+from .common import progress_bar, run_metadata, write_json
+from ..measure import device_name, peak_memory_bytes
 
 PROVIDERS = ("linattn-triton", "linattn-torch", "naive-quadratic", "sdpa", "fla")
 MODES = ("fwd", "fwd+bwd")
-MODULE = "linattn_lib.bench"
+MODULE = "linattn_lib.experiments.bench"
 
 # The CPU targets: (B, H, T, D) and what must hold, measured side by side in one run.
 TARGET_SHAPE = dict(B=1, H=8, T=16384, D=64)
@@ -229,7 +229,7 @@ def provider_forward(name: str, q, k, v, *, chunk_size: int, max_quadratic_bytes
     if name == "linattn-triton":
         if not q.is_cuda:
             raise Skip("needs CUDA (on CPU the Triton backend is the interpreter)")
-        from ._triton import triton_available
+        from ..core.triton_ops import triton_available
 
         if not triton_available():
             raise Skip("triton kernels not available")
@@ -296,7 +296,7 @@ def _own_chunk(name: str, D: int, dtype: torch.dtype, device) -> Optional[int]:
     if name == "fla":
         return 64
     if name == "linattn-triton" and torch.device(device).type == "cuda":
-        from ._triton import _load_kernels
+        from ..core.triton_ops import _load_kernels
 
         K = _load_kernels()
         return None if K is None else K.select_config("chunk_fwd", D, dtype, device)["BT"]
@@ -479,14 +479,14 @@ def _memory_probe(B, H, T, D, chunk_size) -> dict:
 def chunk_matmuls_only(q, k, v, *, chunk_size: int) -> Callable[[], torch.Tensor]:
     """The four matmuls of the torch path's forward, and nothing else: a ceiling for it.
 
-    The same bmm calls on the same shapes and the same blocks as `_chunked._forward_block`
+    The same bmm calls on the same shapes and the same blocks as `torch_chunked._forward_block`
     with normalize=True (k^T v', q E, q k^T and A v', with v' = [v, 1] built once, outside the
     timing), writing into a freshly allocated output as every forward must -- but no scan (q
     multiplies the chunk's own increment), no mask, no division, no copies. Its FLOP/s is what
     the chunked algorithm's matmuls reach on this machine at these sizes, so no implementation
     built from these calls can beat it; the targets table reports linattn-torch against it.
     """
-    from ._chunked import BLOCK_TOKENS, _blocks, _prepare, _Workspace
+    from ..core.torch_chunked import BLOCK_TOKENS, _blocks, _prepare, _Workspace
 
     B, H, T, D = q.shape
     C = min(chunk_size, T)

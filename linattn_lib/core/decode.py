@@ -9,13 +9,12 @@ returns exactly what the parallel form computes at that position.
 from __future__ import annotations
 
 import math
-from typing import Optional
-
 import torch
 from torch import Tensor
 
-from . import _validate as V
-from .attention import DEFAULT_EPS, LinearAttentionState
+from .. import _validate as V
+from . import triton_ops
+from .state import DEFAULT_EPS, LinearAttentionState, compute_dtype
 
 
 def _check_token(fn: str, name: str, x, expected: tuple[int, int, int], dtype: torch.dtype, device) -> None:
@@ -27,8 +26,35 @@ def _check_token(fn: str, name: str, x, expected: tuple[int, int, int], dtype: t
         raise ValueError(f"{fn}: `{name}` is on {x.device} but the decoder is on {device}")
 
 
-def _nbytes(*tensors: Optional[Tensor]) -> int:
+def _nbytes(*tensors: Tensor | None) -> int:
     return sum(t.numel() * t.element_size() for t in tensors if t is not None)
+
+
+def decode_update(
+    q: Tensor, k: Tensor, v: Tensor, S: Tensor, z: Tensor | None,
+    decay: Tensor | None, eps: float,
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """One step of the recurrence, the one torch definition every decoder uses.
+
+        S <- a S + k v^T,   z <- a z + k,   o = q S / (q . z + eps)   (o = q S without z)
+
+    q, k: (B, H, Dk), v: (B, H, Dv), S: (B, H, Dk, Dv), z: (B, H, Dk) or None, decay a:
+    (B, H) or None for no decay. Computed in float32 (float64 for a float64 state), whatever
+    the dtypes of the inputs; returns (o, new S, new z) in that dtype.
+    """
+    dtype = compute_dtype(S)
+    q, k, v, S = (x.to(dtype) for x in (q, k, v, S))
+    if decay is not None:
+        S = decay.to(dtype)[..., None, None] * S
+    S = S + k.unsqueeze(-1) * v.unsqueeze(-2)
+    o = (q.unsqueeze(-1) * S).sum(-2)
+    if z is None:
+        return o, S, None
+    z = z.to(dtype)
+    if decay is not None:
+        z = decay.to(dtype)[..., None] * z
+    z = z + k
+    return o / ((q * z).sum(-1, keepdim=True) + eps), S, z
 
 
 class RecurrentDecoder:
@@ -54,7 +80,7 @@ class RecurrentDecoder:
         eps: float = DEFAULT_EPS,
         dtype: torch.dtype = torch.float32,
         device=None,
-        initial_state: Optional[LinearAttentionState] = None,
+        initial_state: LinearAttentionState | None = None,
     ) -> None:
         fn = "RecurrentDecoder"
         for name, value in (("batch", batch), ("heads", heads), ("dk", dk), ("dv", dv)):
@@ -96,41 +122,27 @@ class RecurrentDecoder:
         """Bytes held by the state: constant, independent of `tokens_seen`."""
         return _nbytes(self.S, self.z)
 
-    def _decay(self, log_decay_t: Optional[Tensor]) -> Optional[Tensor]:
+    def _decay(self, log_decay_t: Tensor | None) -> Tensor | None:
         """exp(log_decay_t) as a (B, H) factor, or None for no decay."""
         if log_decay_t is None:
             return None
-        fn = "RecurrentDecoder.step"
         batch, heads = self.S.shape[:2]
-        V.check_tensor(fn, "log_decay_t", log_decay_t)
-        if tuple(log_decay_t.shape) not in ((heads,), (batch, heads)):
-            raise ValueError(
-                f"{fn}: `log_decay_t` has shape {tuple(log_decay_t.shape)}; expected (H,) = ({heads},) "
-                f"or (B, H) = {(batch, heads)}"
-            )
-        if log_decay_t.device != self.S.device:
-            raise ValueError(f"{fn}: `log_decay_t` is on {log_decay_t.device} but the decoder is on {self.S.device}")
-        V.check_values(fn, "log_decay_t", log_decay_t, high=0.0, why="a decay factor exp(log_decay_t) in (0, 1]")
+        V.check_step_log_decay(
+            "RecurrentDecoder.step", "log_decay_t", log_decay_t, B=batch, H=heads, device=self.S.device)
         return torch.exp(log_decay_t.to(self.S.dtype)).expand(batch, heads)
 
-    def step(self, q_t: Tensor, k_t: Tensor, v_t: Tensor, log_decay_t: Optional[Tensor] = None) -> Tensor:
+    def step(self, q_t: Tensor, k_t: Tensor, v_t: Tensor, log_decay_t: Tensor | None = None) -> Tensor:
         """Absorb token t into the state and return its output o_t of shape (B, H, Dv)."""
         fn = "RecurrentDecoder.step"
         batch, heads, dk, dv = self.S.shape
         for name, x, d in (("q_t", q_t, dk), ("k_t", k_t, dk), ("v_t", v_t, dv)):
             _check_token(fn, name, x, (batch, heads, d), self.dtype, self.S.device)
-        q_t, k_t, v_t = (x.to(self.S.dtype) for x in (q_t, k_t, v_t))
-        a = self._decay(log_decay_t)
-        if a is not None:
-            self.S = a[..., None, None] * self.S
-            self.z = a[..., None] * self.z if self.normalize else None
-        self.S = self.S + k_t.unsqueeze(-1) * v_t.unsqueeze(-2)
-        num = (q_t.unsqueeze(-1) * self.S).sum(-2)
+        o, self.S, z = decode_update(
+            q_t, k_t, v_t, self.S, self.z, self._decay(log_decay_t), self.eps)
+        if self.normalize:
+            self.z = z
         self.tokens_seen += 1
-        if not self.normalize:
-            return num.to(self.dtype)
-        self.z = self.z + k_t
-        return (num / ((q_t * self.z).sum(-1, keepdim=True) + self.eps)).to(self.dtype)
+        return o.to(self.dtype)
 
 
 class KVCacheDecoder:
@@ -198,3 +210,95 @@ class KVCacheDecoder:
         K, Vs = self.keys[:, :, : n + 1], self.values[:, :, : n + 1]
         weights = torch.softmax((K @ q_t.unsqueeze(-1)).squeeze(-1) * self.scale, dim=-1)  # (B, H, n+1)
         return (weights.unsqueeze(-2) @ Vs).squeeze(-2)
+
+
+# --------------------------------------------------------------------------------------
+# the functional step: one token, state updated in place (a Triton kernel on CUDA)
+# --------------------------------------------------------------------------------------
+
+
+def _check_decode(fn, q, k, v, state, log_decay, normalize):
+    V.check_tensor(fn, "q_t", q, layout=("B", "H", "Dk"))
+    V.check_tensor(fn, "k_t", k, layout=("B", "H", "Dk"))
+    V.check_tensor(fn, "v_t", v, layout=("B", "H", "Dv"))
+    V.check_same(fn, [("q_t", q), ("k_t", k), ("v_t", v)])
+    B, H, Dk = q.shape
+    Dv = v.shape[-1]
+    if tuple(k.shape) != (B, H, Dk):
+        raise ValueError(f"{fn}: `k_t` has shape {tuple(k.shape)}; expected (B, H, Dk) = {(B, H, Dk)} like `q_t`")
+    if tuple(v.shape[:2]) != (B, H):
+        raise ValueError(f"{fn}: `v_t` has shape {tuple(v.shape)}; expected (B, H, Dv) with (B, H) = {(B, H)}")
+    V.check_state(fn, "state", state, B=B, H=H, Dk=Dk, Dv=Dv, device=q.device, normalize=normalize)
+    # The state is updated in place: an expanded view (stride 0, e.g. from .expand()) would
+    # have every batch row (or head) write the same memory.
+    V.check_no_overlap(fn, "state.S", state[0])
+    if normalize:
+        V.check_no_overlap(fn, "state.z", state[1])
+    if log_decay is not None:
+        V.check_step_log_decay(fn, "log_decay_t", log_decay, B=B, H=H, device=q.device)
+
+
+def _decode_torch(q, k, v, S, z, log_decay, eps):
+    """`decode_update`, writing the new state into S and z in place."""
+    B, H, _ = q.shape
+    a = None if log_decay is None else torch.exp(log_decay.to(compute_dtype(S))).expand(B, H)
+    o, S_new, z_new = decode_update(q, k, v, S, z, a, eps)
+    S.copy_(S_new)
+    if z is not None:
+        z.copy_(z_new)
+    return o.to(v.dtype)
+
+
+def linear_attention_decode_step(
+    q_t: Tensor,
+    k_t: Tensor,
+    v_t: Tensor,
+    state: LinearAttentionState,
+    *,
+    log_decay_t: Tensor | None = None,
+    normalize: bool = True,
+    eps: float = DEFAULT_EPS,
+    backend: str = "auto",
+) -> Tensor:
+    """One generation step of causal linear attention; updates `state` in place.
+
+        S <- exp(g) S + k_t v_t^T,   z <- exp(g) z + k_t,   o_t = q_t S / (q_t . z + eps)
+
+    Args:
+        q_t, k_t: (B, H, Dk) features of the new token; v_t: (B, H, Dv).
+        state: LinearAttentionState(S (B, H, Dk, Dv), z (B, H, Dk) or None), e.g. the state
+            returned by `linear_attention(..., return_state=True)` on the prompt. S and z are
+            overwritten with the new state (keep them in float32 for long generations).
+        log_decay_t: optional log-decay (<= 0) of this step, (H,) or (B, H).
+        normalize: divide by q_t . z + eps (needs state.z).
+        backend: "auto" (the Triton kernel for CUDA tensors, torch otherwise), "torch", or
+            "triton" (on CPU: the interpreter).
+
+    Returns:
+        o_t of shape (B, H, Dv) in the dtype of v_t: exactly what the parallel form gives at
+        this position. Inference only: no gradient flows through this function.
+    """
+    fn = "linear_attention_decode_step"
+    V.check_choice(fn, "backend", backend, ("auto", "torch", "triton"))
+    normalize = V.check_flag(fn, "normalize", normalize)
+    eps = V.check_eps(fn, eps)  # a number (not a bool), finite, >= 0
+    _check_decode(fn, q_t, k_t, v_t, state, log_decay_t, normalize)
+    S, z = state[0], (state[1] if normalize else None)
+    contiguous = S.is_contiguous() and (z is None or z.is_contiguous())
+    use_triton = backend == "triton" or (
+        backend == "auto" and q_t.is_cuda and contiguous and q_t.dtype in triton_ops.SUPPORTED_DTYPES and triton_ops.triton_available()
+    )
+    with torch.no_grad():
+        if not use_triton:
+            return _decode_torch(q_t, k_t, v_t, S, z, log_decay_t, eps)
+        triton_ops._check_inputs(fn, q_t, v_t)
+        for name, x in (("state.S", S), ("state.z", z)):
+            if x is not None and not x.is_contiguous():
+                raise ValueError(
+                    f"{fn}: backend='triton' updates `{name}` in place and needs it contiguous, got strides "
+                    f"{tuple(x.stride())} for shape {tuple(x.shape)}; pass a contiguous state (.contiguous())"
+                )
+        for name, x in (("state.S", S), ("state.z", z)):
+            if x is not None and x.dtype not in triton_ops.SUPPORTED_DTYPES:
+                raise TypeError(f"{fn}: backend='triton' needs a float32/float16/bfloat16 `{name}`, got {x.dtype}")
+        return triton_ops._load_kernels().decode_step(q_t, k_t, v_t, S, z, log_decay=log_decay_t, eps=eps)

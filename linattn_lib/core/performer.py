@@ -7,8 +7,8 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from . import _validate as V
-from .attention import linear_attention
+from .. import _validate as V
+from .linear import linear_attention
 from .features import EXPONENTIAL_KINDS, RandomFeatureMap
 from .ssm import gla_attention
 

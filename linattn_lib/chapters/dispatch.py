@@ -20,7 +20,7 @@ by length is only sound for a model trained to run both (a hybrid over lengths).
 mechanism the switch is exact: linear attention's quadratic and chunked forms agree, and
 `choose_form` picks between those.
 
-CLI: `python -m linattn_lib.dispatch --out book/results/crossover_cpu.json` measures the
+CLI: `python -m linattn_lib.chapters.dispatch --out book/results/crossover_cpu.json` measures the
 crossover on this device and records it with its hardware.
 """
 from __future__ import annotations
@@ -34,12 +34,12 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from . import _validate as V
-from .attention import linear_attention
-from .features import elu_plus_one
-from .measure import time_fn
+from .. import _validate as V
+from ..core.linear import linear_attention
+from ..core.features import elu_plus_one
+from ..measure import time_fn
 
-# Crossover lengths T* by head dimension d, measured with `python -m linattn_lib.dispatch`
+# Crossover lengths T* by head dimension d, measured with `python -m linattn_lib.chapters.dispatch`
 # (causal, B = 1, H = 4, fp32, forward, one CPU thread) and recorded in
 # book/results/crossover_cpu.json. Keys are torch device types.
 MEASURED_CROSSOVER: dict[str, dict[int, int]] = {"cpu": {32: 363, 64: 393, 128: 477}}
@@ -217,10 +217,10 @@ def measure_crossover(d: int = 64, *, device="cpu", lengths: Sequence[int] = DEF
 
 def main(argv: Optional[list[str]] = None) -> dict:
     """Measure the crossover for several head dimensions and write JSON with the hardware."""
-    from .experiments.common import run_metadata, write_json
-    from .measure import default_device, device_name
+    from ..experiments.common import run_metadata, write_json
+    from ..measure import default_device, device_name
 
-    p = argparse.ArgumentParser(prog="python -m linattn_lib.dispatch", description="measure the softmax/linear crossover length")
+    p = argparse.ArgumentParser(prog="python -m linattn_lib.chapters.dispatch", description="measure the softmax/linear crossover length")
     p.add_argument("--out", default=None, help="JSON file to write (default: print only)")
     p.add_argument("--d", nargs="+", type=int, default=[32, 64, 128])
     p.add_argument("--lengths", nargs="+", type=int, default=list(DEFAULT_LENGTHS) + [8192])
@@ -235,7 +235,7 @@ def main(argv: Optional[list[str]] = None) -> dict:
         c = measure_crossover(d, device=device, lengths=args.lengths, heads=args.heads, repeats=args.repeats, threads=args.threads)
         runs.append(c.to_dict())
         print(f"d={d}: T* = {c.t_star if c.t_star is None else round(c.t_star)}  (T*/d = {c.ratio if c.ratio is None else round(c.ratio, 1)})")
-    meta = dict(run_metadata("linattn_lib.dispatch", argv), device=device_name(device), timing_threads=args.threads)
+    meta = dict(run_metadata("linattn_lib.chapters.dispatch", argv), device=device_name(device), timing_threads=args.threads)
     payload = {"meta": meta, "crossovers": runs}
     if args.out:
         write_json(args.out, payload)

@@ -23,8 +23,9 @@ from typing import Callable, Mapping, Optional, Sequence, Union
 import torch
 from torch import Tensor
 
-from .attention import linear_attention, softmax_attention
-from .features import elu_plus_one
+from ..core.linear import linear_attention
+from ..core.softmax import softmax_attention
+from ..core.features import elu_plus_one
 
 SequenceMap = Callable[[Tensor], Tensor]
 ATTENTION_KINDS = ("softmax", "linear")

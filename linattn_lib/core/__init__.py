@@ -1,0 +1,16 @@
+"""The mathematics of linear attention: every module here imports only `core/`,
+`linattn_lib._validate` and `linattn_lib.kernels` (no plotting, no widgets, no book helpers).
+
+    state.py          the state, the decay and its stable suffix sums (the numerics rule)
+    masks.py          causal and decay masks, segment sums
+    softmax.py        exact softmax attention, the quadratic baseline
+    reference.py      the quadratic, recurrent and chunked forms in plain autograd
+    linear.py         `linear_attention`: checks its inputs and picks a backend
+    torch_chunked.py  the fast CPU path (blockwise, recomputing backward)
+    triton_ops.py     autograd wrappers around the Triton kernels
+    decode.py         one token at a time: decoders and the functional decode step
+    features.py       feature maps (ELU+1, random features, FAVOR+ and its relatives)
+    performer.py      Performer attention
+    positional.py     cosFormer, relative-position band bias, key normalisation
+    ssm.py            state-space models: SSD, RetNet, GLA, RWKV-4, selective scan
+"""

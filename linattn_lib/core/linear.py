@@ -1,0 +1,123 @@
+"""`linear_attention`: the one public entry point, and the one place that picks a backend.
+
+It checks the inputs, then hands them to the compiled Triton kernels (`triton_ops.py`, on
+CUDA), the fast torch chunked path (`torch_chunked.py`, the CPU default) or the plain
+reference forms (`reference.py`, the quadratic and recurrent forms for teaching). The
+recurrence they all compute is stated in `state.py`.
+"""
+from __future__ import annotations
+
+from typing import Literal, overload
+
+from torch import Tensor
+
+from .. import _validate as V
+from .reference import FORMS, reference_linear_attention
+from .state import DEFAULT_EPS, LinearAttentionState
+from .torch_chunked import chunked_linear_attention
+from .triton_ops import linear_attention_triton, triton_available, triton_supports
+
+BACKENDS = ("auto", "torch", "triton")
+
+@overload
+def linear_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = ..., normalize: bool = ...,
+    log_decay: Tensor | None = ..., form: str = ..., chunk_size: int = ...,
+    eps: float = ..., backend: str = ...,
+    initial_state: LinearAttentionState | None = ...,
+    return_state: Literal[False] = ...,
+) -> Tensor: ...
+
+
+@overload
+def linear_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool = ..., normalize: bool = ...,
+    log_decay: Tensor | None = ..., form: str = ..., chunk_size: int = ...,
+    eps: float = ..., backend: str = ...,
+    initial_state: LinearAttentionState | None = ...,
+    return_state: Literal[True],
+) -> tuple[Tensor, LinearAttentionState]: ...
+
+
+def linear_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    *,
+    causal: bool = True,
+    normalize: bool = True,
+    log_decay: Tensor | None = None,
+    form: str = "chunked",
+    chunk_size: int = 64,
+    eps: float = DEFAULT_EPS,
+    backend: str = "auto",
+    initial_state: LinearAttentionState | None = None,
+    return_state: bool = False,
+) -> Tensor | tuple[Tensor, LinearAttentionState]:
+    """Linear attention over feature maps: o_i = sum_j w_ij (q_i . k_j) v_j [/ sum_j w_ij (q_i . k_j)].
+
+    Args:
+        q, k: (B, H, T, Dk) *features* phi(q), phi(k) (apply the feature map first).
+        v: (B, H, T, Dv).
+        causal: sum over j <= i (True) or over all j (False).
+        normalize: divide by the kernel row sums (plus `eps`); False gives the unnormalised
+            form used by RetNet and Mamba-2 / SSD.
+        log_decay: optional log of the per-step decay, <= 0, shape (H,) or (B, H, T); then
+            w_ij = exp(log_decay[j+1] + ... + log_decay[i]). Needs causal=True.
+        form: "quadratic", "recurrent" or "chunked" (all three agree).
+        chunk_size: chunk length of the chunked form on the torch path (the Triton kernels use
+            the chunk length of their launch config, `linattn_lib.kernels.select_config`).
+        eps: added to the denominator when normalize=True.
+        backend: "auto" (compiled Triton on CUDA for fp16/bf16/fp32, torch otherwise), "torch", or "triton"
+            (on CPU tensors: the Triton interpreter, slow, for teaching and tests). Only the
+            chunked form has a Triton implementation.
+        initial_state: a LinearAttentionState to resume from (e.g. the state returned by a
+            previous call on the preceding piece of the sequence).
+        return_state: also return the final LinearAttentionState.
+
+    Returns:
+        o of shape (B, H, T, Dv) in the dtype of v, or (o, state) when return_state=True.
+    """
+    fn = "linear_attention"
+    V.check_qkv(fn, q, k, v)
+    V.check_choice(fn, "form", form, FORMS)
+    V.check_choice(fn, "backend", backend, BACKENDS)
+    V.check_positive_int(fn, "chunk_size", chunk_size)
+    V.check_flag(fn, "causal", causal)
+    V.check_flag(fn, "normalize", normalize)
+    V.check_flag(fn, "return_state", return_state)
+    eps = V.check_eps(fn, eps)
+    V.check_all_finite(fn, (("q", q), ("k", k), ("v", v)))
+    if log_decay is not None:
+        V.check_log_decay(fn, log_decay, q, causal=causal)
+    if initial_state is not None:
+        B, H, _, Dk = q.shape
+        V.check_state(fn, "initial_state", initial_state, B=B, H=H, Dk=Dk, Dv=v.shape[-1], device=q.device, normalize=normalize)
+
+    # auto: the compiled kernels on CUDA for the inputs they support (fp16/bf16/fp32, head dims
+    # up to 256); float64 and wider heads stay on torch
+    use_triton = backend == "triton" or (
+        backend == "auto" and q.is_cuda and form == "chunked" and triton_supports(q, v)
+    )
+    if use_triton:
+        if form != "chunked":
+            raise ValueError(f"{fn}: backend='triton' implements form='chunked' only, got form={form!r}")
+        if not triton_available():
+            raise RuntimeError(f"{fn}: backend='triton' needs the `triton` package and linattn_lib.kernels")
+
+        return linear_attention_triton(
+            q, k, v, causal=causal, normalize=normalize, log_decay=log_decay, eps=eps,
+            initial_state=initial_state, return_state=return_state,
+        )
+
+    if form == "chunked" and backend in ("auto", "torch"):
+        return chunked_linear_attention(
+            q, k, v, causal=causal, normalize=normalize, log_decay=log_decay, eps=eps,
+            chunk_size=chunk_size, initial_state=initial_state, return_state=return_state,
+        )
+    return reference_linear_attention(
+        q, k, v, causal=causal, normalize=normalize, log_decay=log_decay, form=form,
+        chunk_size=chunk_size, eps=eps, initial_state=initial_state, return_state=return_state,
+    )
+
+
