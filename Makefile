@@ -1,7 +1,8 @@
 # Linear Attention, Hands-On: the README's two commands are `make book` and `make test`.
-# Everything runs inside .venv, which is created and installed on first use from
-# constraints.txt (the exact CI set); re-installs only when pyproject.toml or
-# constraints.txt change.
+# Everything runs inside .venv, which is created (from $(PYTHON), default python3) and
+# installed on first use from constraints.txt (the exact CI set); re-installs only when
+# pyproject.toml, setup.py or constraints.txt change. `make` never uses an active conda or
+# virtual environment's packages: environment.yml is the alternative to it, not an input.
 
 SHELL := bash
 .SHELLFLAGS := -eu -o pipefail -c
@@ -16,7 +17,7 @@ NB ?=
 MATHJAX_VERSION := 3.2.2
 MATHJAX_DIR := book/_static/mathjax
 
-.PHONY: help install book test browser-deps lab execute bench gpu-check mathjax clean distclean
+.PHONY: help install lint book test browser-deps lab execute bench gpu-check mathjax clean distclean
 
 help:  ## list the targets
 	@grep -E '^[a-z.-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -27,17 +28,22 @@ $(PY):
 
 .venv: $(PY)  ## create the virtual environment if it is missing
 
-$(STAMP): $(PY) pyproject.toml constraints.txt
+$(STAMP): $(PY) pyproject.toml setup.py constraints.txt
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[book,test]"
 	@touch $@
 
 install: $(STAMP)  ## install the library (editable) with book and test tools into .venv
+
+lint: $(STAMP)  ## check the library, kernels and tests with ruff (settings in pyproject.toml)
+	$(BIN)/ruff check .
 
 book: $(STAMP)  ## build the HTML book into _build/html (warnings are errors)
 	$(BIN)/jupyter-book build . --all -W -n --keep-going
 	@echo "open _build/html/index.html"
 
 # pytest exits 5 when it collects nothing (e.g. a fresh skeleton): not a failure.
+# tests/test_packaging.py is part of it: it builds the wheel, installs it into a fresh venv
+# and runs chapters 7 and 8 from a folder outside the repository (a few minutes, offline).
 # The browser test (tests/test_browser.py) opens the book just built into _build/html in
 # headless Chromium and saves screenshots to _build/screenshots.
 test: $(STAMP) browser-deps book  ## run the library tests, check every notebook's outputs (nbval) and read the built book in Chromium
@@ -64,8 +70,10 @@ execute: $(STAMP)  ## re-run notebooks and save their outputs (all, or NB=book/x
 bench: $(STAMP)  ## benchmark the attention implementations
 	$(PY) -m linattn_lib.experiments.bench
 
-gpu-check: $(STAMP)  ## check the compiled Triton kernels on a CUDA GPU
-	$(PY) -m linattn_lib.experiments.gpu_check
+# The package's own kernel self-test, the checkout's full kernel test file with CUDA tensors,
+# then the benchmark; exits non-zero when a check fails or did not run (e.g. no CUDA device).
+gpu-check: $(STAMP)  ## check the compiled Triton kernels on a CUDA GPU (fails without one)
+	$(PY) -m linattn_lib.experiments.gpu_check --pytest tests/test_kernels_interpret.py
 
 mathjax:  ## refresh the vendored MathJax in book/_static/mathjax (needs npm)
 	tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \

@@ -42,7 +42,12 @@ from .favor import compile_spec as _favor_spec
 from .favor import favor_features, favor_kernel
 from .noncausal import compile_spec_output as _noncausal_output_spec
 from .noncausal import compile_spec_state as _noncausal_state_spec
-from .noncausal import noncausal_output, noncausal_output_kernel, noncausal_state, noncausal_state_kernel
+from .noncausal import (
+    noncausal_output,
+    noncausal_output_kernel,
+    noncausal_state,
+    noncausal_state_kernel,
+)
 
 # kernel name -> (the @triton.jit function, compile_spec(config, dtype) -> (signature, constexprs))
 KERNELS = {

@@ -9,8 +9,6 @@ a config, and its answers always come from `CONFIGS`.
 """
 from __future__ import annotations
 
-from typing import Optional, Union
-
 import torch
 
 # Head dims above this need a different tiling (the "whole" dim would not fit registers).
@@ -113,10 +111,10 @@ def whole_dim(d: int) -> int:
     return next(b for b in WHOLE_DIMS if d <= b)
 
 
-Capability = Optional[tuple]
+Capability = tuple | None
 
 
-def device_capability(device: Union[torch.device, str, None]) -> Capability:
+def device_capability(device: torch.device | str | None) -> Capability:
     """(major, minor) of a CUDA device; None for CPU (the interpreter)."""
     device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type != "cuda":

@@ -29,7 +29,6 @@ reference does (it is detached there).
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import triton
@@ -100,8 +99,8 @@ def favor_features(
     W: torch.Tensor,
     *,
     input_scale: float = 1.0,
-    stabilize: Optional[str] = None,
-    config: Optional[dict] = None,
+    stabilize: str | None = None,
+    config: dict | None = None,
 ) -> torch.Tensor:
     """Launch `favor_kernel`: the positive random features of x (..., T, d) -> (..., T, m).
 

@@ -12,9 +12,7 @@ The package, by folder (the arrows run one way: experiments and chapters use cor
 * `experiments/`: every `python -m` command (MQAR, char-LM, complexity, bench, gpu_check);
 * `kernels` (the top-level `kernels/` folder): the Triton kernels.
 """
-from .core.linear import linear_attention
-from .core.softmax import softmax_attention, softmax_attention_weights
-from .core.state import LinearAttentionState
+from .core.decode import KVCacheDecoder, RecurrentDecoder, linear_attention_decode_step
 from .core.features import (
     RandomFeatureMap,
     clipped_trig_features,
@@ -31,6 +29,7 @@ from .core.features import (
     softmax_kernel,
     trig_softmax_features,
 )
+from .core.linear import linear_attention
 from .core.masks import causal_mask, decay_mask, segsum
 from .core.performer import performer_attention
 from .core.positional import (
@@ -43,6 +42,7 @@ from .core.positional import (
     key_normalized_attention_matrix,
     sinusoidal_positions,
 )
+from .core.softmax import softmax_attention, softmax_attention_weights
 from .core.ssm import (
     gla_attention,
     retnet_log_decay,
@@ -52,9 +52,9 @@ from .core.ssm import (
     ssd,
     zoh_discretize,
 )
-from .core.decode import KVCacheDecoder, RecurrentDecoder, linear_attention_decode_step
-from .nn import LinearAttention, ModelConfig, TinyLM
+from .core.state import LinearAttentionState
 from .distributed import launch, ring_attention, sequence_parallel_linear_attention
+from .nn import LinearAttention, ModelConfig, TinyLM
 
 __version__ = "0.1.0"
 

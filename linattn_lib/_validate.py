@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from typing import Iterable, Optional, Sequence
+from collections.abc import Iterable, Sequence
 
 import numpy as np
 import torch
@@ -27,11 +27,11 @@ def describe(x: Tensor) -> str:
 def check_tensor(
     fn: str,
     name: str,
-    x,
+    x: object,
     *,
-    ndim: Optional[int] = None,
+    ndim: int | None = None,
     floating: bool = True,
-    layout: Optional[Sequence[str]] = None,
+    layout: Sequence[str] | None = None,
 ) -> None:
     """`x` is a tensor (floating unless floating=False) with `ndim` axes.
 
@@ -97,7 +97,7 @@ def check_qkv(fn: str, q: Tensor, k: Tensor, v: Tensor) -> None:
             raise ValueError(f"{fn}: the {axis} must be at least 1, got q {describe(q)}, v {describe(v)}")
 
 
-def check_choice(fn: str, name: str, value, choices: Sequence) -> None:
+def check_choice(fn: str, name: str, value: object, choices: Sequence[object]) -> None:
     """`value` is one of `choices` (compared with ==, so a string, None or a number)."""
     try:
         ok = bool(value in choices)
@@ -109,13 +109,13 @@ def check_choice(fn: str, name: str, value, choices: Sequence) -> None:
         )
 
 
-def check_positive_int(fn: str, name: str, value) -> None:
+def check_positive_int(fn: str, name: str, value: object) -> None:
     """A positive integer: a Python int or any other integral number (numpy's too), not a bool."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{fn}: `{name}` must be a positive int, got {value!r}")
 
 
-def check_flag(fn: str, name: str, value) -> bool:
+def check_flag(fn: str, name: str, value: object) -> bool:
     """A switch: True or False; returns it as a Python bool.
 
     Only `bool` and numpy's `np.bool_` (what comparisons on arrays give) pass. Everything else
@@ -160,7 +160,10 @@ def check_step_log_decay(fn: str, name: str, x: Tensor, *, B: int, H: int, devic
     check_values(fn, name, x, high=0.0, why=f"a decay factor exp({name}) in (0, 1]")
 
 
-def check_state(fn: str, name: str, state, *, B: int, H: int, Dk: int, Dv: int, device, normalize: bool) -> None:
+def check_state(
+    fn: str, name: str, state: object, *, B: int, H: int, Dk: int, Dv: int,
+    device: torch.device, normalize: bool,
+) -> None:
     """A LinearAttentionState(S, z): S (B, H, Dk, Dv), z (B, H, Dk) when normalising, on `device`."""
     if not isinstance(state, tuple) or len(state) != 2:
         raise TypeError(f"{fn}: `{name}` must be a LinearAttentionState(S, z), got {type(state).__name__}")
@@ -186,7 +189,7 @@ def check_state(fn: str, name: str, state, *, B: int, H: int, Dk: int, Dv: int, 
 # the layout is named axis by axis, in the same message style.
 
 
-def check_layout(fn: str, name: str, x, layout: Sequence[str]) -> None:
+def check_layout(fn: str, name: str, x: object, layout: Sequence[str]) -> None:
     """`x` is a floating tensor with one axis per name in `layout`, e.g. ("B", "H", "T", "N")."""
     check_tensor(fn, name, x)
     if x.dim() != len(layout):
@@ -209,8 +212,8 @@ def check_values(
     name: str,
     x: Tensor,
     *,
-    low: Optional[float] = None,
-    high: Optional[float] = None,
+    low: float | None = None,
+    high: float | None = None,
     strict: bool = False,
     why: str = "",
 ) -> None:
@@ -231,7 +234,7 @@ def check_values(
 
 
 def check_number(
-    fn: str, name: str, value, *, low: Optional[float] = None, high: Optional[float] = None, strict_low: bool = False
+    fn: str, name: str, value: object, *, low: float | None = None, high: float | None = None, strict_low: bool = False
 ) -> float:
     """A real number (not a bool, not a tensor) in [low, high]; returns it as a float."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Real):
@@ -247,7 +250,7 @@ def check_number(
     return value
 
 
-def check_eps(fn: str, eps) -> float:
+def check_eps(fn: str, eps: object) -> float:
     """A finite, non-negative eps (NaN or inf would silently turn every output into NaN or 0)."""
     value = check_number(fn, "eps", eps, low=0.0)
     if not math.isfinite(value):
@@ -272,7 +275,7 @@ def _is_real(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, (bool, np.bool_))
 
 
-def check_finite_number(fn: str, name: str, value, *, positive: bool = False, nonnegative: bool = False) -> float:
+def check_finite_number(fn: str, name: str, value: object, *, positive: bool = False, nonnegative: bool = False) -> float:
     """A finite real number (a Python or numpy int/float; not a bool, a string or a tensor).
 
     NaN and +-inf are refused (they turn every output into NaN or 0 without an error);
@@ -291,7 +294,7 @@ def check_finite_number(fn: str, name: str, value, *, positive: bool = False, no
     return out
 
 
-def check_int(fn: str, name: str, value, *, low: Optional[int] = None, high: Optional[int] = None) -> int:
+def check_int(fn: str, name: str, value: object, *, low: int | None = None, high: int | None = None) -> int:
     """An integer (Python or numpy, not a bool, not a float such as 2.0) in [low, high]; returns int."""
     if isinstance(value, (bool, np.bool_)) or not isinstance(value, numbers.Integral):
         raise TypeError(f"{fn}: `{name}` must be an int, got {type(value).__name__} {value!r}")
@@ -303,7 +306,7 @@ def check_int(fn: str, name: str, value, *, low: Optional[int] = None, high: Opt
     return out
 
 
-def check_seed(fn: str, name: str, value) -> Optional[int]:
+def check_seed(fn: str, name: str, value: object) -> int | None:
     """None (fresh randomness) or an int seed that torch.Generator.manual_seed takes; returns it."""
     if value is None:
         return None
@@ -315,7 +318,7 @@ def check_seed(fn: str, name: str, value) -> Optional[int]:
     return out
 
 
-def check_dtype(fn: str, name: str, value, *, floating: bool = True) -> torch.dtype:
+def check_dtype(fn: str, name: str, value: object, *, floating: bool = True) -> torch.dtype:
     """A torch.dtype (not a string such as "float32"), floating-point unless floating=False."""
     if not isinstance(value, torch.dtype):
         raise TypeError(f"{fn}: `{name}` must be a torch.dtype such as torch.float32, got {type(value).__name__} {value!r}")
@@ -324,7 +327,7 @@ def check_dtype(fn: str, name: str, value, *, floating: bool = True) -> torch.dt
     return value
 
 
-def check_instance(fn: str, name: str, value, types, expected: str) -> None:
+def check_instance(fn: str, name: str, value: object, types: type | tuple[type, ...], expected: str) -> None:
     """isinstance(value, types), else a TypeError that says what was `expected` (in words)."""
     if not isinstance(value, types):
         raise TypeError(f"{fn}: `{name}` must be {expected}, got {type(value).__name__} {value!r:.80}")

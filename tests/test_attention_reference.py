@@ -6,28 +6,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linattn_lib import LinearAttentionState, linear_attention, softmax_attention
-from linattn_lib.core.reference import reference_linear_attention
+from linattn_lib import linear_attention, softmax_attention
 from linattn_lib.core.masks import decay_mask, segsum
+from linattn_lib.core.reference import reference_linear_attention
 
 D64 = torch.float64
-
-
-def make(B, H, T, Dk, Dv, *, seed=0, positive=True):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.rand(B, H, T, Dk, generator=g, dtype=D64) if positive else torch.randn(B, H, T, Dk, generator=g, dtype=D64)
-    k = torch.rand(B, H, T, Dk, generator=g, dtype=D64) if positive else torch.randn(B, H, T, Dk, generator=g, dtype=D64)
-    v = torch.randn(B, H, T, Dv, generator=g, dtype=D64)
-    return q, k, v
-
-
-def decay(kind, B, H, T, *, seed=1, strength=1.0):
-    g = torch.Generator().manual_seed(seed)
-    if kind is None:
-        return None
-    if kind == "head":
-        return -strength * torch.rand(H, generator=g, dtype=D64)
-    return -strength * torch.rand(B, H, T, generator=g, dtype=D64)
 
 
 CASES = [
@@ -38,10 +21,10 @@ CASES = [
 
 
 @pytest.mark.parametrize("T,causal,normalize,dk", CASES)
-def test_three_forms_agree_float64(T, causal, normalize, dk):
+def test_three_forms_agree_float64(T, causal, normalize, dk, make_qkv, make_log_decay):
     B, H = 2, 3
-    q, k, v = make(B, H, T, 5, 4)
-    ld = decay(dk, B, H, T, strength=3.0)
+    q, k, v = make_qkv(B, H, T, 5, 4)
+    ld = make_log_decay(dk, B, H, T, strength=3.0)
     ref = reference_linear_attention(q, k, v, causal=causal, normalize=normalize, log_decay=ld, form="quadratic")
     for form in ("recurrent", "chunked"):
         for chunk in (16, 64):
@@ -53,10 +36,10 @@ def test_three_forms_agree_float64(T, causal, normalize, dk):
         assert (out - ref).abs().max() < 1e-10
 
 
-def test_matches_explicit_formula():
+def test_matches_explicit_formula(make_qkv, make_log_decay):
     B, H, T = 1, 2, 9
-    q, k, v = make(B, H, T, 3, 2)
-    ld = decay("token", B, H, T)
+    q, k, v = make_qkv(B, H, T, 3, 2)
+    ld = make_log_decay("token", B, H, T)
     A = (q @ k.transpose(-1, -2)) * decay_mask(ld)
     expect = (A @ v) / (A.sum(-1, keepdim=True) + 1e-6)
     out = linear_attention(q, k, v, log_decay=ld, form="quadratic")
@@ -69,10 +52,10 @@ def test_matches_explicit_formula():
 
 @pytest.mark.parametrize("form", ["quadratic", "recurrent", "chunked"])
 @pytest.mark.parametrize("normalize", [True, False])
-def test_piecewise_with_state_resume_equals_one_pass(form, normalize):
+def test_piecewise_with_state_resume_equals_one_pass(form, normalize, make_qkv, make_log_decay):
     B, H, T = 2, 2, 50
-    q, k, v = make(B, H, T, 4, 3, seed=3)
-    ld = decay("token", B, H, T, strength=0.5)
+    q, k, v = make_qkv(B, H, T, 4, 3, seed=3)
+    ld = make_log_decay("token", B, H, T, strength=0.5)
     full, full_state = linear_attention(q, k, v, normalize=normalize, log_decay=ld, form=form, chunk_size=8, return_state=True)
     state, pieces = None, []
     for a, b in [(0, 13), (13, 14), (14, 40), (40, 50)]:
@@ -89,15 +72,15 @@ def test_piecewise_with_state_resume_equals_one_pass(form, normalize):
         assert state.z is None
 
 
-def test_noncausal_state_is_the_sum_of_outer_products():
-    q, k, v = make(1, 1, 10, 3, 2)
+def test_noncausal_state_is_the_sum_of_outer_products(make_qkv):
+    q, k, v = make_qkv(1, 1, 10, 3, 2)
     _, st = linear_attention(q, k, v, causal=False, return_state=True)
     assert torch.allclose(st.S[0, 0], k[0, 0].T @ v[0, 0])
     assert torch.allclose(st.z[0, 0], k[0, 0].sum(0))
 
 
-def test_strong_decay_stays_finite():
-    q, k, v = make(1, 2, 300, 4, 4)
+def test_strong_decay_stays_finite(make_qkv):
+    q, k, v = make_qkv(1, 2, 300, 4, 4)
     ld = torch.full((2,), -50.0, dtype=D64)  # exp(-50 * 300) would underflow if computed as a ratio
     outs = [linear_attention(q, k, v, log_decay=ld, form=f, normalize=False, chunk_size=64) for f in ("quadratic", "recurrent", "chunked")]
     for o in outs:
@@ -108,9 +91,9 @@ def test_strong_decay_stays_finite():
     assert (outs[0] - own).abs().max() < 1e-10
 
 
-def test_gradcheck_chunked_with_decay():
-    q, k, v = make(1, 2, 11, 3, 2, seed=5)
-    ld = decay("token", 1, 2, 11, seed=6)
+def test_gradcheck_chunked_with_decay(make_qkv, make_log_decay):
+    q, k, v = make_qkv(1, 2, 11, 3, 2, seed=5)
+    ld = make_log_decay("token", 1, 2, 11, seed=6)
     args = [t.clone().requires_grad_() for t in (q, k, v, ld)]
     f = lambda q, k, v, g: reference_linear_attention(q, k, v, log_decay=g, form="chunked", chunk_size=4)
     assert torch.autograd.gradcheck(f, args)
@@ -154,11 +137,11 @@ def test_softmax_is_safe_for_large_logits():
         assert torch.allclose(got.double()[picked], v.gather(2, best)[picked], atol=1e-2)
 
 
-def test_dtype_is_preserved():
+def test_dtype_is_preserved(make_qkv, make_log_decay):
     """float16 in, float16 out; float32 in, float32 out; each equal to the float64 result to the
     precision of its dtype."""
-    q, k, v = make(1, 2, 70, 4, 4)  # T = 70 > one chunk of 64
-    ld = decay("token", 1, 2, 70, strength=0.3)
+    q, k, v = make_qkv(1, 2, 70, 4, 4)  # T = 70 > one chunk of 64
+    ld = make_log_decay("token", 1, 2, 70, strength=0.3)
     for normalize in (True, False):
         want = reference_linear_attention(q, k, v, normalize=normalize, log_decay=ld, form="quadratic")
         for form in ("quadratic", "recurrent", "chunked"):

@@ -134,7 +134,7 @@ class _Ids(html.parser.HTMLParser):
                 self.ids.add(value or "")
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _ids_of(path: Path) -> frozenset[str]:
     parser = _Ids()
     parser.feed(path.read_text(encoding="utf-8", errors="replace"))

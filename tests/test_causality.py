@@ -63,21 +63,14 @@ def _assert_prefix_unchanged(fn, inputs: dict, time_dims: dict, out_time_dim: in
     assert err <= TOL, f"outputs before t={CUT} moved by {err:.2e} when tokens >= {CUT} changed"
 
 
-def _qkv(B=2, H=2, Dk=5, Dv=3, positive=True):
-    q, k, v = _randn(B, H, T, Dk, seed=1), _randn(B, H, T, Dk, seed=2), _randn(B, H, T, Dv, seed=3)
-    if positive:
-        q, k = q.abs(), k.abs()
-    return q, k, v
-
-
 QKV_T = {"q": 2, "k": 2, "v": 2}
 
 
 @pytest.mark.parametrize("form", ["chunked", "quadratic", "recurrent"])
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("decay", [None, "head", "token"])
-def test_linear_attention_torch(form, normalize, decay):
-    q, k, v = _qkv()
+def test_linear_attention_torch(form, normalize, decay, make_qkv):
+    q, k, v = make_qkv(B=2, H=2, T=T, Dv=3, features="abs")
     inputs = {"q": q, "k": k, "v": v}
     dims = dict(QKV_T)
     if decay == "head":
@@ -90,7 +83,7 @@ def test_linear_attention_torch(form, normalize, decay):
 
 
 @pytest.mark.parametrize("normalize", [True, False])
-def test_linear_attention_triton_interpreter(normalize):
+def test_linear_attention_triton_interpreter(normalize, make_qkv):
     pytest.importorskip("triton")
     from linattn_lib.core.triton_ops import triton_available
 
@@ -98,7 +91,7 @@ def test_linear_attention_triton_interpreter(normalize):
         pytest.skip("Triton kernels unavailable")
     # float32 (the interpreter's kernels take fp16/fp32): exact prefix equality still holds,
     # since masked-out entries contribute exact zeros
-    q, k, v = (x.float() for x in _qkv())
+    q, k, v = (x.float() for x in make_qkv(B=2, H=2, T=T, Dv=3, features="abs"))
     g = -_randn(2, 2, T, seed=4).abs().float()
 
     def fn(q, k, v, log_decay):
@@ -109,16 +102,16 @@ def test_linear_attention_triton_interpreter(normalize):
 
 @pytest.mark.parametrize("kind", ["positive", "hyperbolic"])
 @pytest.mark.parametrize("eps", [0.0, 1e-6])
-def test_performer(kind, eps):
-    q, k, v = _qkv(Dk=8, positive=False)
+def test_performer(kind, eps, make_qkv):
+    q, k, v = make_qkv(B=2, H=2, T=T, Dv=3, features="normal", Dk=8)
     fm = la.RandomFeatureMap(8, 16, kind=kind, seed=0).double()
     fn = functools.partial(la.performer_attention, feature_map=fm, causal=True, eps=eps, chunk_size=4)
     _assert_prefix_unchanged(fn, {"q": q, "k": k, "v": v}, QKV_T)
 
 
-def test_performer_decodes_token_by_token():
+def test_performer_decodes_token_by_token(make_qkv):
     """The causal stabiliser is a running maximum: a decoder can keep it one token at a time."""
-    q, k, v = _qkv(Dk=8, positive=False)
+    q, k, v = make_qkv(B=2, H=2, T=T, Dv=3, features="normal", Dk=8)
     k = k * 3
     fm = la.RandomFeatureMap(8, 16, seed=0).double()
     want = la.performer_attention(q, k, v, feature_map=fm, eps=1e-6)
@@ -130,21 +123,21 @@ def test_performer_decodes_token_by_token():
 
 
 @pytest.mark.parametrize("variant", ["original", "lambda"])
-def test_cosformer(variant):
-    q, k, v = _qkv()
+def test_cosformer(variant, make_qkv):
+    q, k, v = make_qkv(B=2, H=2, T=T, Dv=3, features="abs")
     fn = functools.partial(la.cosformer_attention, causal=True, variant=variant, M=T)
     _assert_prefix_unchanged(fn, {"q": q, "k": k, "v": v}, QKV_T, positive=("q", "k"))
 
 
-def test_band_bias():
-    q, k, v = _qkv()
+def test_band_bias(make_qkv):
+    q, k, v = make_qkv(B=2, H=2, T=T, Dv=3, features="abs")
     w = _randn(2, 3, seed=5).abs()
     fn = functools.partial(la.band_bias_attention, w=w, causal=True)
     _assert_prefix_unchanged(fn, {"q": q, "k": k, "v": v}, QKV_T, positive=("q", "k"))
 
 
-def test_softmax():
-    q, k, v = _qkv(positive=False)
+def test_softmax(make_qkv):
+    q, k, v = make_qkv(B=2, H=2, T=T, Dv=3, features="normal")
     _assert_prefix_unchanged(functools.partial(la.softmax_attention, causal=True), {"q": q, "k": k, "v": v}, QKV_T)
 
 
@@ -159,8 +152,8 @@ def test_ssd(form):
 
 
 @pytest.mark.parametrize("form", ["chunked", "quadratic", "recurrent"])
-def test_gla(form):
-    q, k, v = _qkv(positive=False)
+def test_gla(form, make_qkv):
+    q, k, v = make_qkv(B=2, H=2, T=T, Dv=3, features="normal")
     g = -_randn(2, 2, T, 5, seed=4).abs()
     fn = functools.partial(la.gla_attention, form=form, chunk_size=4)
     _assert_prefix_unchanged(fn, {"q": q, "k": k, "v": v, "log_gates": g}, {**QKV_T, "log_gates": 2})
@@ -193,8 +186,8 @@ def _decode(decoder, q, k, v):
     return torch.stack([decoder.step(q[:, :, t], k[:, :, t], v[:, :, t]) for t in range(q.shape[2])], dim=2)
 
 
-def test_decoders():
-    q, k, v = _qkv()
+def test_decoders(make_qkv):
+    q, k, v = make_qkv(B=2, H=2, T=T, Dv=3, features="abs")
 
     def recurrent(q, k, v):
         return _decode(la.RecurrentDecoder(2, 2, 5, 3, dtype=torch.float64), q, k, v)
@@ -235,9 +228,9 @@ def test_tiny_lm(attention):
 
 @pytest.mark.parametrize("form", ["chunked", "quadratic", "recurrent"])
 @pytest.mark.parametrize("name", ["q", "k", "v"])
-def test_non_finite_input_is_refused(form, name):
+def test_non_finite_input_is_refused(form, name, make_qkv):
     """A NaN at t would reach outputs before t through 0 * NaN in a masked matmul."""
-    q, k, v = (x.float() for x in _qkv())
+    q, k, v = (x.float() for x in make_qkv(B=2, H=2, T=T, Dv=3, features="abs"))
     inputs = {"q": q, "k": k, "v": v}
     inputs[name] = inputs[name].clone()
     inputs[name][0, 0, 5, 0] = float("nan")
@@ -247,10 +240,10 @@ def test_non_finite_input_is_refused(form, name):
 
 @pytest.mark.parametrize("form", ["chunked", "quadratic", "recurrent"])
 @pytest.mark.parametrize("decay", [False, True])
-def test_right_padding_with_garbage_is_harmless(form, decay):
+def test_right_padding_with_garbage_is_harmless(form, decay, make_qkv):
     """Huge finite garbage after the real tokens (scores overflow to inf in float32) leaves
     the real tokens' outputs as they are without the padding."""
-    q, k, v = (x.float() for x in _qkv())
+    q, k, v = (x.float() for x in make_qkv(B=2, H=2, T=T, Dv=3, features="abs"))
     g = -_randn(2, 2, T, seed=4).abs().float() if decay else None
     kp, vp = k.clone(), v.clone()
     kp[:, :, CUT:], vp[:, :, CUT:] = 1e30, -1e30
@@ -288,11 +281,11 @@ def test_performer_finite_at_large_scales():
 
 @pytest.mark.parametrize("kind", ["positive", "hyperbolic"])
 @pytest.mark.parametrize("causal", [True, False])
-def test_performer_stabilisers_are_exact(kind, causal):
+def test_performer_stabilisers_are_exact(kind, causal, make_qkv):
     """In float64 the stabilised forms (running max, per-feature max) equal the raw features."""
     from linattn_lib.core.performer import _causal_per_feature
 
-    q, k, v = (2 * x for x in _qkv(Dk=8, positive=False))
+    q, k, v = (2 * x for x in make_qkv(B=2, H=2, T=T, Dv=3, features="normal", Dk=8))
     fm = la.RandomFeatureMap(8, 20, kind=kind, seed=0).double()
     raw = la.performer_attention(q, k, v, feature_map=fm, causal=causal, stabilize=False)
     torch.testing.assert_close(la.performer_attention(q, k, v, feature_map=fm, causal=causal), raw, rtol=1e-12, atol=1e-12)

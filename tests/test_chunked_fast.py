@@ -51,30 +51,6 @@ def close(a: torch.Tensor, b: torch.Tensor, rtol: float, atol: float = 1e-6) -> 
     return (a - b).norm().item() <= rtol * b.norm().item() + atol * b.numel() ** 0.5
 
 
-def make(B=2, H=3, T=65, Dk=8, Dv=5, *, decay=None, state=False, dtype=torch.float32, seed=0, grad=False):
-    """q, k: positive features; v: any sign; decay: None, 'head' (H,) or 'token' (B, H, T)."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.rand(B, H, T, Dk, generator=g, dtype=torch.float64) + 0.1
-    k = torch.rand(B, H, T, Dk, generator=g, dtype=torch.float64) + 0.1
-    v = torch.randn(B, H, T, Dv, generator=g, dtype=torch.float64)
-    log_decay = None
-    if decay == "head":
-        log_decay = -torch.rand(H, generator=g, dtype=torch.float64) * 0.5
-    elif decay == "token":
-        log_decay = -torch.rand(B, H, T, generator=g, dtype=torch.float64)
-    init = None
-    if state:
-        init = LinearAttentionState(
-            torch.randn(B, H, Dk, Dv, generator=g, dtype=torch.float64),
-            torch.rand(B, H, Dk, generator=g, dtype=torch.float64) + 1.0,
-        )
-    cast = [x.to(dtype).requires_grad_(grad) for x in (q, k, v)]
-    log_decay = None if log_decay is None else log_decay.to(dtype).requires_grad_(grad)
-    if init is not None:
-        init = LinearAttentionState(*(x.to(dtype).requires_grad_(grad) for x in init))
-    return (*cast, log_decay, init)
-
-
 def both(q, k, v, log_decay, init, **kw):
     """(fast path, float64 quadratic reference) on the same inputs, with the final state."""
     kw = dict(kw, log_decay=log_decay, initial_state=init, return_state=True)
@@ -92,9 +68,9 @@ def both(q, k, v, log_decay, init, **kw):
 
 @pytest.mark.parametrize("T", TS)
 @pytest.mark.parametrize("chunk_size", CHUNKS)
-def test_forward_matches_float64_reference(T, chunk_size):
+def test_forward_matches_float64_reference(T, chunk_size, make_inputs):
     for normalize, decay, state in itertools.product((True, False), DECAYS, (False, True)):
-        q, k, v, g, init = make(T=T, decay=decay, state=state)
+        q, k, v, g, init = make_inputs(T=T, decay=decay, state=state)
         (o, st), (o_ref, st_ref) = both(q, k, v, g, init, normalize=normalize, chunk_size=chunk_size)
         case = f"T={T} C={chunk_size} normalize={normalize} decay={decay} state={state}"
         assert o.dtype == torch.float32 and o.shape == o_ref.shape, case
@@ -107,21 +83,21 @@ def test_forward_matches_float64_reference(T, chunk_size):
 
 
 @pytest.mark.parametrize("T", TS)
-def test_noncausal_matches_reference(T):
+def test_noncausal_matches_reference(T, make_inputs):
     for normalize, state in itertools.product((True, False), (False, True)):
-        q, k, v, _, init = make(T=T, state=state)
+        q, k, v, _, init = make_inputs(T=T, state=state)
         (o, st), (o_ref, st_ref) = both(q, k, v, None, init, causal=False, normalize=normalize, chunk_size=16)
         assert rel_err(o, o_ref) < 2e-6
         assert rel_err(st.S, st_ref.S) < 2e-6
 
 
-def test_many_blocks_and_multi_head_blocks(monkeypatch):
+def test_many_blocks_and_multi_head_blocks(monkeypatch, make_inputs):
     """Tiny blocks: a long sequence crosses many block boundaries (carrying the state), a short
     one puts several heads in one block; both must not change the result."""
     for block_tokens, T in ((32, 200), (64, 7), (48, 65)):
         monkeypatch.setattr(fast, "BLOCK_TOKENS", block_tokens)
         for decay in DECAYS:
-            q, k, v, g, init = make(T=T, decay=decay, state=True, grad=True)
+            q, k, v, g, init = make_inputs(T=T, decay=decay, state=True, grad=True)
             (o, st), (o_ref, st_ref) = both(q, k, v, g, init, chunk_size=8)
             assert rel_err(o, o_ref) < 2e-6 and rel_err(st.S, st_ref.S) < 2e-6
             # the backward walks the same blocks: every gradient equals float64 autograd's
@@ -162,13 +138,13 @@ def test_state_scan_equals_the_recurrence(n, decay):
     assert torch.allclose(E, torch.stack(want, 1).view(h * n, F)) and torch.allclose(before, S)
 
 
-def test_low_precision_inputs_compute_in_float32():
+def test_low_precision_inputs_compute_in_float32(make_inputs):
     """fp16 / bf16 inputs: the output is rounded to the input dtype once, at the end; the state
     is float32 and as accurate as a float32 computation (1e-6), far below the dtype's own
     rounding (fp16 ~5e-4, bf16 ~4e-3), so nothing was accumulated in low precision. The
     gradients, in the input dtype, equal float64 autograd's to the dtype's precision."""
     for dtype, unit in ((torch.float16, 2.0**-11), (torch.bfloat16, 2.0**-8)):
-        q, k, v, g, init = make(T=65, decay="token", dtype=dtype, grad=True)
+        q, k, v, g, init = make_inputs(T=65, decay="token", dtype=dtype, grad=True)
         o, st = linear_attention(q, k, v, log_decay=g, return_state=True, backend="torch")
         assert o.dtype == dtype and st.S.dtype == torch.float32
         # the reference sees the same (already rounded) inputs, in float64
@@ -185,8 +161,8 @@ def test_low_precision_inputs_compute_in_float32():
             assert rel_err(x.grad, x64.grad) < (8 if name == "log_decay" else 4) * unit, (dtype, name, rel_err(x.grad, x64.grad))
 
 
-def test_float64_stays_float64():
-    q, k, v, g, init = make(T=30, decay="head", state=True, dtype=torch.float64)
+def test_float64_stays_float64(make_inputs):
+    q, k, v, g, init = make_inputs(T=30, decay="head", state=True, dtype=torch.float64)
     (o, st), (o_ref, st_ref) = both(q, k, v, g, init, chunk_size=8)
     assert o.dtype == torch.float64 and st.S.dtype == torch.float64
     assert rel_err(o, o_ref) < 1e-12 and rel_err(st.S, st_ref.S) < 1e-12
@@ -209,10 +185,10 @@ def _loss_grads(q, k, v, g, init, outs, normalize):
 
 @pytest.mark.parametrize("T", (1, 7, 64, 65, 200))
 @pytest.mark.parametrize("decay", DECAYS)
-def test_gradients_match_reference_autograd(T, decay):
+def test_gradients_match_reference_autograd(T, decay, make_inputs):
     """float32 fast path vs float64 autograd through the reference, every input's gradient."""
     for normalize, state in itertools.product((True, False), (False, True)):
-        q, k, v, g, init = make(T=T, decay=decay, state=state, grad=True)
+        q, k, v, g, init = make_inputs(T=T, decay=decay, state=state, grad=True)
         if init is not None and not normalize:
             init = LinearAttentionState(init.S, None)
         kw = dict(normalize=normalize, log_decay=g, initial_state=init, return_state=True)
@@ -232,10 +208,10 @@ def test_gradients_match_reference_autograd(T, decay):
 
 @pytest.mark.parametrize("normalize", (True, False))
 @pytest.mark.parametrize("decay", ("head", "token"))
-def test_gradcheck_float64_with_decay(normalize, decay, monkeypatch):
+def test_gradcheck_float64_with_decay(normalize, decay, monkeypatch, make_inputs):
     """torch.autograd.gradcheck through the custom backward: q, k, v, log_decay, S0, z0."""
     monkeypatch.setattr(fast, "BLOCK_TOKENS", 6)  # several blocks even at this size
-    q, k, v, g, init = make(B=1, H=2, T=7, Dk=2, Dv=2, decay=decay, state=True, dtype=torch.float64, grad=True)
+    q, k, v, g, init = make_inputs(B=1, H=2, T=7, Dk=2, Dv=2, decay=decay, state=True, dtype=torch.float64, grad=True)
     inputs = (q, k, v, g, init.S, init.z) if normalize else (q, k, v, g, init.S)
 
     def f(q, k, v, g, S0, z0=None):
@@ -253,9 +229,9 @@ def test_gradcheck_float64_with_decay(normalize, decay, monkeypatch):
 
 @pytest.mark.parametrize("decay", DECAYS)
 @pytest.mark.parametrize("normalize", (True, False))
-def test_piecewise_with_state_resume_equals_one_pass(decay, normalize):
+def test_piecewise_with_state_resume_equals_one_pass(decay, normalize, make_inputs):
     T, cuts = 150, (0, 1, 40, 64, 129, 150)
-    q, k, v, g, _ = make(T=T, decay=decay)
+    q, k, v, g, _ = make_inputs(T=T, decay=decay)
     kw = dict(normalize=normalize, chunk_size=32, backend="torch", return_state=True)
     o_all, st_all = linear_attention(q, k, v, log_decay=g, **kw)
     pieces, state = [], None
@@ -267,8 +243,8 @@ def test_piecewise_with_state_resume_equals_one_pass(decay, normalize):
     assert rel_err(state.S, st_all.S) < 2e-6
 
 
-def test_chunk_size_does_not_change_the_result():
-    q, k, v, g, init = make(T=200, decay="token", state=True)
+def test_chunk_size_does_not_change_the_result(make_inputs):
+    q, k, v, g, init = make_inputs(T=200, decay="token", state=True)
     outs = [linear_attention(q, k, v, log_decay=g, initial_state=init, chunk_size=c, backend="torch") for c in (1, 3, 64, 128, 256)]
     for o in outs[1:]:
         assert rel_err(o, outs[0]) < 2e-6
@@ -278,7 +254,7 @@ def test_chunk_size_does_not_change_the_result():
 
 
 def test_bench_flop_count_formula():
-    from linattn_lib.experiments.bench import chunked_forward_flops
+    from linattn_lib.flops import chunked_forward_flops
 
     B, H, T, D, C = 1, 8, 16384, 64, 64
     per_chunk = 2 * C * C * D + 2 * C * C * (D + 1) + 4 * C * D * (D + 1)  # v' = [v, 1]
@@ -316,7 +292,7 @@ def test_bench_targets_cli_quick(tmp_path):
     assert f["linattn_s"] == statistics.median(f["linattn_times_s"]) and f["sdpa_s"] == statistics.median(f["sdpa_times_s"])
     assert math.isclose(f["matmul_fraction"], (f["linattn_flops"] / f["linattn_s"]) / (2 * f["matmul_n"] ** 3 / f["matmul_s"]))
     c = data["config"]
-    from linattn_lib.experiments.bench import chunked_forward_flops
+    from linattn_lib.flops import chunked_forward_flops
 
     assert f["linattn_flops"] == chunked_forward_flops(c["B"], c["H"], c["T"], c["D"], c["D"], c["chunk_size"])
     lo, hi = (str(t) for t in c["growth_T"])
@@ -326,16 +302,16 @@ def test_bench_targets_cli_quick(tmp_path):
 
 def expected_verdicts(res):
     """The four verdicts that the measurements in `res` call for, from the stated goals."""
-    from linattn_lib.experiments import bench
+    from linattn_lib.experiments import bench_targets
 
     f, g, m = res["forward"], res["growth"], res["memory"]
     v = lambda ok: "n/a" if ok is None else ("PASS" if ok else "FAIL")  # noqa: E731
     total = m.get("total_peak_bytes")
     return [
-        v(f["sdpa_s"] / f["linattn_s"] >= bench.TARGET_SPEEDUP_VS_SDPA),
-        v((f["linattn_flops"] / f["linattn_s"]) / (2 * f["matmul_n"] ** 3 / f["matmul_s"]) >= bench.TARGET_MATMUL_FRACTION),
-        v(g["median_s"][str(g["T"][1])] / g["median_s"][str(g["T"][0])] <= bench.TARGET_GROWTH),
-        v(None if total is None else total < bench.TARGET_MEMORY * m["qkvo_bytes"]),
+        v(f["sdpa_s"] / f["linattn_s"] >= bench_targets.TARGET_SPEEDUP_VS_SDPA),
+        v((f["linattn_flops"] / f["linattn_s"]) / (2 * f["matmul_n"] ** 3 / f["matmul_s"]) >= bench_targets.TARGET_MATMUL_FRACTION),
+        v(g["median_s"][str(g["T"][1])] / g["median_s"][str(g["T"][0])] <= bench_targets.TARGET_GROWTH),
+        v(None if total is None else total < bench_targets.TARGET_MEMORY * m["qkvo_bytes"]),
     ]
 
 
@@ -359,31 +335,31 @@ def _synthetic_targets(speedup, fraction, growth, memory_ratio):
 def test_targets_verdicts_follow_the_goals():
     """format_targets: PASS exactly when a measurement meets its goal, FAIL when it misses it
     (on both sides of each threshold), n/a when memory could not be measured."""
-    from linattn_lib.experiments import bench
+    from linattn_lib.experiments import bench_targets
 
     meta = dict(hardware="test", torch_version="x", library_version="y", threads=1)
     eps = 1e-6
-    good = (bench.TARGET_SPEEDUP_VS_SDPA * (1 + eps), bench.TARGET_MATMUL_FRACTION * (1 + eps),
-            bench.TARGET_GROWTH * (1 - eps), bench.TARGET_MEMORY * (1 - eps))
-    bad = (bench.TARGET_SPEEDUP_VS_SDPA * (1 - eps), bench.TARGET_MATMUL_FRACTION * (1 - eps),
-           bench.TARGET_GROWTH * (1 + eps), bench.TARGET_MEMORY * (1 + eps))
+    good = (bench_targets.TARGET_SPEEDUP_VS_SDPA * (1 + eps), bench_targets.TARGET_MATMUL_FRACTION * (1 + eps),
+            bench_targets.TARGET_GROWTH * (1 - eps), bench_targets.TARGET_MEMORY * (1 - eps))
+    bad = (bench_targets.TARGET_SPEEDUP_VS_SDPA * (1 - eps), bench_targets.TARGET_MATMUL_FRACTION * (1 - eps),
+           bench_targets.TARGET_GROWTH * (1 + eps), bench_targets.TARGET_MEMORY * (1 + eps))
     for i in range(4):
         values = list(good)
         values[i] = bad[i]
         res = _synthetic_targets(*values)
-        table, rows = bench.format_targets(res, meta)
-        verdicts = [bench._verdict(r["ok"]) for r in rows]
+        table, rows = bench_targets.format_targets(res, meta)
+        verdicts = [bench_targets.verdict(r["ok"]) for r in rows]
         assert verdicts == ["FAIL" if j == i else "PASS" for j in range(4)], (i, verdicts)
         assert verdicts == expected_verdicts(res)
         assert [line.split()[-1] for line in table.splitlines() if line.rstrip().endswith(("PASS", "FAIL", "n/a"))] == verdicts
-    _, rows = bench.format_targets(_synthetic_targets(*good[:3], None), meta)
-    assert [bench._verdict(r["ok"]) for r in rows] == ["PASS", "PASS", "PASS", "n/a"]
+    _, rows = bench_targets.format_targets(_synthetic_targets(*good[:3], None), meta)
+    assert [bench_targets.verdict(r["ok"]) for r in rows] == ["PASS", "PASS", "PASS", "n/a"]
 
 
 def test_bench_matmuls_only_ceiling_computes_the_four_products():
     """The ceiling the targets table compares against really does the forward's matmuls:
     per chunk, q (k^T v') + (q k^T) v' with v' = [v, 1], blockwise, every chunk written."""
-    from linattn_lib.experiments.bench import chunk_matmuls_only
+    from linattn_lib.experiments.bench_targets import chunk_matmuls_only
 
     g = torch.Generator().manual_seed(3)
     B, H, T, D, C = 2, 3, 200, 16, 32  # T not a multiple of C: the last chunk is padded

@@ -7,8 +7,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linattn_lib.experiments import complexity as C
 from linattn_lib.core.features import RandomFeatureMap
+from linattn_lib.experiments import complexity as C
 
 
 def reference(method, q, k, v, *, num_features=16):

@@ -9,9 +9,9 @@ from linattn_lib.chapters.costs import (
     MODELS,
     attention_core_flops,
     cost_table,
-    crossover_length,
     describe_costs,
     ffn_flops,
+    flop_crossover_length,
     format_bytes,
     layer_flops,
     projection_flops,
@@ -39,14 +39,14 @@ def test_core_count_matches_matmul_shapes():
     assert attention_core_flops(T, H * dh) == H * per_head
 
 
-def test_crossover_is_where_core_equals_ffn():
+def test_flop_crossover_is_where_core_equals_ffn():
     for d in (64, 768, 12288):
-        T = crossover_length(d)
+        T = flop_crossover_length(d)
         assert T == 4 * d
         assert attention_core_flops(T, d) == ffn_flops(T, d)
         assert attention_core_flops(T - 1, d) < ffn_flops(T - 1, d)
         assert attention_core_flops(T + 1, d) > ffn_flops(T + 1, d)
-        Tc = crossover_length(d, causal=True)
+        Tc = flop_crossover_length(d, causal=True)
         assert attention_core_flops(Tc, d, causal=True) == ffn_flops(Tc, d)
 
 
@@ -57,7 +57,7 @@ def test_gpt3_scale_figures_of_chapter_1():
     assert math.isclose(ffn, 1.98e13, rel_tol=5e-3)
     assert core * 6 == ffn
     assert round(core / 2.1e10) == 157
-    assert crossover_length(d) == 49152
+    assert flop_crossover_length(d) == 49152
 
 
 def test_score_matrix_memory():
@@ -112,3 +112,39 @@ def test_describe_costs_says_when_heads_do_not_divide_d():
 
     assert "12 heads of 64)" in describe_costs(8192, 768, 12, 12)
     assert "d is not a multiple of them" in describe_costs(10, 10, 3)
+
+
+def test_every_count_is_written_once_in_flops():
+    """The chapter modules re-export the counts of linattn_lib.flops; they do not redefine them."""
+    from linattn_lib import flops
+    from linattn_lib.chapters import estimators, expressivity, kernel_anatomy
+
+    homes = {
+        costs: ("attention_core_flops", "projection_flops", "ffn_flops", "layer_flops", "flop_crossover_length",
+                "score_matrix_bytes", "qkvo_bytes"),
+        estimators: ("attention_flops", "flop_crossover"),
+        expressivity: ("attention_layer_flops", "flop_ratio"),
+        kernel_anatomy: ("Cost", "chunk_fwd_traffic", "chunk_fwd_min_traffic", "token_loop_cost",
+                         "decode_step_cost", "flash_attention_cost"),
+    }
+    for module, names in homes.items():
+        for name in names:
+            assert getattr(module, name) is getattr(flops, name), (module.__name__, name)
+    assert not hasattr(costs, "crossover_length")  # renamed: dispatch.crossover_length is the measured one
+
+
+def test_shared_counts_agree_with_each_other():
+    from linattn_lib import flops
+
+    T, d, H = 256, 64, 4
+    # the attention core is the quadratic order of feature attention without its normaliser
+    assert flops.attention_core_flops(T, d) == H * flops.attention_flops(T, d // H, d // H, order="quadratic", normalize=False)
+    assert flops.projection_flops(T, d) == 4 * flops.matmul_flops(T, d, d)
+    assert flops.qkvo_bytes(T, d, dtype="fp16") == flops.io_bytes(1, 1, T, d, d, 2)
+    assert flops.score_matrix_bytes(T, H, dtype=torch.bfloat16) == flops.score_matrix_bytes(T, H, dtype="bf16")
+    # the bench's chunked count and the kernel's, on tiles that fit the head exactly
+    C = 64
+    kernel = flops.chunk_fwd_traffic(T, d, d, dict(BT=C, BK=d, BV=d), 4)
+    assert kernel.flops == flops.chunked_forward_flops(1, 1, T, d, d, C, normalize=False)
+    assert flops.chunk_fwd_min_traffic(T, d, d, C, 4).flops == kernel.flops
+    assert flops.token_loop_cost(T, d, d, 2).bytes == T * flops.decode_step_cost(d, d, 2).bytes

@@ -14,14 +14,6 @@ def maxdiff(a, b):
     return (a - b).abs().max().item()
 
 
-def make(B=2, H=3, T=21, Dk=5, Dv=4, *, seed=0):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.rand(B, H, T, Dk, generator=g, dtype=D64)
-    k = torch.rand(B, H, T, Dk, generator=g, dtype=D64)
-    v = torch.randn(B, H, T, Dv, generator=g, dtype=D64)
-    return q, k, v
-
-
 def decode(decoder, q, k, v, log_decay=None):
     outs = []
     for t in range(q.shape[2]):
@@ -34,8 +26,8 @@ def decode(decoder, q, k, v, log_decay=None):
 
 @pytest.mark.parametrize("normalize", [True, False])
 @pytest.mark.parametrize("decay", [None, "head", "token"])
-def test_recurrent_decoder_equals_parallel(normalize, decay):
-    q, k, v = make()
+def test_recurrent_decoder_equals_parallel(normalize, decay, make_qkv):
+    q, k, v = make_qkv()
     log_decay = {None: None, "head": -torch.rand(3, dtype=D64), "token": -torch.rand(2, 3, 21, dtype=D64)}[decay]
     dec = RecurrentDecoder(2, 3, 5, 4, normalize=normalize, dtype=D64)
     out = decode(dec, q, k, v, log_decay)
@@ -47,28 +39,28 @@ def test_recurrent_decoder_equals_parallel(normalize, decay):
     assert dec.tokens_seen == 21
 
 
-def test_recurrent_decoder_resumes_from_a_prefill():
+def test_recurrent_decoder_resumes_from_a_prefill(make_qkv):
     """Prefill the prompt in parallel, then decode the rest token by token."""
-    q, k, v = make(T=30)
+    q, k, v = make_qkv(T=30)
     full = linear_attention(q, k, v, form="quadratic")
     _, state = linear_attention(q[:, :, :12], k[:, :, :12], v[:, :, :12], return_state=True)
     dec = RecurrentDecoder(2, 3, 5, 4, dtype=D64, initial_state=state)
     assert maxdiff(decode(dec, q[:, :, 12:], k[:, :, 12:], v[:, :, 12:]), full[:, :, 12:]) < TOL
 
 
-def test_kv_cache_decoder_equals_softmax_attention():
-    q, k, v = make(T=37)
+def test_kv_cache_decoder_equals_softmax_attention(make_qkv):
+    q, k, v = make_qkv(T=37)
     for scale in (None, 0.7):
         dec = KVCacheDecoder(2, 3, 5, 4, scale=scale, capacity=4, dtype=D64)
         out = decode(dec, q, k, v)
         assert maxdiff(out, softmax_attention(q, k, v, causal=True, scale=scale)) < TOL
 
 
-def test_memory_constant_versus_linear():
+def test_memory_constant_versus_linear(make_qkv):
     B, H, Dk, Dv = 1, 2, 8, 8
     rec = RecurrentDecoder(B, H, Dk, Dv)
     kv = KVCacheDecoder(B, H, Dk, Dv, capacity=1)
-    q, k, v = (x.float() for x in make(B, H, 40, Dk, Dv))
+    q, k, v = (x.float() for x in make_qkv(B, H, 40, Dk, Dv))
     state_bytes = rec.nbytes
     assert state_bytes == 4 * B * H * (Dk * Dv + Dk)
     for t in range(40):
@@ -80,8 +72,8 @@ def test_memory_constant_versus_linear():
     assert cap == 64  # doubled from 1 until 40 tokens fit
 
 
-def test_recurrent_decoder_is_differentiable():
-    q, k, v = make(T=8)
+def test_recurrent_decoder_is_differentiable(make_qkv):
+    q, k, v = make_qkv(T=8)
     xs = [x.clone().requires_grad_() for x in (q, k, v)]
     decode(RecurrentDecoder(2, 3, 5, 4, dtype=D64), *xs).sum().backward()
     ys = [x.clone().requires_grad_() for x in (q, k, v)]
@@ -90,9 +82,9 @@ def test_recurrent_decoder_is_differentiable():
         assert maxdiff(a.grad, b.grad) < 1e-9
 
 
-def test_decoder_errors():
+def test_decoder_errors(make_qkv):
     dec = RecurrentDecoder(2, 3, 5, 4, dtype=D64)
-    q, k, v = (x[:, :, 0] for x in make())
+    q, k, v = (x[:, :, 0] for x in make_qkv())
     with pytest.raises(ValueError, match=r"`q_t` has shape \(2, 3, 4\); expected \(B=2, H=3, D=5\)"):
         dec.step(q[..., :4], k, v)
     with pytest.raises(ValueError, match=r"`v_t` must be a 3-d tensor laid out as \(B, H, D\)"):

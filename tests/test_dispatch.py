@@ -1,4 +1,5 @@
-"""The length-based dispatcher: its stated rule, the crossover interpolation, and both branches."""
+"""The length-based dispatcher: its stated rule, the crossover interpolation, and both branches;
+and the experiment that measures the crossover (linattn_lib.experiments.crossover)."""
 import json
 import math
 
@@ -6,20 +7,20 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from linattn_lib.chapters import dispatch
 from linattn_lib import elu_plus_one, linear_attention
 from linattn_lib.chapters.dispatch import (
     FALLBACK_CROSSOVER,
     MEASURED_CROSSOVER,
     Crossover,
-    crossover_table,
     auto_attention,
     choose_attention,
     choose_form,
     crossover_from_times,
     crossover_length,
-    measure_crossover,
+    crossover_table,
 )
+from linattn_lib.experiments import crossover
+from linattn_lib.experiments.crossover import measure_crossover
 
 
 def test_rule_interpolates_the_measured_crossovers():
@@ -81,16 +82,16 @@ def test_measure_crossover_locates_a_known_crossover(monkeypatch):
         calls.append((kind, T, d, heads, batch, causal, repeats))
         return float(T * T) if kind == "softmax" else 300.0 * T
 
-    monkeypatch.setattr(dispatch, "time_attention", fake_time)
+    monkeypatch.setattr(crossover, "time_attention", fake_time)
     L = (64, 128, 256, 512, 1024)
     c = measure_crossover(16, lengths=L, heads=3, batch=2, repeats=2, threads=1)
     assert c.softmax_s == [float(T * T) for T in L] and c.linear_s == [300.0 * T for T in L]
     assert c.t_star == pytest.approx(300.0) and c.ratio == pytest.approx(300.0 / 16)
     assert sorted(calls) == sorted((k, T, 16, 3, 2, True, 2) for k in ("softmax", "linear") for T in L)
     # linear never faster: no crossover; always faster: the first length
-    monkeypatch.setattr(dispatch, "time_attention", lambda kind, T, d, **kw: 1.0 if kind == "softmax" else 2.0)
+    monkeypatch.setattr(crossover, "time_attention", lambda kind, T, d, **kw: 1.0 if kind == "softmax" else 2.0)
     assert measure_crossover(16, lengths=L, threads=None).t_star is None
-    monkeypatch.setattr(dispatch, "time_attention", lambda kind, T, d, **kw: 2.0 if kind == "softmax" else 1.0)
+    monkeypatch.setattr(crossover, "time_attention", lambda kind, T, d, **kw: 2.0 if kind == "softmax" else 1.0)
     assert measure_crossover(16, lengths=L, threads=None).t_star == 64.0
 
 
@@ -103,10 +104,10 @@ def test_time_attention_times_the_named_computation(monkeypatch):
         seen["out"] = fn()
         return 0.125
 
-    monkeypatch.setattr(dispatch, "time_fn", fake_time_fn)
+    monkeypatch.setattr(crossover, "time_fn", fake_time_fn)
     for kind in ("softmax", "linear"):
-        assert dispatch.time_attention(kind, 40, 8, heads=3, batch=2) == 0.125
-        q, k, v = dispatch._inputs(40, 8, 3, 2, "cpu")
+        assert crossover.time_attention(kind, 40, 8, heads=3, batch=2) == 0.125
+        q, k, v = crossover._inputs(40, 8, 3, 2, "cpu")
         want = F.scaled_dot_product_attention(q, k, v, is_causal=True) if kind == "softmax" else \
             linear_attention(elu_plus_one(q), elu_plus_one(k), v)
         assert seen["out"].shape == (2, 3, 40, 8)
@@ -114,11 +115,9 @@ def test_time_attention_times_the_named_computation(monkeypatch):
 
 
 def test_cli_writes_json(tmp_path):
-    from linattn_lib.chapters.dispatch import main
-
     out = tmp_path / "x.json"
-    payload = main(["--d", "8", "16", "--lengths", "8", "16", "--heads", "1", "--repeats", "1", "--out", str(out)])
-    assert out.is_file() and payload["meta"]["command"].startswith("python -m linattn_lib.chapters.dispatch")
+    payload = crossover.main(["--d", "8", "16", "--lengths", "8", "16", "--heads", "1", "--repeats", "1", "--out", str(out)])
+    assert out.is_file() and payload["meta"]["command"].startswith("python -m linattn_lib.experiments.crossover")
     assert json.loads(out.read_text()) == json.loads(json.dumps(payload))
     assert payload["meta"]["timing_threads"] == 1
     assert [c["d"] for c in payload["crossovers"]] == [8, 16]
@@ -134,3 +133,19 @@ def test_bad_input():
         choose_attention(0, 64)
     with pytest.raises(ValueError, match="same"):
         crossover_from_times([1, 2], [1.0], [1.0, 2.0])
+
+
+def test_dispatch_does_not_import_the_experiments():
+    """The chapter's decision helpers only read measurements: importing them loads no experiment
+    (the measuring CLI is linattn_lib.experiments.crossover)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")]))
+    code = ("import sys, linattn_lib.chapters.dispatch as d; "
+            "assert not [m for m in sys.modules if m.startswith('linattn_lib.experiments')]; "
+            "assert not hasattr(d, 'measure_crossover') and not hasattr(d, 'main')")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, cwd=root, env=env)

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from linattn_lib import linear_attention
+from linattn_lib.core.state import LinearAttentionState
 from linattn_lib.distributed import (
     CommLog,
     DistributedRunError,
@@ -29,7 +30,7 @@ from linattn_lib.distributed import (
     single_process_reference,
     split_sequence,
 )
-from linattn_lib.core.state import LinearAttentionState
+from linattn_lib.distributed.comm import _rank_list
 
 F64, F32 = torch.float64, torch.float32
 
@@ -86,6 +87,26 @@ def test_scan_over_simulated_ranks_equals_one_pass(decay, normalize):
     # the state leaving the last rank is the state of the whole sequence
     S_last = torch.exp(states[-1][2])[..., None, None] * S_in[-1] + states[-1][0]
     assert torch.allclose(S_last, final.S, rtol=1e-12, atol=1e-12)
+
+
+def test_local_state_after_a_reset_is_as_precise_as_its_terms():
+    """A log-decay of -1e4 early in the slice (a reset) must not cost precision later: the
+    decay of key j is summed from j + 1 on. With the difference of cumulative sums,
+    c_T - c_j, float32 cancels two numbers near -1e4: S is then off by about 3e-4 here."""
+    B, H, T, Dk, Dv = 1, 2, 40, 3, 4
+    gen = torch.Generator().manual_seed(0)
+    k = torch.rand(B, H, T, Dk, generator=gen, dtype=F32) + 0.5
+    v = torch.randn(B, H, T, Dv, generator=gen, dtype=F32)
+    g = torch.nn.functional.logsigmoid(torch.randn(B, H, T, generator=gen, dtype=F32) + 3.0)
+    g[..., 2] = -1e4
+    S, z, G = local_state(k, v, g, normalize=True)
+    assert S.dtype == F32
+    g64, k64, v64 = g.double(), k.double(), v.double()
+    w = torch.stack([g64[..., j + 1:].sum(-1) for j in range(T)], dim=-1).exp()  # exp(g_{j+1} + ... + g_T)
+    S_ref = torch.einsum("bht,bhtk,bhtv->bhkv", w, k64, v64)
+    z_ref = torch.einsum("bht,bhtk->bhk", w, k64)
+    for got, want in ((S, S_ref), (z, z_ref), (G, g64.sum(-1))):
+        assert float((got.double() - want).abs().max() / want.abs().max()) < 1e-6
 
 
 def test_reverse_scan_matches_autograd():
@@ -244,8 +265,6 @@ def test_arguments_that_differ_between_ranks_raise_on_every_rank():
 
 
 def test_disagreement_lists_ranks_compactly():
-    from linattn_lib.distributed.sequence_parallel import _rank_list
-
     assert _rank_list([3]) == "rank 3"
     assert _rank_list([0, 2]) == "ranks 0, 2"
     assert _rank_list([0, 1, 2, 3, 5, 6, 9]) == "ranks 0-3, 5, 6, 9"

@@ -6,7 +6,6 @@ import torch
 
 from linattn_lib import softmax_attention_weights
 from linattn_lib.chapters import estimators as E
-from linattn_lib.core.features import orthogonal_gaussian_matrix
 
 D64 = torch.float64
 
@@ -96,8 +95,8 @@ def test_flops_and_crossover():
     for m, dv in ((64, 64), (16, 64), (256, 64), (1, 1)):
         for norm in (True, False):
             T = E.flop_crossover(m, dv, normalize=norm)
-            fq = lambda t: E.attention_flops(t, m, dv, order="quadratic", normalize=norm)  # noqa: E731
-            fa = lambda t: E.attention_flops(t, m, dv, order="associative", normalize=norm)  # noqa: E731
+            fq = lambda t, m=m, dv=dv, norm=norm: E.attention_flops(t, m, dv, order="quadratic", normalize=norm)
+            fa = lambda t, m=m, dv=dv, norm=norm: E.attention_flops(t, m, dv, order="associative", normalize=norm)
             assert fa(T) < fq(T)
             assert T == 1 or fa(T - 1) >= fq(T - 1)
     assert E.flop_crossover(64, 64) == 65

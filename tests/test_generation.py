@@ -16,13 +16,8 @@ from linattn_lib.chapters.profiling import (
 )
 
 
-def _qkv(T, B=1, H=2, D=4):
-    g = torch.Generator().manual_seed(0)
-    return [torch.randn(B, H, T, D, generator=g) for _ in range(3)]
-
-
-def test_profile_decoding_bytes():
-    q, k, v = _qkv(40)
+def test_profile_decoding_bytes(make_qkv):
+    q, k, v = make_qkv(B=1, H=2, Dk=4, Dv=4, features="normal", dtype=torch.float32, T=40)
     rec = profile_decoding(RecurrentDecoder(1, 2, 4, 4), elu_plus_one(q), elu_plus_one(k), v, at=[8, 16, 40], window=4)
     kv = profile_decoding(KVCacheDecoder(1, 2, 4, 4), q, k, v, at=[8, 16, 40], window=4)
     assert rec.contexts == kv.contexts == [8, 16, 40]
@@ -31,8 +26,8 @@ def test_profile_decoding_bytes():
     assert all(s > 0 for s in rec.step_seconds + kv.step_seconds)
 
 
-def test_profile_decoding_checks_arguments():
-    q, k, v = _qkv(10)
+def test_profile_decoding_checks_arguments(make_qkv):
+    q, k, v = make_qkv(B=1, H=2, Dk=4, Dv=4, features="normal", dtype=torch.float32, T=10)
     with pytest.raises(ValueError, match="only T=10"):
         profile_decoding(KVCacheDecoder(1, 2, 4, 4), q, k, v, at=[20])
     with pytest.raises(ValueError, match="window"):
@@ -45,13 +40,13 @@ def test_profile_decoding_checks_arguments():
         profile_decoding(dec, q, k, v, at=[4], window=1)
 
 
-def test_saved_tensor_bytes_softmax_quadratic_linear_linear():
+def test_saved_tensor_bytes_softmax_quadratic_linear_linear(make_qkv):
     def softmax_bytes(T):
-        q, k, v = (x.requires_grad_() for x in _qkv(T))
+        q, k, v = (x.requires_grad_() for x in make_qkv(B=1, H=2, Dk=4, Dv=4, features="normal", dtype=torch.float32, T=T))
         return saved_tensor_bytes(lambda: softmax_attention(q, k, v, causal=True))
 
     def linear_bytes(T):
-        q, k, v = (x.requires_grad_() for x in _qkv(T))
+        q, k, v = (x.requires_grad_() for x in make_qkv(B=1, H=2, Dk=4, Dv=4, features="normal", dtype=torch.float32, T=T))
         return saved_tensor_bytes(lambda: linear_attention(elu_plus_one(q), elu_plus_one(k), v, chunk_size=16))
 
     # the T x T softmax matrix dominates: 4x the bytes for 2x the length (plus O(T) terms)
@@ -65,11 +60,11 @@ def test_saved_tensor_bytes_counts_storage_once():
     assert saved_tensor_bytes(lambda: x * x) == 400
 
 
-def test_profile_forward_backward():
+def test_profile_forward_backward(make_qkv):
     def make(T):
-        return [x.requires_grad_() for x in _qkv(T)]
+        return [x.requires_grad_() for x in make_qkv(B=1, H=2, Dk=4, Dv=4, features="normal", dtype=torch.float32, T=T)]
 
     p = profile_forward_backward(lambda q, k, v: softmax_attention(q, k, v), make, [16, 32], repeats=1, warmup=0)
     assert p.lengths == [16, 32] and len(p.seconds) == 2 and p.saved_bytes[1] > p.saved_bytes[0]
     with pytest.raises(ValueError, match="requires_grad"):
-        profile_forward_backward(lambda q, k, v: q, lambda T: _qkv(T), [4])
+        profile_forward_backward(lambda q, k, v: q, lambda T: make_qkv(B=1, H=2, Dk=4, Dv=4, features="normal", dtype=torch.float32, T=T), [4])

@@ -37,9 +37,9 @@ def test_closed_forms_by_hand():
 
 
 triton = pytest.importorskip("triton")
-from linattn_lib.core.triton_ops import _load_kernels  # noqa: E402
+from linattn_lib.core.triton_ops import load_kernels  # noqa: E402
 
-K = _load_kernels()
+K = load_kernels()
 needs_kernels = pytest.mark.skipif(K is None, reason="the Triton kernels do not import here")
 
 

@@ -50,13 +50,11 @@ def _kernels():
     """linattn_lib.kernels, installed or from this checkout."""
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
-    from linattn_lib.core.triton_ops import _import_error, _load_kernels
+    from linattn_lib.core.triton_ops import kernels_import_error, load_kernels
 
-    K = _load_kernels()
+    K = load_kernels()
     if K is None:
-        from linattn_lib.core import triton_ops as _triton
-
-        raise ImportError(f"linattn_lib.kernels does not import: {_triton._import_error or _import_error}")
+        raise ImportError(f"linattn_lib.kernels does not import: {kernels_import_error()}")
     return K
 
 

@@ -38,8 +38,8 @@ pytest.importorskip("triton")
 
 from linattn_lib import LinearAttentionState, linear_attention  # noqa: E402
 from linattn_lib.core.decode import linear_attention_decode_step
-from linattn_lib.core.triton_ops import triton_available  # noqa: E402
 from linattn_lib.core.reference import reference_linear_attention  # noqa: E402
+from linattn_lib.core.triton_ops import triton_available  # noqa: E402
 
 if not triton_available():  # pragma: no cover - triton imports but the kernels do not
     pytest.skip("the Triton kernels do not import here", allow_module_level=True)
@@ -466,9 +466,9 @@ def test_interpreter_leaves_the_compiler_intact():
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    from linattn_lib.core.triton_ops import _load_kernels
+    from linattn_lib.core.triton_ops import load_kernels
 
-    K = _load_kernels()
+    K = load_kernels()
     call_before = JITFunction.__call__
     state = LinearAttentionState(torch.zeros(1, 1, 16, 16), torch.zeros(1, 1, 16))
     x = torch.rand(1, 1, 16)
@@ -508,9 +508,9 @@ def test_unsupported_dtypes_raise_clear_errors():
 def test_sm75_configs(monkeypatch, dtype):
     """The configs a T4 (sm_75) would pick -- 16-token chunks for the forward at a head dim above
     128 -- run in the interpreter when told the GPU is an sm_75."""
-    from linattn_lib.core.triton_ops import _load_kernels
+    from linattn_lib.core.triton_ops import load_kernels
 
-    configs = _load_kernels().configs
+    configs = load_kernels().configs
     monkeypatch.setattr(configs, "device_capability", lambda device: (7, 5))
     picked = configs.select_config("chunk_fwd", 200, dtype, torch.device("cpu"))
     assert picked["BT"] == 16 and picked in configs.CONFIGS["chunk_fwd"]
@@ -618,9 +618,9 @@ def test_decode_step_validates_its_arguments(backend):
 def test_selected_configs_come_from_the_table():
     """Whatever the head dim, dtype or GPU, a launcher picks a config listed in CONFIGS (the
     list the ahead-of-time compile test builds and checks)."""
-    from linattn_lib.core.triton_ops import _load_kernels
+    from linattn_lib.core.triton_ops import load_kernels
 
-    K = _load_kernels()
+    K = load_kernels()
     for kernel, table in K.CONFIGS.items():
         for cap in [None, *K.TARGETS.values()]:
             for dtype in (torch.float32, torch.float16, torch.bfloat16):
@@ -785,3 +785,38 @@ def test_triton_backward_refuses_double_backward():
     (dg,) = torch.autograd.grad(o.sum(), ld, create_graph=True)
     with pytest.raises(RuntimeError, match="once_differentiable|does not require grad|not have a grad_fn"):
         torch.autograd.grad(dg.sum(), q)
+
+
+# ------------------------------------------------------------------ gpu_check's self-test
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA run is gpu_check itself")
+def test_gpu_check_selftest_runs_in_the_interpreter():
+    """gpu_check's built-in kernel self-test (what an installed copy runs on a GPU), its quick
+    subset in the interpreter: every kind of check runs and passes in float32 and float16."""
+    from linattn_lib.experiments.kernel_selftest import run_kernel_selftest
+
+    res = run_kernel_selftest("cpu", quick=True)
+    assert res["status"] == "passed", [c for c in res["checks"] if c["status"] != "passed"]
+    assert {c["name"].split()[0] for c in res["checks"]} == {"causal", "noncausal", "decode", "favor"}
+    assert {c["dtype"] for c in res["checks"]} == {"float32", "float16"}
+    causal = next(c for c in res["checks"] if c["name"].startswith("causal") and "resumed" in c["name"])
+    assert {"o", "S_T", "dq", "dk", "dv", "dS0"} <= set(causal["errors"])
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA run is gpu_check itself")
+def test_gpu_check_selftest_reports_a_failure(monkeypatch):
+    """A check outside its tolerance (here: a tolerance of 0) fails the self-test and names
+    what was off, and a check that raises does not stop the others."""
+    from linattn_lib.experiments import gpu_check, kernel_selftest
+
+    case = (1, 1, 8, 16, 16, "token", True, False)
+    monkeypatch.setattr(kernel_selftest, "selftest_plan", lambda device, quick=False: [
+        ("causal", case, torch.float32), ("causal", (1, 1, 8, 16, 16, "no-such-decay", True, False), torch.float32),
+        ("causal", case, torch.float16)])
+    monkeypatch.setitem(kernel_selftest.TOLERANCES, "float32", (0.0, 0.0, 0.0))
+    res = kernel_selftest.run_kernel_selftest("cpu")
+    assert res["status"] == "failed" and [c["status"] for c in res["checks"]] == ["failed", "failed", "passed"]
+    assert any(p.startswith("o: rel") for p in res["checks"][0]["problems"])
+    assert "KeyError" in res["checks"][1]["problems"][0]
+    assert gpu_check.exit_status({"kernel self-test": res}) == 1

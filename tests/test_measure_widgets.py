@@ -1,4 +1,6 @@
 """The measuring helpers and the static slider the book relies on."""
+import time
+
 import matplotlib
 
 matplotlib.use("Agg")
@@ -6,8 +8,8 @@ import matplotlib.pyplot as plt  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
-from linattn_lib.measure import fit_loglog_slope, peak_memory_bytes, time_fn  # noqa: E402
 from linattn_lib.chapters.widgets import StaticSlider, static_slider  # noqa: E402
+from linattn_lib.measure import fit_loglog_slope, peak_memory_bytes, time_fn  # noqa: E402
 
 
 def test_loglog_slope_recovers_exponent():
@@ -51,3 +53,46 @@ def test_measure_helpers_reject_degenerate_input():
         fit_loglog_slope([1.0], [1.0])
     with pytest.raises(ValueError, match="repeats"):
         time_fn(lambda: None, repeats=0)
+
+
+def test_timed_calls_counts_warmups_repeats_and_the_budget():
+    from linattn_lib.measure import timed_calls
+
+    calls = []
+    times = timed_calls(lambda: calls.append(1), warmup=2, repeats=3, device="cpu")
+    assert len(calls) == 5 and len(times) == 3 and all(t >= 0 for t in times)
+    calls.clear()
+    # a warm-up call of ~20 ms against a 1 ms budget: one timed call instead of five
+    slow = lambda: (calls.append(1), time.sleep(0.02))  # noqa: E731
+    assert len(timed_calls(slow, warmup=1, repeats=5, budget_s=1e-3, device="cpu")) == 1
+    # no warm-up: nothing to judge the budget by, so every repeat runs
+    assert len(timed_calls(lambda: None, warmup=0, repeats=4, budget_s=1e-9, device="cpu")) == 4
+    # the process clock does not count sleeping
+    assert max(timed_calls(lambda: time.sleep(0.02), warmup=0, repeats=2, device="cpu", clock="process")) < 0.015
+    with pytest.raises(ValueError, match="clock"):
+        timed_calls(lambda: None, clock="gpu")
+
+
+def test_flushing_the_caches_runs_before_each_timed_call(monkeypatch):
+    from linattn_lib import measure
+
+    order = []
+    monkeypatch.setattr(measure, "flush_cpu_caches", lambda: order.append("flush"))
+    measure.timed_calls(lambda: order.append("call"), warmup=1, repeats=2, device="cpu", flush_caches=True)
+    assert order == ["call", "flush", "call", "flush", "call"]
+
+
+def test_torch_threads_restores_the_setting_and_rss_is_read():
+    from linattn_lib.measure import rss_bytes, torch_threads
+
+    before = torch.get_num_threads()
+    with torch_threads(1):
+        assert torch.get_num_threads() == 1
+    with torch_threads(None):
+        assert torch.get_num_threads() == before
+    assert torch.get_num_threads() == before
+    with pytest.raises(ValueError, match="positive int or None"):
+        with torch_threads(0):
+            pass
+    rss = rss_bytes()
+    assert rss is None or rss > 2**20  # an interpreter with torch loaded holds more than 1 MiB

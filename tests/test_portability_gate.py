@@ -12,11 +12,22 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
 
-import conftest
+ROOT_CONFTEST = Path(__file__).resolve().parents[1] / "conftest.py"
+
+
+@pytest.fixture
+def conftest(pytestconfig):
+    """The repository's top-level conftest.py, as pytest loaded it (`import conftest` would
+    give tests/conftest.py, which holds the shared test inputs)."""
+    for plugin in pytestconfig.pluginmanager.get_plugins():
+        if getattr(plugin, "__file__", None) and Path(plugin.__file__).resolve() == ROOT_CONFTEST:
+            return plugin
+    raise LookupError(f"pytest did not load {ROOT_CONFTEST}")
 
 PROBE = r"""
 import hashlib, json, torch
@@ -39,7 +50,7 @@ def _probe(env: dict) -> dict:
     return json.loads(out.stdout)
 
 
-def test_kernels_start_in_the_gate_environment():
+def test_kernels_start_in_the_gate_environment(conftest):
     seen = {}
 
     def fake_start(*args, **kwargs):
@@ -53,7 +64,7 @@ def test_kernels_start_in_the_gate_environment():
     assert seen["env"]["EXTRA"] == "1" and seen["env"]["PYTHONHASHSEED"] == "0"
 
 
-def test_nbval_uses_the_wrapped_start(pytestconfig):
+def test_nbval_uses_the_wrapped_start(pytestconfig, conftest):
     if not getattr(pytestconfig.option, "nbval", False):
         pytest.skip("the gate is installed when pytest runs with --nbval")
     import nbval.kernel
@@ -64,7 +75,7 @@ def test_nbval_uses_the_wrapped_start(pytestconfig):
     assert nbval.kernel.start_new_kernel.__qualname__.startswith("_start_kernel_in_gate_env")
 
 
-def test_the_gate_changes_round_off_here():
+def test_the_gate_changes_round_off_here(conftest):
     if torch.backends.cpu.get_cpu_capability() == "DEFAULT":
         pytest.skip("this CPU has no vector path beyond ATen's default: nothing to vary")
     base = {k: v for k, v in os.environ.items() if k not in conftest.PORTABILITY_ENV}

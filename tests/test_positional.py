@@ -22,15 +22,6 @@ D64 = torch.float64
 TOL = 1e-10
 
 
-def make(B=2, H=3, T=23, Dk=5, Dv=4, *, seed=0):
-    """Non-negative features (as phi = ReLU gives) and signed values."""
-    g = torch.Generator().manual_seed(seed)
-    q = torch.relu(torch.randn(B, H, T, Dk, generator=g, dtype=D64)) + 0.05
-    k = torch.relu(torch.randn(B, H, T, Dk, generator=g, dtype=D64)) + 0.05
-    v = torch.randn(B, H, T, Dv, generator=g, dtype=D64)
-    return q, k, v
-
-
 def maxdiff(a, b):
     return (a - b).abs().max().item()
 
@@ -67,8 +58,8 @@ COS_CASES = list(itertools.product(["original", "lambda"], [True, False], ["simi
 
 
 @pytest.mark.parametrize("variant,causal,normalizer,T", COS_CASES)
-def test_cosformer_linear_equals_quadratic(variant, causal, normalizer, T):
-    q, k, v = make(T=T)
+def test_cosformer_linear_equals_quadratic(variant, causal, normalizer, T, make_qkv):
+    q, k, v = make_qkv(features="relu", T=T)
     for lam, M in [(0.7, None), (1.0, 2 * T + 3), (0.0, None)]:
         kw = dict(causal=causal, variant=variant, normalizer=normalizer, lam=lam, M=M)
         lin = cosformer_attention(q, k, v, form="linear", **kw)
@@ -95,8 +86,8 @@ def _cosformer_loops(q, k, v, *, variant, lam, M, causal, normalizer):
 
 
 @pytest.mark.parametrize("variant,causal,normalizer", list(itertools.product(["original", "lambda"], [True, False], ["similarity", "text"])))
-def test_cosformer_matches_formula_loops(variant, causal, normalizer):
-    q, k, v = make(B=1, H=2, T=9)
+def test_cosformer_matches_formula_loops(variant, causal, normalizer, make_qkv):
+    q, k, v = make_qkv(features="relu", B=1, H=2, T=9)
     M, lam = 11, 0.6
     expect = _cosformer_loops(q, k, v, variant=variant, lam=lam, M=M, causal=causal, normalizer=normalizer)
     got = cosformer_attention(q, k, v, causal=causal, variant=variant, lam=lam, M=M, normalizer=normalizer)
@@ -104,9 +95,9 @@ def test_cosformer_matches_formula_loops(variant, causal, normalizer):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_cosformer_original_equals_one_linear_attention_on_concatenated_features(causal):
+def test_cosformer_original_equals_one_linear_attention_on_concatenated_features(causal, make_qkv):
     """The original code's form: q_ = [q sin(pi i/2M), q cos(pi i/2M)], one normalised linear attention."""
-    q, k, v = make(T=31)
+    q, k, v = make_qkv(features="relu", T=31)
     M = 40
     idx = math.pi / 2 * torch.arange(1, 32, dtype=D64)[:, None] / M
     q_ = torch.cat([q * torch.sin(idx), q * torch.cos(idx)], -1)
@@ -116,9 +107,9 @@ def test_cosformer_original_equals_one_linear_attention_on_concatenated_features
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_cosformer_row_sums(causal):
+def test_cosformer_row_sums(causal, make_qkv):
     """The original's (and the similarity normaliser's) rows sum to one; the texts' do not."""
-    q, k, _ = make(T=40)
+    q, k, _ = make_qkv(features="relu", T=40)
     orig = cosformer_attention_matrix(q, k, causal=causal, eps=0.0)
     fixed = cosformer_attention_matrix(q, k, causal=causal, variant="lambda", lam=0.8, normalizer="similarity", eps=0.0)
     text = cosformer_attention_matrix(q, k, causal=causal, variant="lambda", lam=0.8)
@@ -142,9 +133,9 @@ def test_cosformer_weights_ranges():
     assert bool((orig[0, 1:] < orig[0, :-1]).all())
 
 
-def test_cosformer_streaming_with_fixed_M():
+def test_cosformer_streaming_with_fixed_M(make_qkv):
     """With M fixed in advance, outputs on a prefix equal the full sequence's first outputs."""
-    q, k, v = make(T=50)
+    q, k, v = make_qkv(features="relu", T=50)
     full = cosformer_attention(q, k, v, M=64)
     for t in (1, 17, 49):
         part = cosformer_attention(q[:, :, :t], k[:, :, :t], v[:, :, :t], M=64)
@@ -154,8 +145,8 @@ def test_cosformer_streaming_with_fixed_M():
 
 
 @pytest.mark.parametrize("variant", ["original", "lambda"])
-def test_cosformer_gradients_agree(variant):
-    q, k, v = make(T=20)
+def test_cosformer_gradients_agree(variant, make_qkv):
+    q, k, v = make_qkv(features="relu", T=20)
     grads = []
     for form in ("linear", "quadratic"):
         qq, kk, vv = (x.clone().requires_grad_() for x in (q, k, v))
@@ -169,8 +160,8 @@ def test_cosformer_gradients_agree(variant):
 
 
 @pytest.mark.parametrize("T", [1, 9, 50])
-def test_key_normalized_linear_equals_quadratic_and_formula(T):
-    q, k, v = make(T=T)
+def test_key_normalized_linear_equals_quadratic_and_formula(T, make_qkv):
+    q, k, v = make_qkv(features="relu", T=T)
     lin = key_normalized_attention(q, k, v)
     quad = key_normalized_attention(q, k, v, form="quadratic")
     assert maxdiff(lin, quad) < TOL
@@ -181,14 +172,14 @@ def test_key_normalized_linear_equals_quadratic_and_formula(T):
     assert maxdiff(lin, expect) < TOL
 
 
-def test_key_normalized_rows_do_not_sum_to_one():
-    q, k, _ = make(T=30)
+def test_key_normalized_rows_do_not_sum_to_one(make_qkv):
+    q, k, _ = make_qkv(features="relu", T=30)
     rows = key_normalized_attention_matrix(q, k, eps=0.0).sum(-1)
     assert (rows - 1).abs().max() > 0.1
 
 
-def test_key_normalized_refuses_causal():
-    q, k, v = make(T=5)
+def test_key_normalized_refuses_causal(make_qkv):
+    q, k, v = make_qkv(features="relu", T=5)
     with pytest.raises(ValueError, match=r"causal=True is impossible.*future\* queries"):
         key_normalized_attention(q, k, v, causal=True)
     with pytest.raises(ValueError, match=r"causal=True is impossible"):
@@ -206,8 +197,8 @@ def _band_w(H, K, causal, seed=3):
 
 
 @pytest.mark.parametrize("causal,normalize,K,T", BAND_CASES)
-def test_band_bias_linear_equals_quadratic(causal, normalize, K, T):
-    q, k, v = make(T=T)
+def test_band_bias_linear_equals_quadratic(causal, normalize, K, T, make_qkv):
+    q, k, v = make_qkv(features="relu", T=T)
     w = _band_w(3, K, causal)
     lin = band_bias_attention(q, k, v, w, causal=causal, normalize=normalize)
     quad = band_bias_attention(q, k, v, w, causal=causal, normalize=normalize, form="quadratic")
@@ -215,8 +206,8 @@ def test_band_bias_linear_equals_quadratic(causal, normalize, K, T):
 
 
 @pytest.mark.parametrize("causal", [True, False])
-def test_band_bias_matches_formula_loops(causal):
-    q, k, v = make(B=1, H=2, T=8)
+def test_band_bias_matches_formula_loops(causal, make_qkv):
+    q, k, v = make_qkv(features="relu", B=1, H=2, T=8)
     K = 2
     w = _band_w(2, K, causal)
     beta = band_bias_matrix(w, 8, causal=causal)
@@ -233,23 +224,23 @@ def test_band_bias_matches_formula_loops(causal):
     assert maxdiff(band_bias_attention(q, k, v, w, causal=causal), expect) < TOL
 
 
-def test_band_bias_zero_w_is_linear_attention():
-    q, k, v = make(T=19)
+def test_band_bias_zero_w_is_linear_attention(make_qkv):
+    q, k, v = make_qkv(features="relu", T=19)
     for causal, width in ((True, 4), (False, 7)):
         w = torch.zeros(3, width, dtype=D64)
         assert maxdiff(band_bias_attention(q, k, v, w, causal=causal), linear_attention(q, k, v, causal=causal)) < TOL
 
 
-def test_band_bias_does_not_limit_the_receptive_field():
+def test_band_bias_does_not_limit_the_receptive_field(make_qkv):
     """Errata A30: the linear-attention term stays global, so o_T depends on v_1 even with K = 1."""
-    q, k, v = make(T=30)
+    q, k, v = make_qkv(features="relu", T=30)
     v = v.clone().requires_grad_()
     band_bias_attention(q, k, v, _band_w(3, 1, True))[:, :, -1].sum().backward()
     assert v.grad[:, :, 0].abs().min() > 0
 
 
-def test_band_bias_gradients_agree():
-    q, k, v = make(T=16)
+def test_band_bias_gradients_agree(make_qkv):
+    q, k, v = make_qkv(features="relu", T=16)
     w = _band_w(3, 3, False)
     grads = []
     for form in ("linear", "quadratic"):
@@ -263,8 +254,8 @@ def test_band_bias_gradients_agree():
 # ------------------------------------------------------------------ errors
 
 
-def test_positional_errors():
-    q, k, v = make(T=6)
+def test_positional_errors(make_qkv):
+    q, k, v = make_qkv(features="relu", T=6)
     with pytest.raises(ValueError, match=r"`q` must hold non-negative features.*torch.relu\(q\)"):
         cosformer_attention(q - 1, k, v)
     with pytest.raises(ValueError, match=r"`k` must hold non-negative features"):

@@ -16,89 +16,29 @@ With these conventions, per layer and sequence:
     feed-forward (FFN)      4 * T * d * d_ff  two products; 16 * T * d^2 for d_ff = 4d
 
 So the attention core overtakes the FFN only when ``T > d_ff`` (``T > 4d``), or ``T > 2*d_ff``
-when the causal half of the score matrix is skipped. All counts are exact Python ints.
+when the causal half of the score matrix is skipped (`flop_crossover_length`). All counts are
+exact Python ints.
+
+The formulas are written once, in `linattn_lib.flops`; this module re-exports them
+(``costs.attention_core_flops`` is ``flops.attention_core_flops``) and adds the published
+model shapes, the formatting and the tables of chapter 1.
 """
 from __future__ import annotations
 
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Optional, Sequence
 
-BYTES_PER_ELEMENT = {"fp32": 4, "fp16": 2, "bf16": 2, "fp8": 1}
-
-
-def _bytes_per_element(dtype: str) -> int:
-    try:
-        return BYTES_PER_ELEMENT[dtype]
-    except KeyError:
-        raise ValueError(f"unknown dtype {dtype!r}; expected one of {sorted(BYTES_PER_ELEMENT)}") from None
-
-
-def _check_positive(**values: int) -> None:
-    for name, v in values.items():
-        if not isinstance(v, int) or isinstance(v, bool) or v <= 0:
-            raise ValueError(f"`{name}` must be a positive int, got {v!r}")
-
-
-def attention_core_flops(T: int, d: int, *, causal: bool = False) -> int:
-    """FLOPs of ``Q K^T`` plus ``A V`` for one layer and one sequence: ``4 * T^2 * d``.
-
-    The count does not depend on the number of heads: H heads of width d/H cost
-    ``H * 4 * T^2 * (d/H)``. With ``causal=True`` only the lower triangle is computed, which
-    halves the count (``2 * T^2 * d``; the diagonal is ignored). That causal count is the
-    context term ``2 * n_layer * n_ctx * d_attn`` per token of Kaplan et al. 2020 (Table 1)
-    times T tokens.
-    """
-    _check_positive(T=T, d=d)
-    flops = 4 * T * T * d
-    return flops // 2 if causal else flops
-
-
-def projection_flops(T: int, d: int) -> int:
-    """FLOPs of the Q, K, V and output projections, ``4 * 2*T*d*d = 8 * T * d^2``."""
-    _check_positive(T=T, d=d)
-    return 8 * T * d * d
-
-
-def ffn_flops(T: int, d: int, *, d_ff: Optional[int] = None) -> int:
-    """FLOPs of the two-layer feed-forward block, ``2 * 2*T*d*d_ff`` (``16 * T * d^2`` for d_ff = 4d)."""
-    d_ff = 4 * d if d_ff is None else d_ff
-    _check_positive(T=T, d=d, d_ff=d_ff)
-    return 4 * T * d * d_ff
-
-
-def layer_flops(T: int, d: int, *, d_ff: Optional[int] = None, causal: bool = False) -> int:
-    """Attention core + projections + FFN: the forward FLOPs of one layer on one sequence."""
-    return attention_core_flops(T, d, causal=causal) + projection_flops(T, d) + ffn_flops(T, d, d_ff=d_ff)
-
-
-def crossover_length(d: int, *, d_ff: Optional[int] = None, causal: bool = False) -> int:
-    """The length T at which the attention core costs as much as the FFN.
-
-    ``4 T^2 d = 4 T d d_ff`` gives ``T = d_ff`` (= 4d by default); causal: ``T = 2 * d_ff``.
-    """
-    d_ff = 4 * d if d_ff is None else d_ff
-    _check_positive(d=d, d_ff=d_ff)
-    return 2 * d_ff if causal else d_ff
-
-
-def score_matrix_bytes(T: int, heads: int = 1, *, dtype: str = "fp32", batch: int = 1) -> int:
-    """Bytes of the materialised T x T score (or weight) matrices: ``batch * heads * T^2 * bytes``.
-
-    This is one layer; a naive implementation keeps at least one such tensor alive (training
-    keeps one per layer for the backward pass).
-    """
-    _check_positive(T=T, heads=heads, batch=batch)
-    return batch * heads * T * T * _bytes_per_element(dtype)
-
-
-def qkvo_bytes(T: int, d: int, *, dtype: str = "fp32", batch: int = 1) -> int:
-    """Bytes of Q, K, V and the output O for one layer: ``4 * batch * T * d * bytes``.
-
-    This is what an exact IO-aware kernel (FlashAttention) reads and writes; its extra memory
-    is the row statistics (max and sum), ``O(batch * heads * T)``.
-    """
-    _check_positive(T=T, d=d, batch=batch)
-    return 4 * batch * T * d * _bytes_per_element(dtype)
+from .. import _validate as V
+from ..flops import (  # noqa: F401  (re-exported: the chapter calls them as costs.<name>)
+    BYTES_PER_ELEMENT,
+    attention_core_flops,
+    ffn_flops,
+    flop_crossover_length,
+    layer_flops,
+    projection_flops,
+    qkvo_bytes,
+    score_matrix_bytes,
+)
 
 
 @dataclass(frozen=True)
@@ -142,7 +82,8 @@ def format_bytes(n: float) -> str:
 
 def describe_costs(T: int, d: int, heads: int, layers: int = 1, *, dtype: str = "fp16", causal: bool = False) -> str:
     """A few lines summarising the cost of one forward pass (used by chapter 1's live calculator)."""
-    _check_positive(T=T, d=d, heads=heads, layers=layers)
+    for name, value in (("T", T), ("d", d), ("heads", heads), ("layers", layers)):
+        V.check_positive_int("describe_costs", name, value)
     core = attention_core_flops(T, d, causal=causal)
     proj, ffn = projection_flops(T, d), ffn_flops(T, d)
     total = core + proj + ffn
@@ -154,7 +95,7 @@ def describe_costs(T: int, d: int, heads: int, layers: int = 1, *, dtype: str = 
         f"  {core_label:<22}: {format_count(core):>9} FLOPs ({core / total:6.1%} of the layer)",
         f"  {'projections 8Td^2':<22}: {format_count(proj):>9} FLOPs ({proj / total:6.1%})",
         f"  {'FFN 16Td^2':<22}: {format_count(ffn):>9} FLOPs ({ffn / total:6.1%})",
-        f"  {'core / FFN':<22}: {core / ffn:9.3g}   (= 1 at T = {crossover_length(d, causal=causal)})",
+        f"  {'core / FFN':<22}: {core / ffn:9.3g}   (= 1 at T = {flop_crossover_length(d, causal=causal)})",
         f"  {'score matrices ' + dtype:<22}: {format_bytes(scores):>9}   (Q, K, V, O: {format_bytes(qkvo_bytes(T, d, dtype=dtype))})",
         f"all {layers} layers: {format_count(total * layers)} FLOPs; {format_bytes(scores * layers)} of score matrices if every layer keeps its own",
     ]

@@ -2,8 +2,8 @@
 
 Linear attention wins on cost only past some length T*: below it, exact attention's fused
 kernels and small constant factors beat the linear algorithm's bookkeeping (features, the
-normaliser, the chunk loop). This module measures T* on a device and states the dispatch
-rule explicitly:
+normaliser, the chunk loop). This module states the dispatch rule explicitly, from T* measured
+on a device:
 
     use exact (softmax) attention while T < T*(device, d), linear attention from T* on, where
     T*(device, d) is the crossover measured on that device for head dimension d, interpolated
@@ -20,45 +20,47 @@ by length is only sound for a model trained to run both (a hybrid over lengths).
 mechanism the switch is exact: linear attention's quadratic and chunked forms agree, and
 `choose_form` picks between those.
 
-CLI: `python -m linattn_lib.chapters.dispatch --out book/results/crossover_cpu.json` measures the
-crossover on this device and records it with its hardware.
+Measuring T* is an experiment, not part of this module:
+`python -m linattn_lib.experiments.crossover --out book/results/crossover_cpu.json` measures the
+crossover on this device and records it with its hardware (`experiments.crossover.measure_crossover`
+does it from Python); this module only reads such measurements (`Crossover`,
+`crossover_from_times`, `crossover_table`).
 """
 from __future__ import annotations
 
-import argparse
 import math
+from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Callable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _validate as V
-from ..core.linear import linear_attention
 from ..core.features import elu_plus_one
-from ..measure import time_fn
+from ..core.linear import linear_attention
 
-# Crossover lengths T* by head dimension d, measured with `python -m linattn_lib.chapters.dispatch`
+# Crossover lengths T* by head dimension d, measured with `python -m linattn_lib.experiments.crossover`
 # (causal, B = 1, H = 4, fp32, forward, one CPU thread) and recorded in
 # book/results/crossover_cpu.json. Keys are torch device types.
 MEASURED_CROSSOVER: dict[str, dict[int, int]] = {"cpu": {32: 363, 64: 393, 128: 477}}
 # No GPU measurement is committed yet: a stated guess (fused GPU softmax kernels are strong
 # and short linear-attention calls are dominated by launch overheads). Calibrate before use.
 FALLBACK_CROSSOVER: int = 2048
-DEFAULT_LENGTHS = (64, 128, 256, 512, 1024, 2048, 4096)
 
 
-def _device_type(device) -> str:
+def _device_type(device: torch.device | str | None) -> str:
     return torch.device(device).type if device is not None else "cpu"
 
 
-def crossover_length(d: int, device="cpu", *, table: Optional[dict[int, float]] = None) -> int:
+def crossover_length(d: int, device: torch.device | str = "cpu", *, table: dict[int, float] | None = None) -> int:
     """T*(device, d), rounded to an int: the first length at which the dispatcher uses linear attention.
 
     table: {head dimension: measured T*}; default MEASURED_CROSSOVER[device type], or the
     constant FALLBACK_CROSSOVER for a device without a committed measurement. Between measured
     head dimensions T* is interpolated linearly in log d; outside them the nearest one is used.
+    (A measured wall-time crossover; the length where the attention core's FLOPs equal the
+    FFN's is `flops.flop_crossover_length`.)
     """
     V.check_positive_int("crossover_length", "d", d)
     table = table if table is not None else MEASURED_CROSSOVER.get(_device_type(device))
@@ -77,12 +79,12 @@ def crossover_length(d: int, device="cpu", *, table: Optional[dict[int, float]] 
     return round(table[d0] + w * (table[d1] - table[d0]))
 
 
-def crossover_table(crossovers: Sequence["Crossover"]) -> dict[int, float]:
+def crossover_table(crossovers: Sequence[Crossover]) -> dict[int, float]:
     """{d: T*} from measurements (those where linear attention won within the measured lengths)."""
     return {c.d: c.t_star for c in crossovers if c.t_star is not None}
 
 
-def choose_attention(T: int, d: int, device="cpu", *, crossover: Optional[int] = None) -> str:
+def choose_attention(T: int, d: int, device: torch.device | str = "cpu", *, crossover: int | None = None) -> str:
     """"softmax" if T < T*, else "linear" (T* = `crossover`, or `crossover_length(d, device)`)."""
     V.check_positive_int("choose_attention", "T", T)
     t_star = crossover if crossover is not None else crossover_length(d, device)
@@ -96,9 +98,9 @@ def auto_attention(
     *,
     causal: bool = True,
     feature_map: Callable[[Tensor], Tensor] = elu_plus_one,
-    crossover: Optional[int] = None,
+    crossover: int | None = None,
     return_choice: bool = False,
-):
+) -> Tensor | tuple[Tensor, str]:
     """Softmax attention (PyTorch's fused SDPA) below T*, linear attention with `feature_map` above.
 
     q, k, v: (B, H, T, d). Returns the output [, the choice]. The two branches are different
@@ -123,7 +125,7 @@ def choose_form(T: int, m: int, dv: int, *, chunk_size: int = 64) -> str:
 
 
 # --------------------------------------------------------------------------------------
-# measuring the crossover
+# reading a measured crossover (`linattn_lib.experiments.crossover` measures it)
 # --------------------------------------------------------------------------------------
 
 
@@ -139,11 +141,11 @@ class Crossover:
     lengths: list = field(default_factory=list)
     softmax_s: list = field(default_factory=list)
     linear_s: list = field(default_factory=list)
-    t_star: Optional[float] = None
-    threads: Optional[int] = None
+    t_star: float | None = None
+    threads: int | None = None
 
     @property
-    def ratio(self) -> Optional[float]:
+    def ratio(self) -> float | None:
         """T*/d (the FLOP count alone would put it near 1)."""
         return None if self.t_star is None else self.t_star / self.d
 
@@ -151,7 +153,7 @@ class Crossover:
         return dict(asdict(self), ratio=self.ratio)
 
 
-def crossover_from_times(lengths: Sequence[int], softmax_s: Sequence[float], linear_s: Sequence[float]) -> Optional[float]:
+def crossover_from_times(lengths: Sequence[int], softmax_s: Sequence[float], linear_s: Sequence[float]) -> float | None:
     """The length where linear attention becomes faster, interpolated in log-log coordinates.
 
     Uses the *last* change from "softmax faster" to "linear faster" (timing noise can flip a
@@ -172,75 +174,3 @@ def crossover_from_times(lengths: Sequence[int], softmax_s: Sequence[float], lin
     x0, x1 = math.log(lengths[i - 1]), math.log(lengths[i])
     x = x0 + (x1 - x0) * g[i - 1] / (g[i - 1] - g[i])
     return math.exp(x)
-
-
-def _inputs(T: int, d: int, heads: int, batch: int, device) -> tuple[Tensor, Tensor, Tensor]:
-    gen = torch.Generator().manual_seed(T)
-    return tuple(torch.randn(batch, heads, T, d, generator=gen).to(device) for _ in range(3))
-
-
-def time_attention(kind: str, T: int, d: int, *, device="cpu", heads: int = 4, batch: int = 1, causal: bool = True,
-                   repeats: int = 5) -> float:
-    """Median forward time (s) of "softmax" (fused SDPA) or "linear" (elu+1 features included, chunked)."""
-    V.check_choice("time_attention", "kind", kind, ("softmax", "linear"))
-    q, k, v = _inputs(T, d, heads, batch, device)
-    if kind == "softmax":
-        fn = lambda: F.scaled_dot_product_attention(q, k, v, is_causal=causal)
-    else:
-        fn = lambda: linear_attention(elu_plus_one(q), elu_plus_one(k), v, causal=causal)
-    with torch.no_grad():
-        return time_fn(fn, warmup=1, repeats=repeats, device=device)
-
-
-def measure_crossover(d: int = 64, *, device="cpu", lengths: Sequence[int] = DEFAULT_LENGTHS, heads: int = 4,
-                      batch: int = 1, causal: bool = True, repeats: int = 5, threads: Optional[int] = 1) -> Crossover:
-    """Time both mechanisms at every length and locate the crossover T* (see `crossover_from_times`).
-
-    threads: CPU threads for the measurement (restored afterwards); the default, one thread,
-    gives stable timings on a shared machine, where oversubscribed threads make small calls
-    erratic. None keeps torch's current setting. Ignored on CUDA.
-    """
-    before = torch.get_num_threads()
-    if threads is not None and _device_type(device) == "cpu":
-        torch.set_num_threads(threads)
-    try:
-        soft = [time_attention("softmax", T, d, device=device, heads=heads, batch=batch, causal=causal, repeats=repeats) for T in lengths]
-        lin = [time_attention("linear", T, d, device=device, heads=heads, batch=batch, causal=causal, repeats=repeats) for T in lengths]
-    finally:
-        torch.set_num_threads(before)
-    return Crossover(
-        device=_device_type(device), d=d, heads=heads, batch=batch, causal=causal, lengths=list(lengths),
-        softmax_s=soft, linear_s=lin, t_star=crossover_from_times(lengths, soft, lin),
-        threads=threads if _device_type(device) == "cpu" else None,
-    )
-
-
-def main(argv: Optional[list[str]] = None) -> dict:
-    """Measure the crossover for several head dimensions and write JSON with the hardware."""
-    from ..experiments.common import run_metadata, write_json
-    from ..measure import default_device, device_name
-
-    p = argparse.ArgumentParser(prog="python -m linattn_lib.chapters.dispatch", description="measure the softmax/linear crossover length")
-    p.add_argument("--out", default=None, help="JSON file to write (default: print only)")
-    p.add_argument("--d", nargs="+", type=int, default=[32, 64, 128])
-    p.add_argument("--lengths", nargs="+", type=int, default=list(DEFAULT_LENGTHS) + [8192])
-    p.add_argument("--heads", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=5)
-    p.add_argument("--device", default=None)
-    p.add_argument("--threads", type=int, default=1, help="CPU threads while timing (default 1: stable on a shared machine)")
-    args = p.parse_args(argv)
-    device = torch.device(args.device) if args.device else default_device()
-    runs = []
-    for d in args.d:
-        c = measure_crossover(d, device=device, lengths=args.lengths, heads=args.heads, repeats=args.repeats, threads=args.threads)
-        runs.append(c.to_dict())
-        print(f"d={d}: T* = {c.t_star if c.t_star is None else round(c.t_star)}  (T*/d = {c.ratio if c.ratio is None else round(c.ratio, 1)})")
-    meta = dict(run_metadata("linattn_lib.chapters.dispatch", argv), device=device_name(device), timing_threads=args.threads)
-    payload = {"meta": meta, "crossovers": runs}
-    if args.out:
-        write_json(args.out, payload)
-    return payload
-
-
-if __name__ == "__main__":
-    main()

@@ -9,7 +9,8 @@ collects the small exact calculations the chapters lean on:
 * `clipped_g`, `clipped_kernel`: the kernel that the source texts' clipped max(0, sin/cos)
   map really estimates;
 * `taylor_features`, `taylor_feature_dim`: exact features of exp(x . y) truncated at an order;
-* `attention_flops`, `flop_crossover`: (phi_Q phi_K^T) V versus phi_Q (phi_K^T V);
+* `attention_flops`, `flop_crossover`: (phi_Q phi_K^T) V versus phi_Q (phi_K^T V) (defined in
+  `linattn_lib.flops`, re-exported here);
 * `approx_attention_weights`, `attention_row_tv`, `relative_error`, `performer_output_error`,
   `feature_attention_view`: how far an approximate attention matrix and its output are from
   the exact ones;
@@ -21,13 +22,12 @@ statistics measured here are those of the code the book uses. Computations run i
 from __future__ import annotations
 
 import math
-from typing import Iterable
+from collections.abc import Iterable
 
 import torch
 from torch import Tensor
 
 from .. import _validate as V
-from ..core.softmax import softmax_attention, softmax_attention_weights
 from ..core.features import (
     RandomFeatureMap,
     clipped_trig_features,
@@ -38,6 +38,8 @@ from ..core.features import (
     trig_softmax_features,
 )
 from ..core.performer import performer_attention
+from ..core.softmax import softmax_attention, softmax_attention_weights
+from ..flops import attention_flops, flop_crossover  # noqa: F401  (re-exported for chapters 2-3)
 
 D64 = torch.float64
 
@@ -254,42 +256,6 @@ def taylor_features(x: Tensor, order: int) -> Tensor:
         cur = (cur.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2)  # x^(x)n
         parts.append(cur / math.sqrt(math.factorial(n)))
     return torch.cat(parts, dim=-1)
-
-
-# ---------------------------------------------------------------------------------------
-# the cost of the two multiplication orders
-# ---------------------------------------------------------------------------------------
-
-
-def attention_flops(T: int, m: int, dv: int, *, order: str, normalize: bool = True) -> int:
-    """Floating-point operations of one head of feature attention (a multiply-add = 2 FLOPs).
-
-    order="quadratic": A = phi_Q phi_K^T (2 T^2 m), A V (2 T^2 dv), and when normalising the row
-    sums (T^2) and the division (T dv).
-    order="associative": S = phi_K^T V (2 T m dv), phi_Q S (2 T m dv), and when normalising
-    z = phi_K^T 1 (T m), phi_Q z (2 T m) and the division (T dv).
-    The causal prefix-sum form does the same work per token as the associative one.
-    """
-    fn = "attention_flops"
-    for name, val in (("T", T), ("m", m), ("dv", dv)):
-        V.check_positive_int(fn, name, val)
-    V.check_choice(fn, "order", order, ("quadratic", "associative"))
-    if order == "quadratic":
-        return 2 * T * T * m + 2 * T * T * dv + ((T * T + T * dv) if normalize else 0)
-    return 4 * T * m * dv + ((3 * T * m + T * dv) if normalize else 0)
-
-
-def flop_crossover(m: int, dv: int, *, normalize: bool = True) -> int:
-    """The smallest T at which the associative order needs fewer FLOPs than the quadratic one.
-
-    Quadratic minus associative is T * (a T - c) with a, c > 0, so it is positive exactly for
-    T > c / a: about 2 m dv / (m + dv), e.g. 65 for m = dv = 64.
-    """
-    V.check_positive_int("flop_crossover", "m", m)
-    V.check_positive_int("flop_crossover", "dv", dv)
-    a = 2 * m + 2 * dv + (1 if normalize else 0)
-    c = 4 * m * dv + (3 * m if normalize else 0)
-    return c // a + 1
 
 
 # ---------------------------------------------------------------------------------------

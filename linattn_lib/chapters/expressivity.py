@@ -11,7 +11,8 @@ Two facts carry the chapter:
   strictly below the diagonal still is (it is semiseparable, chapter 6).
 * **cost.** Exact attention costs ~4 T^2 d FLOPs per layer, linear attention ~4 T m d: the
   ratio is ~T/m, *linear* in T. Projections and the feed-forward block cost the same in both,
-  which pulls the whole-layer ratio down further.
+  which pulls the whole-layer ratio down further. (`attention_layer_flops` and `flop_ratio`
+  are defined in `linattn_lib.flops` and re-exported here.)
 
 All functions compute in float64 where precision matters and accept (T, T) matrices or
 batches (..., T, T).
@@ -19,13 +20,11 @@ batches (..., T, T).
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor
 
-from .costs import ffn_flops, projection_flops
-from .estimators import attention_flops
+from ..flops import attention_layer_flops, flop_ratio  # noqa: F401  (re-exported for chapter 7)
 
 DEFAULT_RTOL = 1e-10
 
@@ -96,37 +95,6 @@ def offdiagonal_rank(A: Tensor, *, rtol: float = DEFAULT_RTOL) -> int:
     if A.shape[0] < 2:
         return 0  # a 1 x 1 matrix has no block below its diagonal
     return max(numerical_rank(A[i:, :i], rtol=rtol) for i in range(1, A.shape[0]))
-
-
-# --------------------------------------------------------------------------------------
-# cost: the ratio of exact to linear attention
-# --------------------------------------------------------------------------------------
-
-
-def attention_layer_flops(T: int, d_model: int, heads: int, *, m: Optional[int] = None, core_only: bool = False) -> int:
-    """Forward FLOPs of one non-causal attention layer on one sequence of T tokens.
-
-    m=None: exact softmax attention (scores, row sums, A V per head: the "quadratic" order with
-    m = d_head). m given: linear attention with m features per head (the "associative" order).
-    Unless core_only, the Q/K/V/O projections (8 T d^2) and the feed-forward block (16 T d^2)
-    are added; they are the same for both. The feature map's own cost is left out.
-    """
-    if d_model % heads:
-        raise ValueError(f"attention_layer_flops: d_model={d_model} is not divisible by heads={heads}")
-    dh = d_model // heads
-    core = heads * (attention_flops(T, dh, dh, order="quadratic") if m is None else attention_flops(T, m, dh, order="associative"))
-    return core if core_only else core + projection_flops(T, d_model) + ffn_flops(T, d_model)
-
-
-def flop_ratio(T: int, d_model: int, heads: int, m: int, *, core_only: bool = False) -> float:
-    """FLOPs of exact attention divided by FLOPs of linear attention (m features per head).
-
-    For the attention core alone this is about T / m (precisely (2 m' + 2 d_h + 1) T / (4 m d_h + ...)
-    with m' = d_h): it grows *linearly* with T, not exponentially.
-    """
-    return attention_layer_flops(T, d_model, heads, core_only=core_only) / attention_layer_flops(
-        T, d_model, heads, m=m, core_only=core_only
-    )
 
 
 # --------------------------------------------------------------------------------------

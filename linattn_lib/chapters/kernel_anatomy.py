@@ -10,7 +10,8 @@ Used by the book's appendix on the kernels (book/appendix_kernels.ipynb).
   `tl.dot`: a measurement of the kernel's memory traffic on CPU.
 * `chunk_fwd_traffic` is the same count in closed form for `chunk_fwd_kernel`, and
   `flash_attention_cost`, `token_loop_cost` and `decode_step_cost` give FLOPs and bytes of the
-  alternatives; `roofline_time` and `GPU_PEAKS` turn them into roofline bounds.
+  alternatives (these closed forms, and `Cost`, are defined in `linattn_lib.flops` and
+  re-exported here); `roofline_time` and `GPU_PEAKS` turn them into roofline bounds.
 * `compile_report` compiles a kernel ahead of time for a GPU target (no GPU needed) and reports
   the sizes of its PTX and SASS, its shared memory, registers and spills.
 * `draw_chunk_algorithm` and `plot_roofline` draw the appendix's two figures.
@@ -20,15 +21,30 @@ from __future__ import annotations
 import ast
 import contextlib
 import inspect
-import math
 import os
 import re
 import subprocess
 import tempfile
 import textwrap
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import TYPE_CHECKING
+
+from ..core.triton_ops import require_kernels
+from ..flops import (  # noqa: F401  (re-exported: the appendix calls them as ka.<name>)
+    Cost,
+    chunk_fwd_min_traffic,
+    chunk_fwd_traffic,
+    decode_step_cost,
+    flash_attention_cost,
+    matmul_flops,
+    token_loop_cost,
+)
+
+if TYPE_CHECKING:  # annotations only: matplotlib is imported by the figure functions themselves
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 # --------------------------------------------------------------------------------------
 # rooflines
@@ -46,22 +62,6 @@ GPU_PEAKS = {
 }
 
 
-@dataclass(frozen=True)
-class Cost:
-    """FLOPs and bytes of memory traffic of a computation (totals, or per token)."""
-
-    flops: float
-    bytes: float
-
-    @property
-    def intensity(self) -> float:
-        """Arithmetic intensity, FLOPs per byte moved."""
-        return self.flops / self.bytes
-
-    def __truediv__(self, n: float) -> "Cost":
-        return Cost(self.flops / n, self.bytes / n)
-
-
 def ridge_point(gpu: str) -> float:
     """The intensity (FLOP/B) above which `gpu` is compute-bound: peak FLOP/s over bandwidth."""
     p = GPU_PEAKS[gpu]
@@ -72,69 +72,6 @@ def roofline_time(cost: Cost, gpu: str) -> float:
     """Lower bound on the run time (s): max(FLOPs / peak FLOP/s, bytes / bandwidth)."""
     p = GPU_PEAKS[gpu]
     return max(cost.flops / p["flops"], cost.bytes / p["bandwidth"])
-
-
-def chunk_fwd_traffic(
-    T: int, Dk: int, Dv: int, config: dict, dtype_bytes: int, *, normalize: bool = True,
-    decay: Optional[str] = None,
-) -> Cost:
-    """Bytes moved and tensor-core FLOPs of one (batch, head) of `chunk_fwd_kernel`.
-
-    Counted the way the kernel issues them: each of the ceil(Dv / BV) programs of a head loads
-    all of q and k and its own columns of v, chunk by chunk; o is stored once, the fp32
-    denominators once (by the first value tile). `tl.dot` works on padded tiles, so the FLOPs
-    use BT, BK and BV, not T, Dk and Dv: per chunk and program, q k^T (2 BT^2 BK), A v
-    (2 BT^2 BV), the inter-chunk product q S (2 BT BK BV) and the state update k^T v
-    (2 BK BT BV). `decay` is None, "head" (one scalar load per chunk) or "token" (T fp32 loads).
-    No initial or final state (the default call).
-    """
-    BT, BK, BV = config["BT"], config["BK"], config["BV"]
-    n_tiles = math.ceil(Dv / BV)
-    n_chunks = math.ceil(T / BT)
-    loads = n_tiles * 2 * T * Dk * dtype_bytes + T * Dv * dtype_bytes
-    if decay == "head":
-        loads += n_tiles * n_chunks * 4
-    elif decay == "token":
-        loads += n_tiles * T * 4
-    elif decay is not None:
-        raise ValueError(f"decay must be None, 'head' or 'token', got {decay!r}")
-    stores = T * Dv * dtype_bytes + (T * 4 if normalize else 0)
-    flops = n_tiles * n_chunks * (2 * BT * BT * BK + 2 * BT * BT * BV + 4 * BT * BK * BV)
-    return Cost(flops=flops, bytes=loads + stores)
-
-
-def chunk_fwd_min_traffic(T: int, Dk: int, Dv: int, BT: int, dtype_bytes: int) -> Cost:
-    """The same kernel if every input were read once (no re-reads across value tiles, no padding)."""
-    return Cost(flops=T * (2 * BT * Dk + 2 * BT * Dv + 4 * Dk * Dv),
-                bytes=T * (2 * Dk + 2 * Dv) * dtype_bytes + T * 4)
-
-
-def token_loop_cost(T: int, Dk: int, Dv: int, dtype_bytes: int) -> Cost:
-    """A kernel that walks the tokens one by one with its fp32 state in global memory.
-
-    Per token it reads q, k, v, writes o, and reads and writes the Dk x Dv state (and z):
-    2 Dk Dv FLOPs for the update and 2 Dk Dv for the read-out.
-    """
-    per = Cost(flops=4 * Dk * Dv + 4 * Dk,
-               bytes=(2 * Dk + 2 * Dv) * dtype_bytes + 2 * 4 * (Dk * Dv + Dk))
-    return Cost(per.flops * T, per.bytes * T)
-
-
-def decode_step_cost(Dk: int, Dv: int, dtype_bytes: int) -> Cost:
-    """One generated token with `decode_kernel`: the state is read and written once."""
-    return Cost(flops=4 * Dk * Dv + 4 * Dk,
-                bytes=(2 * Dk + 2 * Dv) * dtype_bytes + 2 * 4 * (Dk * Dv + Dk))
-
-
-def flash_attention_cost(T: int, D: int, dtype_bytes: int, *, causal: bool = True) -> Cost:
-    """Exact softmax attention computed block by block (FlashAttention), one (batch, head).
-
-    FLOPs: 4 T^2 D (two matmuls), halved by a causal mask. Bytes: q, k, v read and o written
-    once, the ideal an IO-aware kernel approaches (real kernels re-read k and v once per block
-    of queries, from L2 mostly).
-    """
-    flops = 4 * T * T * D * (0.5 if causal else 1.0)
-    return Cost(flops=flops, bytes=4 * T * D * dtype_bytes)
 
 
 # --------------------------------------------------------------------------------------
@@ -162,7 +99,7 @@ class Traffic:
 
 
 @contextlib.contextmanager
-def count_interpreter_traffic():
+def count_interpreter_traffic() -> Iterator[Traffic]:
     """Count the bytes of every tl.load / tl.store and the FLOPs of every tl.dot.
 
     Works for kernels that run in the Triton interpreter (CPU tensors); masked-off elements
@@ -189,7 +126,7 @@ def count_interpreter_traffic():
     def dot(self, a, b, d, *args, **kwargs):
         (m, k), n = a.data.shape[-2:], b.data.shape[-1]
         traffic.dots += 1
-        traffic.dot_flops += 2 * m * n * k
+        traffic.dot_flops += matmul_flops(m, k, n)
         traffic.dot_shapes[(m, k, n)] += 1
         return orig_dot(self, a, b, d, *args, **kwargs)
 
@@ -236,7 +173,7 @@ def _root_name(node, aliases: dict) -> str:
     return name
 
 
-def memory_map(kernel) -> MemoryMap:
+def memory_map(kernel: object) -> MemoryMap:
     """Sort a `@triton.jit` kernel's loads and stores into inside/outside its (first) for loop.
 
     Pointers are named by the kernel argument they are computed from (`q_base = q_ptr + ...`
@@ -291,14 +228,14 @@ def memory_map(kernel) -> MemoryMap:
 _TORCH_DTYPES = {"fp32": "float32", "fp16": "float16", "bf16": "bfloat16"}
 
 
-def _nvidia_tool(name: str) -> Optional[str]:
+def _nvidia_tool(name: str) -> str | None:
     import triton
 
     path = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", name)
     return path if os.access(path, os.X_OK) else None
 
 
-def sass_stats(cubin: bytes) -> Optional[dict]:
+def sass_stats(cubin: bytes) -> dict | None:
     """What ptxas made of a kernel, from its cubin (cuobjdump, shipped with Triton): registers
     and stack bytes per thread, SASS instructions, tensor-core MMA instructions and spill
     instructions (STL/LDL: local-memory stores and loads). None when cuobjdump is missing."""
@@ -324,7 +261,7 @@ def sass_stats(cubin: bytes) -> Optional[dict]:
     return stats
 
 
-def compile_report(kernel: str, target: str, dtype: str, d_whole: int, *, config: Optional[dict] = None) -> dict:
+def compile_report(kernel: str, target: str, dtype: str, d_whole: int, *, config: dict | None = None) -> dict:
     """Compile `kernel` (a name of `linattn_lib.kernels.KERNELS`) for `target` ("sm_80") ahead of time.
 
     The config is the one the launcher picks for a head dim of `d_whole` and inputs of `dtype`
@@ -340,9 +277,7 @@ def compile_report(kernel: str, target: str, dtype: str, d_whole: int, *, config
     from triton.compiler import ASTSource
     from triton.runtime.jit import JITFunction
 
-    from ..core.triton_ops import _require_kernels
-
-    K = _require_kernels("compile_report")
+    K = require_kernels("compile_report")
     fn, spec = K.KERNELS[kernel]
     if not isinstance(fn, JITFunction):  # TRITON_INTERPRET=1 made it an InterpretedFunction
         fn = JITFunction(fn.fn)
@@ -371,7 +306,7 @@ def compile_report(kernel: str, target: str, dtype: str, d_whole: int, *, config
 # figures
 # --------------------------------------------------------------------------------------
 
-def draw_chunk_algorithm(T: int = 8, BT: int = 2, current: int = 2):
+def draw_chunk_algorithm(T: int = 8, BT: int = 2, current: int = 2) -> Figure:
     """The chunked algorithm in two panels, for T / BT chunks with chunk `current` in flight.
 
     Left: the T x T causal mixing matrix. Blocks on the diagonal are computed as masked
@@ -381,11 +316,19 @@ def draw_chunk_algorithm(T: int = 8, BT: int = 2, current: int = 2):
     sequence, and only the output tile (and the denominators) go back to memory.
     """
     import matplotlib.pyplot as plt
-    from matplotlib.patches import FancyArrowPatch, Rectangle
 
-    n = T // BT
     fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4.6), gridspec_kw={"width_ratios": [1, 1.45]})
-    # left: the mixing matrix, in chunk units
+    _draw_mixing_matrix(ax0, T // BT, current)
+    _draw_program_dataflow(ax1, current)
+    fig.tight_layout()
+    return fig
+
+
+def _draw_mixing_matrix(ax0: Axes, n: int, current: int) -> None:
+    """Left panel of `draw_chunk_algorithm`: the causal mixing matrix, in chunk units."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Rectangle
+
     for i in range(n):
         for j in range(i + 1):
             if i == j:
@@ -409,7 +352,11 @@ def draw_chunk_algorithm(T: int = 8, BT: int = 2, current: int = 2):
              "blocks below: never formed;\nthey reach the query\nthrough the state S",
              ha="right", va="top", fontsize=8.5)
 
-    # right: memory hierarchy of one program
+
+def _draw_program_dataflow(ax1: Axes, current: int) -> None:
+    """Right panel of `draw_chunk_algorithm`: the memory hierarchy of one program."""
+    from matplotlib.patches import FancyArrowPatch, Rectangle
+
     ax1.set_xlim(0, 10)
     ax1.set_ylim(0, 7)
     ax1.axis("off")
@@ -441,11 +388,11 @@ def draw_chunk_algorithm(T: int = 8, BT: int = 2, current: int = 2):
     arrow(5.6, 3.0, 8.85, 5.2, "tab:red")
     ax1.text(6.0, 1.2, "per chunk:\nread q, k, v tiles\nwrite o tile (+ den)\n"
              "the state never\ngoes to memory", fontsize=8.5, va="center")
-    fig.tight_layout()
-    return fig
 
 
-def plot_roofline(points: dict, gpus=("T4 (FP32 FMA)", "A100 SXM 80GB", "H100 SXM"), *, ax=None):
+def plot_roofline(
+    points: dict, gpus: Sequence[str] = ("T4 (FP32 FMA)", "A100 SXM 80GB", "H100 SXM"), *, ax: Axes | None = None
+) -> Figure:
     """Rooflines of `gpus` (log-log: attainable TFLOP/s against FLOP/byte) with `points`,
     a dict label -> Cost (or intensity), drawn as markers on the x axis of their intensity."""
     import matplotlib.pyplot as plt

@@ -16,13 +16,13 @@ Everything takes plain floats or tensors of log-decays; nothing here is model-sp
 from __future__ import annotations
 
 import math
-from typing import Optional, Sequence
+from collections.abc import Sequence
 
 import torch
 from torch import Tensor
 
-from ..core.state import LinearAttentionState
 from ..core.linear import linear_attention
+from ..core.state import LinearAttentionState
 
 __all__ = [
     "effective_window",
@@ -139,7 +139,7 @@ def state_norm_trajectory(
     k: Tensor,
     v: Tensor,
     *,
-    log_decay: Optional[Tensor] = None,
+    log_decay: Tensor | None = None,
     every: int = 64,
 ) -> tuple[list[int], Tensor, Tensor]:
     """Frobenius norms of the linear-attention state S_t and of the normaliser z_t along a sequence.
@@ -164,7 +164,7 @@ def state_norm_trajectory(
     if log_decay is not None and log_decay.dim() != 1:
         raise ValueError(f"{fn}: `log_decay` must have shape (H,) here, got {tuple(log_decay.shape)}")
     T = k.shape[2]
-    state: Optional[LinearAttentionState] = None
+    state: LinearAttentionState | None = None
     ts: list[int] = []
     S_norms, z_norms = [], []
     q_dummy = torch.ones_like(k[:, :, :every])

@@ -17,21 +17,21 @@ diagonal (the locality that cosFormer's re-weighting is meant to add).
 """
 from __future__ import annotations
 
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Callable, Mapping, Optional, Sequence, Union
 
 import torch
 from torch import Tensor
 
+from ..core.features import elu_plus_one
 from ..core.linear import linear_attention
 from ..core.softmax import softmax_attention
-from ..core.features import elu_plus_one
 
 SequenceMap = Callable[[Tensor], Tensor]
 ATTENTION_KINDS = ("softmax", "linear")
 
 
-def random_permutation(T: int, *, seed: int = 0, device=None) -> Tensor:
+def random_permutation(T: int, *, seed: int = 0, device: torch.device | str | None = None) -> Tensor:
     """A random permutation of 0..T-1 (a LongTensor) that is never the identity for T >= 2."""
     if not isinstance(T, int) or T < 1:
         raise ValueError(f"random_permutation: `T` must be a positive int, got {T!r}")
@@ -69,9 +69,9 @@ class OrderCheck:
     """One row of `order_report`: the two errors and what they mean at the tolerance used."""
 
     name: str
-    equivariance_error: Optional[float]
+    equivariance_error: float | None
     invariance_error: float
-    equivariant: Optional[bool]
+    equivariant: bool | None
     invariant: bool
 
 
@@ -108,7 +108,7 @@ class SelfAttentionWeights:
     W_v: Tensor
 
     @classmethod
-    def random(cls, d: int, dk: int, dv: int, *, seed: int = 0, dtype=torch.float64) -> "SelfAttentionWeights":
+    def random(cls, d: int, dk: int, dv: int, *, seed: int = 0, dtype: torch.dtype = torch.float64) -> SelfAttentionWeights:
         """Gaussian projections scaled by 1/sqrt(d) (so that q, k, v have O(1) entries)."""
         g = torch.Generator().manual_seed(seed)
         return cls(*(torch.randn(d, n, generator=g, dtype=dtype) / d**0.5 for n in (dk, dk, dv)))
@@ -152,7 +152,7 @@ def self_attention(
     return f
 
 
-def local_mass(A: Tensor, widths: Union[int, Sequence[int]], *, first_row: int = 0) -> Tensor:
+def local_mass(A: Tensor, widths: int | Sequence[int], *, first_row: int = 0) -> Tensor:
     """Share of each row's attention mass within distance w of the diagonal, averaged over rows.
 
     For every width w: mean over rows i >= first_row of sum_{|i-j| <= w} |A_ij| / sum_j |A_ij|.

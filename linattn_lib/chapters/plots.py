@@ -1,10 +1,17 @@
 """Small plotting helpers shared by the chapters (matplotlib only)."""
 from __future__ import annotations
 
-from typing import Mapping, Optional, Sequence
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 import numpy as np
+
+if TYPE_CHECKING:
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
+    from matplotlib.image import AxesImage
+    from torch import Tensor
 
 from ..measure import fit_loglog_slope
 
@@ -20,7 +27,10 @@ def _np(x):
     return np.asarray(x, dtype=float)
 
 
-def plot_matrix(ax, M, *, title: str = "", cmap: str = "viridis", vmin=None, vmax=None, colorbar: bool = True):
+def plot_matrix(
+    ax: Axes, M: Tensor | np.ndarray, *, title: str = "", cmap: str = "viridis",
+    vmin: float | None = None, vmax: float | None = None, colorbar: bool = True,
+) -> AxesImage:
     """Heat map of a 2-d matrix (e.g. an attention or mixing matrix), rows = queries."""
     im = ax.imshow(_np(M), cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
     ax.set_title(title, fontsize=10)
@@ -31,7 +41,10 @@ def plot_matrix(ax, M, *, title: str = "", cmap: str = "viridis", vmin=None, vma
     return im
 
 
-def plot_scaling(ax, xs: Sequence[float], series: Mapping[str, Sequence[float]], *, xlabel: str = "T", ylabel: str = "", fit: bool = True):
+def plot_scaling(
+    ax: Axes, xs: Sequence[float], series: Mapping[str, Sequence[float]], *,
+    xlabel: str = "T", ylabel: str = "", fit: bool = True,
+) -> dict[str, float]:
     """Log-log plot of several series against xs, each labelled with its fitted exponent."""
     slopes = {}
     for name, ys in series.items():
@@ -47,7 +60,7 @@ def plot_scaling(ax, xs: Sequence[float], series: Mapping[str, Sequence[float]],
     return slopes
 
 
-def small_multiples(n: int, *, ncols: Optional[int] = None, size: float = 2.6):
+def small_multiples(n: int, *, ncols: int | None = None, size: float = 2.6) -> tuple[Figure, list[Axes]]:
     """A row (or grid) of n axes for a static sweep of one parameter."""
     ncols = ncols or n
     nrows = -(-n // ncols)
@@ -58,14 +71,14 @@ def small_multiples(n: int, *, ncols: Optional[int] = None, size: float = 2.6):
 
 
 def plot_attention_approximations(
-    exact,
+    exact: Tensor | np.ndarray,
     approximations: Mapping[str, object],
     *,
-    row_errors: Optional[Mapping[str, Sequence[float]]] = None,
+    row_errors: Mapping[str, Sequence[float]] | None = None,
     row_error_label: str = "row error",
     suptitle: str = "",
     size: float = 2.5,
-):
+) -> Figure:
     """The exact attention matrix beside approximations of it, on one colour scale.
 
     `approximations` maps a panel title to a (T, T) matrix. The colour scale runs from 0 to the

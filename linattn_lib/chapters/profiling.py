@@ -14,19 +14,22 @@ the sequence length shows up in practice:
 """
 from __future__ import annotations
 
-import contextlib
 import statistics
-import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Sequence
 
 import torch
 from torch import Tensor
 
-from ..measure import peak_memory_bytes, settle_cpu_allocator, synchronize
+from ..measure import (
+    peak_memory_bytes,
+    settle_cpu_allocator,
+    timed_calls,
+    torch_threads,
+)
 
 
-def _check_lengths(fn: str, name: str, lengths: Sequence[int], limit: Optional[int] = None) -> list[int]:
+def _check_lengths(fn: str, name: str, lengths: Sequence[int], limit: int | None = None) -> list[int]:
     lengths = [int(t) for t in lengths]
     if not lengths or any(t < 1 for t in lengths):
         raise ValueError(f"{fn}: `{name}` must be a non-empty list of positive lengths, got {lengths!r}")
@@ -35,27 +38,6 @@ def _check_lengths(fn: str, name: str, lengths: Sequence[int], limit: Optional[i
     if limit is not None and lengths[-1] > limit:
         raise ValueError(f"{fn}: `{name}` goes up to {lengths[-1]} but the inputs have only T={limit} tokens")
     return lengths
-
-
-@contextlib.contextmanager
-def torch_threads(n: Optional[int]):
-    """Run the block with `torch.set_num_threads(n)` (None: leave the setting alone), then restore it.
-
-    Small per-token operations gain nothing from a thread pool, and on a shared, oversubscribed
-    CPU a pool can make them orders of magnitude slower (threads wait at barriers for a core);
-    timing with one thread measures the algorithm rather than the scheduler.
-    """
-    if n is None:
-        yield
-        return
-    if not isinstance(n, int) or n < 1:
-        raise ValueError(f"torch_threads: `n` must be a positive int or None, got {n!r}")
-    before = torch.get_num_threads()
-    torch.set_num_threads(n)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(before)
 
 
 # --------------------------------------------------------------------------------------
@@ -78,15 +60,15 @@ class DecodeProfile:
 
 
 def profile_decoding(
-    decoder,
+    decoder: object,
     q: Tensor,
     k: Tensor,
     v: Tensor,
     *,
     at: Sequence[int],
     window: int = 32,
-    device=None,
-    threads: Optional[int] = None,
+    device: torch.device | str | None = None,
+    threads: int | None = None,
 ) -> DecodeProfile:
     """Feed tokens 1..max(at) to `decoder.step` one at a time; time and size it at the contexts `at`.
 
@@ -124,11 +106,7 @@ def profile_decoding(
         for t in range(1, at[-1] + 1):
             args = (q[:, :, t - 1], k[:, :, t - 1], v[:, :, t - 1])
             if t in timed:
-                synchronize(device)
-                t0 = time.perf_counter()
-                decoder.step(*args)
-                synchronize(device)
-                times[t] = time.perf_counter() - t0
+                times[t] = timed_calls(lambda args=args: decoder.step(*args), warmup=0, repeats=1, device=device)[0]
             else:
                 decoder.step(*args)
             if t in at:
@@ -183,7 +161,7 @@ class ForwardBackwardProfile:
     lengths: list[int] = field(default_factory=list)
     seconds: list[float] = field(default_factory=list)
     saved_bytes: list[int] = field(default_factory=list)
-    peak_bytes: list[Optional[int]] = field(default_factory=list)
+    peak_bytes: list[int | None] = field(default_factory=list)
 
 
 def profile_forward_backward(
@@ -193,8 +171,8 @@ def profile_forward_backward(
     *,
     repeats: int = 3,
     warmup: int = 1,
-    device=None,
-    threads: Optional[int] = None,
+    device: torch.device | str | None = None,
+    threads: int | None = None,
 ) -> ForwardBackwardProfile:
     """Time and memory of `attention(q, k, v).sum().backward()` for each T in `lengths`.
 
@@ -218,7 +196,8 @@ def profile_forward_backward(
     return profile
 
 
-def _profile_one(profile: ForwardBackwardProfile, attention, make_inputs, T: int, *, repeats: int, warmup: int, device) -> None:
+def _profile_one(profile: ForwardBackwardProfile, attention: Callable, make_inputs: Callable, T: int, *, repeats: int,
+                 warmup: int, device: torch.device | str | None) -> None:
     """Measure one length T and append the results to `profile`."""
     fn = "profile_forward_backward"
     q, k, v = make_inputs(T)
@@ -231,15 +210,7 @@ def _profile_one(profile: ForwardBackwardProfile, attention, make_inputs, T: int
             x.grad = None
         attention(q, k, v).sum().backward()
 
-    for _ in range(warmup):
-        step()
-    seconds = []
-    for _ in range(repeats):
-        synchronize(dev)
-        t0 = time.perf_counter()
-        step()
-        synchronize(dev)
-        seconds.append(time.perf_counter() - t0)
+    seconds = timed_calls(step, warmup=warmup, repeats=repeats, device=dev)
     profile.lengths.append(T)
     profile.seconds.append(statistics.median(seconds))
     profile.saved_bytes.append(saved_tensor_bytes(lambda: attention(q, k, v)))

@@ -11,12 +11,13 @@ import base64
 import html
 import io
 import json
-from typing import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 
 import matplotlib.pyplot as plt
+from matplotlib.figure import Figure
 
 
-def figure_to_png_base64(fig, *, dpi: int = 80) -> str:
+def figure_to_png_base64(fig: Figure, *, dpi: int = 80) -> str:
     """PNG bytes of a matplotlib figure, base64-encoded; the figure is closed."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
@@ -73,7 +74,7 @@ def static_slider(
     return StaticSlider(frames, [fmt.format(v) for v in values], name=name, initial=initial)
 
 
-def live_slider(draw: Callable[..., object], **controls) -> None:
+def live_slider(draw: Callable[..., object], **controls: object) -> None:
     """Show `ipywidgets.interactive(draw, **controls)` for readers with a kernel.
 
     Displays the controls and returns None, so no stray return value prints below them.

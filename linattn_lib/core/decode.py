@@ -9,6 +9,7 @@ returns exactly what the parallel form computes at that position.
 from __future__ import annotations
 
 import math
+
 import torch
 from torch import Tensor
 
@@ -79,7 +80,7 @@ class RecurrentDecoder:
         normalize: bool = True,
         eps: float = DEFAULT_EPS,
         dtype: torch.dtype = torch.float32,
-        device=None,
+        device: torch.device | str | None = None,
         initial_state: LinearAttentionState | None = None,
     ) -> None:
         fn = "RecurrentDecoder"
@@ -161,10 +162,10 @@ class KVCacheDecoder:
         dk: int,
         dv: int,
         *,
-        scale: Optional[float] = None,
+        scale: float | None = None,
         capacity: int = 16,
         dtype: torch.dtype = torch.float32,
-        device=None,
+        device: torch.device | str | None = None,
     ) -> None:
         fn = "KVCacheDecoder"
         for name, value in (("batch", batch), ("heads", heads), ("dk", dk), ("dv", dv), ("capacity", capacity)):
@@ -301,4 +302,4 @@ def linear_attention_decode_step(
         for name, x in (("state.S", S), ("state.z", z)):
             if x is not None and x.dtype not in triton_ops.SUPPORTED_DTYPES:
                 raise TypeError(f"{fn}: backend='triton' needs a float32/float16/bfloat16 `{name}`, got {x.dtype}")
-        return triton_ops._load_kernels().decode_step(q_t, k_t, v_t, S, z, log_decay=log_decay_t, eps=eps)
+        return triton_ops.load_kernels().decode_step(q_t, k_t, v_t, S, z, log_decay=log_decay_t, eps=eps)

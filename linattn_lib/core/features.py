@@ -17,7 +17,6 @@ an exact finite-dimensional feature map.
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -49,7 +48,7 @@ def relu(x: Tensor) -> Tensor:
 # ---------------------------------------------------------------------------------------
 
 
-def _generator(seed: Optional[int], fn: str = "random features") -> Optional[torch.Generator]:
+def _generator(seed: int | None, fn: str = "random features") -> torch.Generator | None:
     seed = V.check_seed(fn, "seed", seed)
     if seed is None:
         return None
@@ -58,7 +57,7 @@ def _generator(seed: Optional[int], fn: str = "random features") -> Optional[tor
     return g
 
 
-def gaussian_matrix(m: int, d: int, *, seed: Optional[int] = None, dtype=torch.float32) -> Tensor:
+def gaussian_matrix(m: int, d: int, *, seed: int | None = None, dtype: torch.dtype = torch.float32) -> Tensor:
     """(m, d) matrix of i.i.d. N(0, 1) entries: m independent directions w_i ~ N(0, I_d)."""
     fn = "gaussian_matrix"
     V.check_positive_int(fn, "m", m)
@@ -68,7 +67,8 @@ def gaussian_matrix(m: int, d: int, *, seed: Optional[int] = None, dtype=torch.f
 
 
 def orthogonal_gaussian_matrix(
-    m: int, d: int, *, scaling: str = "chi", seed: Optional[int] = None, dtype=torch.float32
+    m: int, d: int, *, scaling: str = "chi", seed: int | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Tensor:
     """(m, d) block-orthogonal random matrix (Performer's ORFs).
 
@@ -100,7 +100,8 @@ def orthogonal_gaussian_matrix(
 
 
 def random_projection(
-    m: int, d: int, *, orthogonal: bool = True, scaling: str = "chi", seed: Optional[int] = None, dtype=torch.float32
+    m: int, d: int, *, orthogonal: bool = True, scaling: str = "chi", seed: int | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> Tensor:
     """Block-orthogonal (default) or i.i.d. Gaussian (m, d) projection. `scaling` ("chi" or
     "sqrt_d") sets the row norms of the orthogonal one; i.i.d. rows have chi_d norms already."""
@@ -173,7 +174,7 @@ def _check_phases(fn: str, b, m: int) -> None:
         raise ValueError(f"{fn}: `b` has shape {tuple(b.shape)}; expected (m,) = ({m},)")
 
 
-def _stabilize(u: Tensor, stabilize: Optional[str], fn: str = "positive features") -> Tensor:
+def _stabilize(u: Tensor, stabilize: str | None, fn: str = "positive features") -> Tensor:
     """Subtract a maximum from the exponent: exact for normalised attention, avoids overflow.
 
     "row" subtracts each row's own maximum (queries: a per-query constant cancels between the
@@ -211,7 +212,7 @@ def running_max_stabiliser(u: Tensor) -> tuple[Tensor, Tensor]:
     return u - m.unsqueeze(-1), g
 
 
-def _check_stabilize(fn: str, stabilize: Optional[str]) -> None:
+def _check_stabilize(fn: str, stabilize: str | None) -> None:
     V.check_choice(fn, "stabilize", stabilize, (None, "row", "global"))
 
 
@@ -220,7 +221,7 @@ def positive_random_features(
     W: Tensor,
     *,
     input_scale: float = 1.0,
-    stabilize: Optional[str] = None,
+    stabilize: str | None = None,
     backend: str = "torch",
 ) -> Tensor:
     """FAVOR+ positive random features exp(w_i . x' - |x'|^2/2) / sqrt(m), x' = input_scale * x.
@@ -261,7 +262,7 @@ def _hyperbolic_exponents(x: Tensor, W: Tensor, input_scale: float) -> Tensor:
 
 
 def hyperbolic_random_features(
-    x: Tensor, W: Tensor, *, input_scale: float = 1.0, stabilize: Optional[str] = None
+    x: Tensor, W: Tensor, *, input_scale: float = 1.0, stabilize: str | None = None
 ) -> Tensor:
     """Performer's SM^hyp+: exp(-|x'|^2/2)/sqrt(2m) [exp(W x'), exp(-W x')], positive and unbiased.
 
@@ -352,13 +353,13 @@ class RandomFeatureMap(nn.Module):
     def __init__(
         self,
         d: int,
-        m: Optional[int] = None,
+        m: int | None = None,
         *,
         kind: str = "positive",
         orthogonal: bool = True,
         scaling: str = "chi",
         softmax_temperature: bool = True,
-        seed: Optional[int] = None,
+        seed: int | None = None,
     ) -> None:
         super().__init__()
         fn = "RandomFeatureMap"
@@ -384,7 +385,7 @@ class RandomFeatureMap(nn.Module):
         return self.m * 2 if self.kind in ("hyperbolic", "trig", "clipped") else self.m
 
     @torch.no_grad()
-    def redraw(self, seed: Optional[int] = None) -> None:
+    def redraw(self, seed: int | None = None) -> None:
         """Draw a fresh projection (and fresh phases)."""
         seed = V.check_seed("RandomFeatureMap.redraw", "seed", seed)
         W = random_projection(self.m, self.d, orthogonal=self.orthogonal, scaling=self.scaling, seed=seed)

@@ -41,7 +41,9 @@ def decay_mask(log_decay: Tensor) -> Tensor:
     return torch.exp(segsum(log_decay))
 
 
-def causal_mask(T: int, *, device=None, dtype=torch.float32) -> Tensor:
+def causal_mask(
+    T: int, *, device: torch.device | str | None = None, dtype: torch.dtype = torch.float32,
+) -> Tensor:
     """Lower-triangular (T, T) matrix of ones: the causal mask with no decay."""
     V.check_positive_int("causal_mask", "T", T)
     return torch.ones(T, T, device=device, dtype=dtype).tril()

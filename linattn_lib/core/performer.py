@@ -2,14 +2,13 @@
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 from torch import Tensor
 
 from .. import _validate as V
-from .linear import linear_attention
 from .features import EXPONENTIAL_KINDS, RandomFeatureMap
+from .linear import linear_attention
 from .ssm import gla_attention
 
 
@@ -19,11 +18,11 @@ def performer_attention(
     v: Tensor,
     *,
     causal: bool = True,
-    feature_map: Optional[RandomFeatureMap] = None,
-    num_features: Optional[int] = None,
+    feature_map: RandomFeatureMap | None = None,
+    num_features: int | None = None,
     kind: str = "positive",
     orthogonal: bool = True,
-    seed: Optional[int] = None,
+    seed: int | None = None,
     stabilize: bool = True,
     form: str = "chunked",
     chunk_size: int = 64,

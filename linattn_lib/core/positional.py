@@ -18,7 +18,6 @@ Conventions used throughout this module:
 from __future__ import annotations
 
 import math
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -39,7 +38,8 @@ POSITIONAL_FORMS = ("linear", "quadratic")
 
 
 def sinusoidal_positions(
-    T: int, d: int, *, base: float = 10000.0, dtype: torch.dtype = torch.float32, device=None
+    T: int, d: int, *, base: float = 10000.0, dtype: torch.dtype = torch.float32,
+    device: torch.device | str | None = None,
 ) -> Tensor:
     """The (T, d) table PE[pos, 2i] = sin(pos / base^(2i/d)), PE[pos, 2i+1] = cos(pos / base^(2i/d)).
 
@@ -84,7 +84,7 @@ def _num_and_den(q: Tensor, k: Tensor, v: Tensor, *, causal: bool) -> tuple[Tens
     return out[..., :-1], out[..., -1]
 
 
-def _check_features(fn: str, q: Tensor, k: Tensor, v: Optional[Tensor] = None) -> None:
+def _check_features(fn: str, q: Tensor, k: Tensor, v: Tensor | None = None) -> None:
     """q, k (and v when given) pass `check_qkv`, and q, k are non-negative features."""
     V.check_qkv(fn, q, k, k if v is None else v)  # v = k: only q and k can fail
     for name, x in (("q", q), ("k", k)):
@@ -134,13 +134,13 @@ def _check_cosformer_args(fn: str, T: int, variant: str, lam, M) -> tuple[float,
 
 def cosformer_weights(
     T: int,
-    M: Optional[float] = None,
+    M: float | None = None,
     *,
     causal: bool = True,
     variant: str = "original",
     lam: float = 0.5,
     dtype: torch.dtype = torch.float64,
-    device=None,
+    device: torch.device | str | None = None,
 ) -> Tensor:
     """The (T, T) positional re-weighting c_ij of cosFormer (zeros above the diagonal when causal).
 
@@ -164,7 +164,7 @@ def _reweighting(T: int, *, causal: bool, variant: str, lam: float, M: float, de
     return _masked(alpha + beta * torch.cos(omega * (i[:, None] - i[None, :])), causal)
 
 
-def _default_normalizer(variant: str, normalizer: Optional[str]) -> str:
+def _default_normalizer(variant: str, normalizer: str | None) -> str:
     """The original normalises by the re-weighted similarities, the texts by sum_j c_ij alone."""
     if normalizer is None:
         return "similarity" if variant == "original" else "text"
@@ -178,8 +178,8 @@ def cosformer_attention_matrix(
     causal: bool = True,
     variant: str = "original",
     lam: float = 0.5,
-    M: Optional[float] = None,
-    normalizer: Optional[str] = None,
+    M: float | None = None,
+    normalizer: str | None = None,
     eps: float = DEFAULT_EPS,
 ) -> Tensor:
     """The (B, H, T, T) matrix A with cosFormer's output o = A v (the quadratic definition).
@@ -255,9 +255,9 @@ def cosformer_attention(
     causal: bool = True,
     variant: str = "original",
     lam: float = 0.5,
-    M: Optional[float] = None,
+    M: float | None = None,
     form: str = "linear",
-    normalizer: Optional[str] = None,
+    normalizer: str | None = None,
     eps: float = DEFAULT_EPS,
 ) -> Tensor:
     """cosFormer attention (Qin et al., ICLR 2022) and the texts' lambda variant.
@@ -362,7 +362,7 @@ def _band_offsets(w: Tensor, causal: bool) -> range:
     return range(0, width) if causal else range(-(width // 2), width // 2 + 1)
 
 
-def _check_band(fn: str, w, H: int, causal: bool, like: Optional[Tensor] = None) -> None:
+def _check_band(fn: str, w, H: int, causal: bool, like: Tensor | None = None) -> None:
     V.check_layout(fn, "w", w, ("H", "W"))
     if w.shape[0] != H:
         raise ValueError(f"{fn}: `w` has {w.shape[0]} rows but there are H={H} heads; expected shape (H, W)")

@@ -17,7 +17,11 @@ from torch import Tensor
 
 from .masks import segsum
 from .state import (
-    DEFAULT_EPS, LinearAttentionState, compute_dtype, expand_log_decay, noncausal,
+    DEFAULT_EPS,
+    LinearAttentionState,
+    compute_dtype,
+    expand_log_decay,
+    noncausal,
     sum_after,
 )
 

@@ -15,16 +15,14 @@ check against each other. Everything is float64-capable and differentiable.
 """
 from __future__ import annotations
 
-from typing import Optional
-
 import torch
 from torch import Tensor
 
 from .. import _validate as V
 from .linear import linear_attention
+from .masks import segsum
 from .reference import FORMS
 from .state import LinearAttentionState, expand_log_decay, sum_after
-from .masks import segsum
 
 DISCRETIZATIONS = ("zoh", "mamba")
 WKV_FORMS = ("recurrent", "quadratic", "naive")
@@ -73,9 +71,9 @@ def ssd(
     *,
     form: str = "chunked",
     chunk_size: int = 64,
-    initial_state: Optional[LinearAttentionState] = None,
+    initial_state: LinearAttentionState | None = None,
     return_state: bool = False,
-):
+) -> Tensor | tuple[Tensor, LinearAttentionState]:
     """Mamba-2's state-space dual (SSD) layer, computed as linear attention with decay.
 
         h_t = exp(dt_t A) h_{t-1} + dt_t B_t x_t^T,    y_t = C_t^T h_t
@@ -225,9 +223,9 @@ def selective_scan_reference(
     C: Tensor,
     *,
     discretization: str = "mamba",
-    initial_state: Optional[Tensor] = None,
+    initial_state: Tensor | None = None,
     return_state: bool = False,
-):
+) -> Tensor | tuple[Tensor, Tensor]:
     """A token-by-token diagonal selective SSM (Mamba-1 style), the slow ground truth.
 
         h_t = A_bar_t o h_{t-1} + B_bar_t x_t,    y_t = h_t C_t
@@ -276,7 +274,9 @@ def selective_scan_reference(
 # --------------------------------------------------------------------------------------
 
 
-def retnet_log_decay(H: int, *, dtype: torch.dtype = torch.float32, device=None) -> Tensor:
+def retnet_log_decay(
+    H: int, *, dtype: torch.dtype = torch.float32, device: torch.device | str | None = None,
+) -> Tensor:
     """RetNet's fixed per-head log decay log(gamma_h) = log(1 - 2^(-5-h)), h = 0..H-1, shape (H,).
 
     Data-independent: head 0 forgets fastest (gamma = 31/32), later heads ever more slowly
@@ -339,9 +339,9 @@ def gla_attention(
     *,
     form: str = "chunked",
     chunk_size: int = 64,
-    initial_state: Optional[LinearAttentionState] = None,
+    initial_state: LinearAttentionState | None = None,
     return_state: bool = False,
-):
+) -> Tensor | tuple[Tensor, LinearAttentionState]:
     """Gated linear attention (Yang et al., ICML 2024) with a data-dependent *vector* gate.
 
         S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T,    o_t = q_t S_t

@@ -42,7 +42,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Iterator, Optional
+from collections.abc import Iterator
 
 import torch
 import torch.nn.functional as F
@@ -60,7 +60,11 @@ SCAN_ONE_LEVEL_MAX = 16  # scans over more chunks than this go in two levels (se
 # --------------------------------------------------------------------------------------
 
 
-def chunked_linear_attention(q, k, v, *, causal, normalize, log_decay, eps, chunk_size, initial_state, return_state):
+def chunked_linear_attention(
+    q: Tensor, k: Tensor, v: Tensor, *, causal: bool, normalize: bool,
+    log_decay: Tensor | None, eps: float, chunk_size: int,
+    initial_state: LinearAttentionState | None, return_state: bool,
+) -> Tensor | tuple[Tensor, LinearAttentionState]:
     """`linear_attention(..., form="chunked", backend="torch")`: same arguments and results.
 
     Causal inputs go through `_ChunkedLinearAttention` (blockwise forward, recomputing
@@ -128,10 +132,10 @@ class _Workspace:
     def __init__(self, like: Tensor):
         self.like, self.buffers = like, {}
 
-    def __call__(self, name: str, *shape: int, dtype: Optional[torch.dtype] = None) -> Tensor:
+    def __call__(self, name: str, *shape: int, dtype: torch.dtype | None = None) -> Tensor:
         return self.get(name, *shape, dtype=dtype)[0]
 
-    def get(self, name: str, *shape: int, dtype: Optional[torch.dtype] = None) -> tuple[Tensor, bool]:
+    def get(self, name: str, *shape: int, dtype: torch.dtype | None = None) -> tuple[Tensor, bool]:
         """The buffer `name` of this shape (and dtype: by default the inputs'), and whether it
         was just allocated."""
         key = (name, dtype) + shape
@@ -166,7 +170,7 @@ class _Decay:
         self.gamma = b[:, -1].view(h, -1)  # (h, n): the decay across each whole chunk
 
 
-def _apply_mask(A: Tensor, decay: Optional[_Decay]) -> Tensor:
+def _apply_mask(A: Tensor, decay: _Decay | None) -> Tensor:
     """The causal (decay) mask inside a chunk, applied in place.
 
     tril_ *writes* zeros above the diagonal: a score that overflowed to inf (or a garbage
@@ -195,7 +199,7 @@ class _Scan:
     state times its decay: about 2 n (s + 1) per state entry.
     """
 
-    def __init__(self, gamma: Optional[Tensor], h: int, n: int, dtype, device):
+    def __init__(self, gamma: Tensor | None, h: int, n: int, dtype, device):
         self.h, self.n, self.gamma = h, n, gamma
         s = min(8, math.isqrt(n))
         while n % s:
@@ -217,7 +221,7 @@ class _Scan:
             self.first, self.last = gamma[:, :1].exp(), gamma[:, -1:].exp()  # (h, 1)
 
     def __call__(
-        self, carry: Optional[Tensor], inc: Tensor, reverse: bool = False, out: Optional[Tensor] = None
+        self, carry: Tensor | None, inc: Tensor, reverse: bool = False, out: Tensor | None = None
     ) -> tuple[Tensor, Tensor]:
         """carry: (h, *F) or None (zero); inc: (h*n, *F), one increment per chunk.
 
@@ -254,7 +258,7 @@ class _Scan:
         return E.view(inc.shape), beyond.view((h,) + inc.shape[1:])
 
 
-    def _sequential(self, carry, inc3: Tensor, reverse: bool, out3: Optional[Tensor]) -> Tensor:
+    def _sequential(self, carry, inc3: Tensor, reverse: bool, out3: Tensor | None) -> Tensor:
         """The same scan one chunk at a time, for increments that overflowed to inf.
 
         In the matmul, a later chunk's inf meets L's zeros (0 * inf = NaN) and would reach the
@@ -277,7 +281,7 @@ def _plain_scan(h: int, n: int, dtype: torch.dtype, device: torch.device) -> _Sc
     return _Scan(None, h, n, dtype, device)
 
 
-def _scan_for(decay: Optional[_Decay], h: int, n: int, like: Tensor) -> _Scan:
+def _scan_for(decay: _Decay | None, h: int, n: int, like: Tensor) -> _Scan:
     if decay is None:
         return _plain_scan(h, n, like.dtype, like.device)
     return _Scan(decay.gamma, h, n, like.dtype, like.device)

@@ -24,22 +24,23 @@ import importlib
 import importlib.util
 import sys
 from pathlib import Path
-from typing import Optional
+from types import ModuleType
 
 import torch
 from torch import Tensor
 
-from .. import _validate as V
 from .state import DEFAULT_EPS, LinearAttentionState, suffix_sum
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 _kernels = None
-_import_error: Optional[BaseException] = None
+_import_error: BaseException | None = None
 
 
-def _load_kernels():
-    """Import the kernels package once: `linattn_lib.kernels` when installed, else ./kernels.
+def load_kernels() -> ModuleType | None:
+    """The kernels package `linattn_lib.kernels`, imported once; None when it cannot be.
+
+    `kernels_import_error()` then says why (no triton, or a triton too old for the kernels).
 
     The kernels live in the top-level `kernels/` folder, installed as `linattn_lib.kernels`.
     From a plain source checkout (no `pip install -e .`) that name does not exist yet, so the
@@ -56,7 +57,7 @@ def _load_kernels():
         except ModuleNotFoundError as e:
             if e.name != "linattn_lib.kernels":
                 raise
-            init = Path(__file__).resolve().parent.parent / "kernels" / "__init__.py"
+            init = Path(__file__).resolve().parents[2] / "kernels" / "__init__.py"  # the checkout root
             spec = importlib.util.spec_from_file_location(
                 "linattn_lib.kernels", init, submodule_search_locations=[str(init.parent)]
             )
@@ -75,6 +76,11 @@ def _load_kernels():
     return _kernels
 
 
+def kernels_import_error() -> BaseException | None:
+    """Why `load_kernels()` returned None (None when the kernels imported or were not tried)."""
+    return _import_error
+
+
 def triton_available() -> bool:
     """True when `backend="triton"` can run here: Triton and `linattn_lib.kernels` import.
 
@@ -82,18 +88,19 @@ def triton_available() -> bool:
     (which works whether or not TRITON_INTERPRET=1 is set). `backend="auto"` picks Triton for
     CUDA tensors only; for "is there a GPU for the fast path" ask `torch.cuda.is_available()`.
     """
-    return _load_kernels() is not None
+    return load_kernels() is not None
 
 
 def triton_supports(q: Tensor, v: Tensor) -> bool:
     """True when the kernels are available and take these inputs: float32, float16 or bfloat16,
     and head dims Dk = q.shape[-1], Dv = v.shape[-1] up to `MAX_HEAD_DIM` (256)."""
-    K = _load_kernels()
+    K = load_kernels()
     return K is not None and q.dtype in SUPPORTED_DTYPES and max(q.shape[-1], v.shape[-1]) <= K.MAX_HEAD_DIM
 
 
-def _require_kernels(fn: str):
-    K = _load_kernels()
+def require_kernels(fn: str) -> ModuleType:
+    """`load_kernels()`, or a RuntimeError naming `fn` and why the kernels do not import."""
+    K = load_kernels()
     if K is None:
         raise RuntimeError(f"{fn}: the Triton backend is not available: {_import_error}")
     return K
@@ -112,7 +119,7 @@ def _check_inputs(fn: str, q: Tensor, v: Tensor) -> None:
             f"{fn}: bfloat16 on CPU would run in the Triton interpreter, which has no bfloat16 "
             "arithmetic; use a CUDA device, float16/float32, or backend='torch'"
         )
-    K = _require_kernels(fn)
+    K = require_kernels(fn)
     for name, d in (("Dk", q.shape[-1]), ("Dv", v.shape[-1])):
         if d > K.MAX_HEAD_DIM:
             raise ValueError(
@@ -121,7 +128,7 @@ def _check_inputs(fn: str, q: Tensor, v: Tensor) -> None:
             )
 
 
-def _output_cotangents(do: Tensor, o: Tensor, den: Optional[Tensor], dtype: torch.dtype):
+def _output_cotangents(do: Tensor, o: Tensor, den: Tensor | None, dtype: torch.dtype):
     """The gradient flowing into the kernels, ready for inputs of `dtype`.
 
     Normalised, o = num / den gives dnum = dO / den and dden = -(dO . o) / den (fp32). A zero
@@ -167,7 +174,7 @@ def _live_lengths(do: Tensor) -> Tensor:
     return torch.where(used, pos, 0).amax(-1).to(torch.int32)
 
 
-def _state_grads(dS: Optional[Tensor], dz: Optional[Tensor], S: Tensor, z: Optional[Tensor]):
+def _state_grads(dS: Tensor | None, dz: Tensor | None, S: Tensor, z: Tensor | None):
     """Gradients of the final state as a pair that is either (None, None) or two tensors."""
     if dS is None and dz is None:
         return None, None
@@ -175,6 +182,24 @@ def _state_grads(dS: Optional[Tensor], dz: Optional[Tensor], S: Tensor, z: Optio
     if z is not None:
         dz = torch.zeros_like(z) if dz is None else dz.float()
     return dS, dz
+
+
+def _log_decay_grad(q, k, dq, dk, g, lengths, dS_T, S_T, dz_T, z_T) -> Tensor:
+    """dL/dg from dq and dk (fp32), in the dtype and shape of g.
+
+    dL/dG_t = q_t . dq_t - k_t . dk_t (+ <dS_T, S_T> + <dz_T, z_T> at the last token), and
+    g_s enters every G_t with t >= s: a suffix sum.
+    """
+    r = (q.float() * dq).sum(-1) - (k.float() * dk).sum(-1)
+    if lengths is not None:  # the tail's dq, dk are 0; its q, k may be anything (0 * NaN)
+        pos = torch.arange(r.shape[-1], device=r.device)
+        r = torch.where(pos < lengths.unsqueeze(-1), r, 0.0)
+    if dS_T is not None:
+        r[..., -1] += (dS_T * S_T).sum((-2, -1))
+        if dz_T is not None:
+            r[..., -1] += (dz_T * z_T).sum(-1)
+    dg = suffix_sum(r)
+    return (dg.sum((0, 2)) if g.dim() == 1 else dg).to(g.dtype)
 
 
 class _CausalLinearAttention(torch.autograd.Function):
@@ -239,18 +264,7 @@ class _CausalLinearAttention(torch.autograd.Function):
             if dv is not None:
                 dv = dv.to(v.dtype)
         if need_g:
-            # dL/dG_t = q_t . dq_t - k_t . dk_t (+ <dS_T, S_T> + <dz_T, z_T> at the last token),
-            # and g_s enters every G_t with t >= s: a reverse cumulative sum.
-            r = (q.float() * dq).sum(-1) - (k.float() * dk).sum(-1)
-            if lengths is not None:  # the tail's dq, dk are 0; its q, k may be anything (0 * NaN)
-                pos = torch.arange(r.shape[-1], device=r.device)
-                r = torch.where(pos < lengths.unsqueeze(-1), r, 0.0)
-            if dS_T is not None:
-                r[..., -1] += (dS_T * S_T).sum((-2, -1))
-                if dz_T is not None:
-                    r[..., -1] += (dz_T * z_T).sum(-1)
-            dg = suffix_sum(r)
-            dg = (dg.sum((0, 2)) if g.dim() == 1 else dg).to(g.dtype)
+            dg = _log_decay_grad(q, k, dq, dk, g, lengths, dS_T, S_T, dz_T, z_T)
         if dq is not None:
             dq = dq.to(q.dtype) if need_q else None
         if dk is not None:
@@ -319,11 +333,11 @@ def linear_attention_triton(
     *,
     causal: bool = True,
     normalize: bool = True,
-    log_decay: Optional[Tensor] = None,
+    log_decay: Tensor | None = None,
     eps: float = DEFAULT_EPS,
-    initial_state: Optional[LinearAttentionState] = None,
+    initial_state: LinearAttentionState | None = None,
     return_state: bool = False,
-):
+) -> Tensor | tuple[Tensor, LinearAttentionState]:
     """Linear attention with the Triton kernels (inputs already validated by `linear_attention`).
 
     Same contract as `linear_attention(..., form="chunked")`: o has the dtype of v; the
@@ -386,7 +400,7 @@ class _PositiveRandomFeatures(torch.autograd.Function):
 
 
 def positive_random_features_triton(
-    x: Tensor, W: Tensor, *, input_scale: float = 1.0, stabilize: Optional[str] = None
+    x: Tensor, W: Tensor, *, input_scale: float = 1.0, stabilize: str | None = None
 ) -> Tensor:
     """`positive_random_features(..., backend="triton")`: FAVOR+ features from one fused kernel.
 
@@ -395,7 +409,7 @@ def positive_random_features_triton(
     differentiable in x and W.
     """
     fn = "positive_random_features"
-    _require_kernels(fn)
+    require_kernels(fn)
     _check_inputs(fn, x, x)  # dtype, device, d <= 256
     if x.dim() < 2:
         raise ValueError(f"{fn}: backend='triton' needs x of shape (..., T, d), got {tuple(x.shape)}")

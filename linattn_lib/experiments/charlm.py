@@ -28,13 +28,14 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable, Iterable, Sequence
 from concurrent.futures import ProcessPoolExecutor, as_completed
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Optional
 
 import torch
 
+from ..measure import torch_threads
 from ..nn.models import ModelConfig, TinyLM
 from .common import parse_cli, run_metadata, seed_everything, train, write_json
 
@@ -72,7 +73,7 @@ def _docstrings(source: str) -> list[str]:
     return docs
 
 
-def build_corpus(modules=CORPUS_MODULES) -> str:
+def build_corpus(modules: Sequence[str] = CORPUS_MODULES) -> str:
     """The corpus text: every docstring of `modules`, separated by blank lines, ASCII only.
 
     The text depends on the Python version (docstrings change between releases); `corpus_info`
@@ -117,20 +118,20 @@ class CharData:
     def vocab_size(self) -> int:
         return len(self.chars)
 
-    def decode(self, ids) -> str:
+    def decode(self, ids: Iterable[int] | torch.Tensor) -> str:
         return "".join(self.chars[int(i)] for i in ids)
 
     def encode(self, s: str) -> torch.Tensor:
         return torch.tensor([self.stoi[c] for c in s if c in self.stoi], dtype=torch.long)
 
-    def batch(self, batch_size: int, ctx: int, *, generator: torch.Generator):
+    def batch(self, batch_size: int, ctx: int, *, generator: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
         """`batch_size` random training windows of `ctx` characters and their next characters."""
         ix = torch.randint(0, len(self.train) - ctx - 1, (batch_size,), generator=generator)
         x = torch.stack([self.train[i : i + ctx] for i in ix.tolist()])
         y = torch.stack([self.train[i + 1 : i + ctx + 1] for i in ix.tolist()])
         return x, y
 
-    def val_windows(self, ctx: int, max_windows: Optional[int] = None):
+    def val_windows(self, ctx: int, max_windows: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Consecutive non-overlapping validation windows (deterministic); all that fit by default."""
         n = (len(self.val) - 1) // ctx
         if max_windows is not None:
@@ -141,7 +142,7 @@ class CharData:
 
 
 @torch.no_grad()
-def validation_loss(model: TinyLM, data: CharData, ctx: int, *, max_windows: Optional[int] = None, batch: int = 16) -> float:
+def validation_loss(model: TinyLM, data: CharData, ctx: int, *, max_windows: int | None = None, batch: int = 16) -> float:
     """Mean cross-entropy (nats per character) over the validation windows of length `ctx`.
 
     Every window starts from an empty context, so the mean covers positions 0 .. ctx-1: longer
@@ -209,12 +210,12 @@ def run(
     cfg: CharLMConfig,
     data: CharData,
     *,
-    sample_prompt: Optional[str] = "Return the ",
+    sample_prompt: str | None = "Return the ",
     sample_len: int = 200,
     curve_every: int = 25,
     progress: bool = False,
     return_model: bool = False,
-):
+) -> dict | tuple[dict, TinyLM]:
     """Train one model; return validation loss, perplexity, bits per character, a sample and costs.
 
     The result holds the config, the parameter count, the training-loss curve (means over
@@ -272,7 +273,7 @@ def run(
 # the sweep
 # ------------------------------------------------------------------------------------------
 
-_WORKER_DATA: Optional[CharData] = None
+_WORKER_DATA: CharData | None = None
 
 
 def _worker_init() -> None:
@@ -286,7 +287,9 @@ def _run_in_worker(cfg_dict: dict) -> dict:
     return run(CharLMConfig(**cfg_dict), _WORKER_DATA)
 
 
-def sweep_configs(kinds, ctxs, seeds, **overrides) -> list[CharLMConfig]:
+def sweep_configs(
+    kinds: Sequence[str], ctxs: Sequence[int], seeds: Sequence[int], **overrides: object,
+) -> list[CharLMConfig]:
     """The grid of runs, in a fixed order (kind, context length, seed)."""
     return [CharLMConfig(attention=k, ctx=c, seed=s, **overrides) for k in kinds for c in ctxs for s in seeds]
 
@@ -319,7 +322,7 @@ def _std(xs: list[float]) -> float:
     return math.sqrt(sum((x - m) ** 2 for x in xs) / (len(xs) - 1))
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m linattn_lib.experiments.charlm", description=__doc__.split("\n\n")[0])
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=("softmax", "performer", "linear", "cosformer", "retnet", "ssd"))
     p.add_argument("--ctx", nargs="+", type=int, default=[64, 256], help="context lengths")
@@ -331,7 +334,52 @@ def main(argv: Optional[list[str]] = None) -> dict:
     p.add_argument("--lr", type=float, default=CharLMConfig.lr)
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel (one thread each)")
     p.add_argument("--resume", action="store_true", help="keep finished runs found in --out, run only the rest")
-    args = parse_cli(p, argv, "book/results/charlm.json")
+    return p
+
+
+def _config_key(c: CharLMConfig) -> str:
+    return json.dumps({**asdict(c), "batch_size": c.batch_size}, sort_keys=True)
+
+
+def _finished_runs(out: str, corpus_sha256: str) -> dict[str, dict]:
+    """Runs already in `out` for this corpus, keyed like `_config_key` (for --resume)."""
+    if not Path(out).exists():
+        return {}
+    old = json.loads(Path(out).read_text())
+    if old.get("corpus", {}).get("sha256") != corpus_sha256:
+        return {}
+    return {json.dumps(r["config"], sort_keys=True): r for r in old.get("results", [])}
+
+
+def _run_all(todo: list[CharLMConfig], text: str, workers: int, on_result: Callable[[CharLMConfig, dict], None]) -> None:
+    """Train every config of `todo`, in this process or in `workers` spawned ones (one thread each)."""
+    from tqdm.auto import tqdm
+
+    bar = tqdm(total=len(todo), desc="char-LM sweep", file=sys.stderr, dynamic_ncols=True)
+
+    def done(cfg: CharLMConfig, r: dict) -> None:
+        on_result(cfg, r)
+        bar.update(1)
+        bar.set_postfix(last=f"{cfg.attention}/{cfg.ctx}/{cfg.seed} bpc={r['bits_per_char']:.2f}")
+
+    if workers <= 1:
+        with torch_threads(1):
+            data = CharData(text)
+            for cfg in todo:
+                done(cfg, run(cfg, data, progress=True))
+    else:
+        import multiprocessing as mp
+
+        with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init) as ex:
+            futures = {ex.submit(_run_in_worker, asdict(c)): c for c in todo}
+            for fut in as_completed(futures):
+                done(futures[fut], fut.result())
+    bar.close()
+
+
+def main(argv: list[str] | None = None) -> dict:
+    """The sweep CLI: train every (kind, context, seed), write JSON after each run."""
+    args = parse_cli(_parser(), argv, "book/results/charlm.json")
     if args.quick:
         args.kinds, args.ctx, args.seeds, args.steps, args.tokens_per_step, args.workers = ["softmax", "linear"], [16], [0], 3, 64, 1
     overrides = {"steps": args.steps, "d_model": args.d_model, "n_layer": args.layers, "tokens_per_step": args.tokens_per_step, "lr": args.lr}
@@ -342,51 +390,24 @@ def main(argv: Optional[list[str]] = None) -> dict:
     meta.update(workers=args.workers, threads_per_run=1, load_average_start=list(os.getloadavg()))
     payload = {"meta": meta, "corpus": corpus_info(text), "split": {"train_fraction": 0.9, "by": "position"},
                "grid": {"kinds": args.kinds, "ctx": args.ctx, "seeds": args.seeds, **overrides}, "complete": False, "results": []}
-
-    done: dict = {}
-    if args.resume and Path(args.out).exists():
-        old = json.loads(Path(args.out).read_text())
-        if old.get("corpus", {}).get("sha256") == payload["corpus"]["sha256"]:
-            done = {json.dumps(r["config"], sort_keys=True): r for r in old.get("results", [])}
-    key = lambda c: json.dumps({**asdict(c), "batch_size": c.batch_size}, sort_keys=True)  # noqa: E731
-    todo = [c for c in grid if key(c) not in done]
-    results = {key(c): done[key(c)] for c in grid if key(c) in done}
+    done = _finished_runs(args.out, payload["corpus"]["sha256"]) if args.resume else {}
+    results = {_config_key(c): done[_config_key(c)] for c in grid if _config_key(c) in done}
 
     def save(complete: bool) -> None:
-        payload["results"] = [results[key(c)] for c in grid if key(c) in results]
+        payload["results"] = [results[_config_key(c)] for c in grid if _config_key(c) in results]
         payload["complete"] = complete
         write_json(args.out, payload)
 
+    def on_result(cfg: CharLMConfig, r: dict) -> None:
+        results[_config_key(cfg)] = r
+        save(False)
+
     wall0 = time.perf_counter()
-    from tqdm.auto import tqdm
-
-    bar = tqdm(total=len(todo), desc="char-LM sweep", file=sys.stderr, dynamic_ncols=True)
-    if args.workers <= 1:
-        torch.set_num_threads(1)
-        data = CharData(text)
-        for cfg in todo:
-            r = run(cfg, data, progress=True)
-            results[key(cfg)] = r
-            bar.update(1)
-            bar.set_postfix(last=f"{cfg.attention}/{cfg.ctx}/{cfg.seed} bpc={r['bits_per_char']:.2f}")
-            save(False)
-    else:
-        import multiprocessing as mp
-
-        with ProcessPoolExecutor(args.workers, mp_context=mp.get_context("spawn"), initializer=_worker_init) as ex:
-            futures = {ex.submit(_run_in_worker, asdict(c)): c for c in todo}
-            for fut in as_completed(futures):
-                cfg = futures[fut]
-                r = fut.result()
-                results[key(cfg)] = r
-                bar.update(1)
-                bar.set_postfix(last=f"{cfg.attention}/{cfg.ctx}/{cfg.seed} bpc={r['bits_per_char']:.2f}")
-                save(False)
-    bar.close()
+    _run_all([c for c in grid if _config_key(c) not in done], text, args.workers, on_result)
     meta["wall_seconds_sweep"] = time.perf_counter() - wall0
     meta["cpu_seconds_runs"] = sum(r["cpu_seconds_total"] for r in results.values())
     meta["load_average_end"] = list(os.getloadavg())
-    payload["summary"] = summarize([results[key(c)] for c in grid])
+    payload["summary"] = summarize([results[_config_key(c)] for c in grid])
     save(True)
     print(f"wrote {len(results)} runs to {args.out} in {meta['wall_seconds_sweep']:.0f} s "
           f"({meta['cpu_seconds_runs']:.0f} CPU s in the runs)", file=sys.stderr)

@@ -8,11 +8,12 @@ import platform
 import random
 import sys
 import time
+from collections.abc import Callable, Iterable
 from pathlib import Path
-from typing import Callable, Iterable, Optional
 
 import torch
 
+from .. import __version__
 from ..measure import device_name
 
 
@@ -23,13 +24,11 @@ def seed_everything(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def run_metadata(module: str, argv: Optional[list[str]] = None) -> dict:
+def run_metadata(module: str, argv: list[str] | None = None) -> dict:
     """Everything needed to reproduce a result: command, versions, hardware, time.
 
     module: the CLI's module, e.g. "linattn_lib.experiments.mqar"; argv: its arguments.
     """
-    from .. import __version__
-
     args = list(sys.argv[1:] if argv is None else argv)
     return {
         "command": " ".join(["python", "-m", module, *args]),
@@ -42,7 +41,7 @@ def run_metadata(module: str, argv: Optional[list[str]] = None) -> dict:
     }
 
 
-def cli_output_path(out: Optional[str], default: str, quick: bool) -> str:
+def cli_output_path(out: str | None, default: str, quick: bool) -> str:
     """Where a CLI writes its JSON: `out` if given, else `default`, or for a --quick smoke run
     `default` with a "-quick" suffix, so that a smoke test never overwrites the committed
     results the chapters plot (they take tens of CPU-minutes to regenerate)."""
@@ -54,7 +53,7 @@ def cli_output_path(out: Optional[str], default: str, quick: bool) -> str:
     return f"{stem}-quick.{ext}" if dot else f"{default}-quick"
 
 
-def parse_cli(p: argparse.ArgumentParser, argv: Optional[list[str]], default_out: str) -> argparse.Namespace:
+def parse_cli(p: argparse.ArgumentParser, argv: list[str] | None, default_out: str) -> argparse.Namespace:
     """Add the --out and --quick options every experiment CLI has, parse `argv`, and resolve
     `args.out` with `cli_output_path` (a --quick run without --out never overwrites
     `default_out`)."""
@@ -86,7 +85,7 @@ def train(
     weight_decay: float = 0.0,
     warmup: int = 20,
     grad_clip: float = 1.0,
-    progress: Optional[Callable[[int, float], None]] = None,
+    progress: Callable[[int, float], None] | None = None,
 ) -> list[float]:
     """AdamW with linear warm-up and cosine decay; `batches(step)` returns (inputs, targets).
 
@@ -115,7 +114,7 @@ def train(
     return losses
 
 
-def progress_bar(iterable: Iterable, *, desc: str, total: Optional[int] = None, enabled: bool = True):
+def progress_bar(iterable: Iterable, *, desc: str, total: int | None = None, enabled: bool = True) -> Iterable:
     """tqdm on stderr for CLIs; a plain iterable when disabled (notebooks stay free of bars)."""
     if not enabled:
         return iterable

@@ -21,36 +21,40 @@ CLI (writes the JSON the chapter plots; the speed table uses the text's sizes):
 
     python -m linattn_lib.experiments.complexity   # -> book/results/complexity_<cpu|cuda>.json
 
-On CUDA the times are wall times from `linattn_lib.experiments.bench.cuda_time` (Triton's do_bench); on the
-CPU they are single-thread CPU times (see `cpu_time_fn`).
+On CUDA the times are wall times from `linattn_lib.measure.cuda_time` (Triton's do_bench); on the
+CPU they are single-thread CPU times (`measure.timed_calls(..., clock="process")` inside
+`measure.torch_threads(1)`).
 """
 from __future__ import annotations
 
 import argparse
-import contextlib
 import math
 import os
 import statistics
-import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass
-from typing import Callable, Iterable, Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from ..core.linear import linear_attention
-from ..core.softmax import softmax_attention
 from ..core.features import RandomFeatureMap, elu_plus_one
+from ..core.linear import linear_attention
+from ..core.performer import performer_attention
+from ..core.positional import cosformer_attention
+from ..core.softmax import softmax_attention
+from ..flops import score_matrix_bytes
 from ..measure import (
+    cuda_time,
     default_device,
     fit_loglog_slope,
     peak_memory_bytes,
     settle_cpu_allocator,
     time_fn,
+    timed_calls,
+    torch_threads,
 )
-from ..core.performer import performer_attention
-from ..core.positional import cosformer_attention
+from .common import parse_cli, progress_bar, run_metadata, write_json
 
 METHODS = ("softmax", "performer", "linear", "cosformer", "decayed")
 ALL_METHODS = ("softmax", "softmax_fused", "performer", "linear", "cosformer", "decayed")
@@ -79,7 +83,7 @@ TEXT_CLAIMS = {
 }
 
 
-def make_attention(method: str, d: int, *, num_features: Optional[int] = None, seed: int = 0) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
+def make_attention(method: str, d: int, *, num_features: int | None = None, seed: int = 0) -> Callable[[Tensor, Tensor, Tensor], Tensor]:
     """A causal attention function `f(q, k, v) -> o` of raw (B, H, T, d) inputs for `method`.
 
     Performer's random projection (m = `num_features`, default floor(d ln d)) is drawn once here,
@@ -105,40 +109,10 @@ def make_attention(method: str, d: int, *, num_features: Optional[int] = None, s
     raise ValueError(f"make_attention: unknown method {method!r}; expected one of {ALL_METHODS}")
 
 
-@contextlib.contextmanager
-def single_thread():
-    """Run torch's CPU operators on one thread (restored afterwards)."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
+def _cuda_seconds(call: Callable[[], object], repeats: int, device: torch.device | str | None) -> float:
+    """CUDA time from `measure.cuda_time` (Triton's do_bench, median), when Triton is installed;
+    torch-synchronised wall time otherwise."""
     try:
-        yield
-    finally:
-        torch.set_num_threads(n)
-
-
-def cpu_time_fn(fn: Callable[[], object], *, warmup: int = 1, repeats: int = 5) -> float:
-    """Median CPU time of `fn()` in seconds (this process, all its threads).
-
-    On a shared machine wall time includes the time other processes hold the cores; CPU time
-    does not. With one torch thread (see `single_thread`) it approximates the wall time of the
-    same call on an idle core.
-    """
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        t0 = time.process_time()
-        fn()
-        times.append(time.process_time() - t0)
-    return statistics.median(times)
-
-
-def _cuda_seconds(call: Callable[[], object], repeats: int, device) -> float:
-    """CUDA time through the benchmark module's timer (Triton's do_bench, median), when Triton
-    is installed; torch-synchronised wall time otherwise."""
-    try:
-        from .bench import cuda_time
-
         return cuda_time(call)[0]
     except ImportError:
         return time_fn(call, warmup=0, repeats=repeats, device=device)
@@ -157,10 +131,10 @@ def measure_point(
     batch: int = 1,
     heads: int = 4,
     d: int = 32,
-    num_features: Optional[int] = None,
+    num_features: int | None = None,
     repeats: int = 3,
-    device=None,
-    fn: Optional[Callable] = None,
+    device: torch.device | str | None = None,
+    fn: Callable | None = None,
     clock: str = "auto",
 ) -> dict:
     """Median time (s) and peak extra memory (bytes) of one call at length T.
@@ -169,8 +143,10 @@ def measure_point(
     respect to q, k and v). Memory is `linattn_lib.measure.peak_memory_bytes`: the CUDA
     allocator's peak, or on CPU the process's resident-set high-water mark (None where the OS
     offers neither).
-    clock: "wall" (`measure.time_fn`, GPU-synchronised), "cpu" (`cpu_time_fn` on one torch
-    thread: robust on a busy machine) or "auto" (wall on CUDA, cpu otherwise).
+    clock: "wall" (`measure.time_fn`, GPU-synchronised), "cpu" (the median process CPU time,
+    `measure.timed_calls(..., clock="process")`, on one torch thread: robust on a busy machine,
+    where wall time includes the time other processes hold the cores) or "auto" (wall on CUDA,
+    cpu otherwise).
     """
     if mode not in MODES:
         raise ValueError(f"measure_point: mode must be one of {MODES}, got {mode!r}")
@@ -194,8 +170,8 @@ def measure_point(
     call()  # warm-up: first-call allocations and caches are not part of the cost
     peak = peak_memory_bytes(call, device=device)
     if clock == "cpu":
-        with single_thread():
-            seconds = cpu_time_fn(call, warmup=0, repeats=repeats)
+        with torch_threads(1):
+            seconds = statistics.median(timed_calls(call, warmup=0, repeats=repeats, device=device, clock="process"))
     elif device.type == "cuda":
         seconds = _cuda_seconds(call, repeats, device)
     else:
@@ -211,10 +187,10 @@ def complexity_sweep(
     batch: int = 1,
     heads: int = 4,
     d: int = 32,
-    num_features: Optional[int] = None,
+    num_features: int | None = None,
     repeats: int = 3,
-    device=None,
-    max_lengths: Optional[dict] = None,
+    device: torch.device | str | None = None,
+    max_lengths: dict | None = None,
     clock: str = "auto",
     progress: bool = False,
 ) -> list[dict]:
@@ -229,8 +205,6 @@ def complexity_sweep(
     ]
     fns = {m: make_attention(m, d, num_features=num_features) for m in methods}
     if progress:
-        from .common import progress_bar
-
         grid = progress_bar(grid, desc="complexity sweep")
     if torch.device(device or default_device()).type == "cpu":
         settle_cpu_allocator()  # every point timed under the allocator the memory readings need
@@ -312,25 +286,24 @@ def by_head_groups(fn: Callable[[Tensor, Tensor, Tensor], Tensor], heads_per_cal
     return grouped
 
 
-def speed_table(cfg: SpeedConfig = SpeedConfig(), *, device=None, progress: bool = False) -> list[dict]:
+def speed_table(cfg: SpeedConfig | None = None, *, device: torch.device | str | None = None, progress: bool = False) -> list[dict]:
     """Forward time (median, ms) and peak memory of each method at the text's sizes.
 
     The naive softmax materialises B*H*T*T floats; where that exceeds `cfg.max_matrix_bytes` it
     is run over groups of heads in sequence (same arithmetic, memory of one group), and the row
-    records `heads_per_call`.
+    records `heads_per_call`. cfg defaults to `SpeedConfig()`.
     """
+    cfg = SpeedConfig() if cfg is None else cfg
     device = torch.device(device) if device is not None else default_device()
     rows = []
     grid = [(m, T) for T in cfg.lengths for m in cfg.methods]
     if progress:
-        from .common import progress_bar
-
         grid = progress_bar(grid, desc="speed table")
     fns = {m: make_attention(m, cfg.d_head, num_features=cfg.num_features) for m in cfg.methods}
     for m, T in grid:
         f, heads_per_call = fns[m], cfg.heads
         if m == "softmax":
-            per_head = cfg.batch * T * T * 4
+            per_head = score_matrix_bytes(T, batch=cfg.batch)  # one head's T x T fp32 matrix
             heads_per_call = max(1, min(cfg.heads, cfg.max_matrix_bytes // per_head))
             if heads_per_call < cfg.heads:
                 f = by_head_groups(fns[m], heads_per_call)
@@ -347,9 +320,8 @@ def local_exponents(lengths: Sequence[float], times: Sequence[float]) -> list[fl
     return [math.log(t2 / t1) / math.log(T2 / T1) for T1, T2, t1, t2 in zip(lengths, lengths[1:], times, times[1:])]
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
-    from .common import parse_cli, run_metadata, write_json
-
+def main(argv: list[str] | None = None) -> dict:
+    """Run the sweep (and the speed table) and write the JSON the chapter plots."""
     p = argparse.ArgumentParser(prog="python -m linattn_lib.experiments.complexity", description=__doc__.split("\n\n")[0])
     p.add_argument("--lengths", nargs="+", type=int, default=[512, 1024, 2048, 4096, 8192, 16384])
     p.add_argument("--softmax-max", type=int, default=8192, help="longest T for the naive softmax in the sweep")

@@ -1,9 +1,16 @@
 """Check the compiled Triton kernels on a CUDA GPU, and time them.
 
     python -m linattn_lib.experiments.gpu_check --out gpu_results/
+    python -m linattn_lib.experiments.gpu_check --pytest tests/test_kernels_interpret.py  # + the full suite
 
-1. runs tests/test_kernels_interpret.py with CUDA tensors, so every kernel is compiled for
-   this GPU and checked against the float64 references (bfloat16 cases included);
+1. the kernel self-test (`kernel_selftest.run_kernel_selftest`, part of the package, so it runs from an
+   installed copy too): every kernel is compiled for this GPU and checked against the float64
+   references of the library -- outputs, final states (S and z) and the gradients of q, k, v,
+   the log-decay and the initial state, in float32, float16 and bfloat16, at awkward shapes
+   (T in 1..300 around the chunk of 64, head dims 16..256 including padded ones, several
+   heads and batches, resumed states, decays from none to underflowing and with resets), plus
+   the non-causal kernels, the decoding step and the fused FAVOR+ feature map;
+   `--pytest PATH` also runs a checkout's tests/test_kernels_interpret.py with CUDA tensors;
 2. times forward and forward+backward at T=16384, H=16, D=128 in bfloat16 with
    triton.testing.do_bench: our chunked linear attention (normalised; and unnormalised with a
    per-token decay), torch's scaled_dot_product_attention (causal softmax: flash attention
@@ -13,8 +20,12 @@
    configs were chosen without a GPU, and these are the numbers to choose them by;
 4. writes results.json and results.md into the output folder.
 
-On a machine without CUDA it prints a message and exits 0 without touching any GPU driver.
-The exit status is 1 when the kernel tests fail.
+Exit status: 0 when every check ran and passed; 1 when a check failed; 2 when a check did not
+run -- no CUDA device (then nothing touches a GPU driver and nothing is written), no Triton,
+kernels that do not import, or a --pytest file that is not there -- with a message saying what
+did not run. Parts skipped on request (--skip-tests, --skip-bench) are reported as such and do
+not change the status. The benchmark and the sweep measure, they do not check: their errors
+are recorded in the results, not in the exit status.
 """
 from __future__ import annotations
 
@@ -25,9 +36,16 @@ import platform
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-REPO = Path(__file__).resolve().parent.parent
+from .kernel_selftest import FAILED, NOT_RUN, PASSED, run_kernel_selftest
+
+if TYPE_CHECKING:
+    import torch
+
+SKIPPED = "skipped"
 
 
 def _environment() -> dict:
@@ -56,21 +74,25 @@ def _environment() -> dict:
     return info
 
 
-def run_kernel_tests(out: Path) -> dict:
-    """pytest on the kernel tests with CUDA tensors; returns counts and the tail of the log."""
-    tests = REPO / "tests" / "test_kernels_interpret.py"
-    if not tests.exists():
-        return {"status": "skipped", "reason": f"{tests} not found (run from a source checkout)"}
+def run_kernel_tests(out: Path, tests: Path) -> dict:
+    """pytest on a checkout's kernel tests (tests/test_kernels_interpret.py) with CUDA tensors."""
+    tests = Path(tests)
+    if not tests.is_file():
+        return {"status": NOT_RUN, "reason": f"{tests} not found (--pytest needs a source checkout's test file)"}
     env = dict(os.environ, LINATTN_KERNEL_TEST_DEVICE="cuda")
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "pytest", str(tests), "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-           f"--junitxml={out / 'kernel_tests.xml'}"]
+    cmd = [sys.executable, "-m", "pytest", str(tests.resolve()), "-q", "-p", "no:cacheprovider", "-o", "addopts=",
+           f"--junitxml={(out / 'kernel_tests.xml').resolve()}"]
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, cwd=str(REPO), env=env, capture_output=True, text=True)
+    # from the checkout's root (the test file's grandparent), as `make test` runs it
+    proc = subprocess.run(cmd, cwd=str(tests.resolve().parent.parent), env=env, capture_output=True, text=True)
     log = proc.stdout + proc.stderr
     (out / "kernel_tests.log").write_text(log)
     summary = next((line for line in reversed(log.strip().splitlines()) if " in " in line), "")
-    return {"status": "passed" if proc.returncode == 0 else "failed", "returncode": proc.returncode,
+    if proc.returncode == 5 or (" skipped" in summary and " passed" not in summary):
+        return {"status": NOT_RUN, "reason": f"pytest ran no kernel test: {summary.strip('= ') or log[-300:]}",
+                "returncode": proc.returncode}
+    return {"status": PASSED if proc.returncode == 0 else FAILED, "returncode": proc.returncode,
             "summary": summary.strip("= "), "seconds": round(time.perf_counter() - t0, 1)}
 
 
@@ -130,7 +152,7 @@ def run_benchmark(B: int = 1, H: int = 16, T: int = 16384, D: int = 128) -> list
 
     shape = f"B={B} H={H} T={T} D={D}"
     rows = [_time_candidate(name, fn, inputs, shape, do_bench) for name, fn in candidates.items()]
-    del q, k, v, g, qs, ks, inputs
+    q = k = v = g = qs = ks = inputs = candidates = None  # free the GPU memory the lambdas hold
     torch.cuda.empty_cache()
     return rows + run_favor_benchmark(B, H, T, do_bench=do_bench)
 
@@ -150,7 +172,8 @@ def _time_candidate(name, fn, inputs, shape, do_bench, dtype: str = "bfloat16") 
     return row
 
 
-def run_favor_benchmark(B: int, H: int, T: int, d: int = 64, m: int = 256, *, do_bench, device: str = "cuda") -> list[dict]:
+def run_favor_benchmark(B: int, H: int, T: int, d: int = 64, m: int = 256, *, do_bench: Callable,
+                        device: str = "cuda") -> list[dict]:
     """The FAVOR+ feature map of keys (global stabiliser: the two-launch case) and queries (row
     stabiliser), torch against the fused kernel (kernels/favor.py), bf16, forward and
     forward+backward: the measurement that decides whether the fused map should become the
@@ -174,7 +197,7 @@ def run_favor_benchmark(B: int, H: int, T: int, d: int = 64, m: int = 256, *, do
     return rows
 
 
-def candidate_configs(kernel: str, d_whole: int, dtype, capability) -> list[dict]:
+def candidate_configs(kernel: str, d_whole: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> list[dict]:
     """Launch configs worth timing for `kernel` at one head-dim bucket on this GPU: chunk
     lengths 32 and 64, tiles of 16, 32 and 64 columns, 4 and 8 warps, at the pipelining depth
     the launcher uses for this dtype -- those that fit the GPU's shared memory per block are
@@ -193,7 +216,8 @@ def candidate_configs(kernel: str, d_whole: int, dtype, capability) -> list[dict
     return out
 
 
-def run_config_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, do_bench, device: str = "cuda") -> list[dict]:
+def run_config_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, do_bench: Callable,
+                     device: str = "cuda") -> list[dict]:
     """Time the chunked kernels' forward (chunk_fwd) and dq pass (chunk_bwd_dqk) under every
     candidate config at the benchmark shape, bf16 (fp16 before sm_80), normalised, per-token
     decay. The configs in kernels/configs.py were chosen without a GPU, from compile-time
@@ -224,18 +248,24 @@ def run_config_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, d
             row = {"kernel": kernel, "config": cfg, "chosen": cfg == chosen, "shape": f"B={B} H={H} T={T} D={D}",
                    "dtype": str(dtype).replace("torch.", "")}
             try:
-                row["ms"] = round(float(do_bench(lambda: call(cfg), warmup=10, rep=50)), 4)
+                row["ms"] = round(float(do_bench(lambda call=call, cfg=cfg: call(cfg), warmup=10, rep=50)), 4)
             except Exception as e:  # e.g. out of shared memory on this GPU
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             rows.append(row)
     return rows
 
 
-def _markdown(env: dict, tests: dict, bench: list[dict], sweep: list[dict] = ()) -> str:
+def _markdown(env: dict, checks: dict, bench: list[dict], sweep: list[dict] = ()) -> str:
     lines = ["# GPU check", "", "| | |", "| --- | --- |"]
     lines += [f"| {k} | {v} |" for k, v in env.items()]
-    lines += ["", "## Kernel tests (CUDA tensors)", "", f"{tests.get('status')}: {tests.get('summary', tests.get('reason', ''))}",
-              "", "## Benchmark (median ms, triton.testing.do_bench)", "",
+    lines += ["", "## Checks", ""]
+    for what, res in checks.items():
+        lines.append(f"* {what}: **{res.get('status')}** {res.get('summary', res.get('reason', ''))}")
+    failures = [r for r in checks.get("kernel self-test", {}).get("checks", []) if r["status"] == FAILED]
+    if failures:
+        lines += ["", "| failed check | dtype | problems |", "| --- | --- | --- |"]
+        lines += [f"| {r['name']} | {r['dtype']} | {'; '.join(r['problems'])[:200]} |" for r in failures]
+    lines += ["", "## Benchmark (median ms, triton.testing.do_bench)", "",
               "| implementation | shape | forward | forward + backward |", "| --- | --- | ---: | ---: |"]
     for r in bench:
         if "error" in r:
@@ -252,58 +282,122 @@ def _markdown(env: dict, tests: dict, bench: list[dict], sweep: list[dict] = ())
     return "\n".join(lines) + "\n"
 
 
-def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="gpu_results", help="folder for results.json and results.md")
-    parser.add_argument("--skip-tests", action="store_true", help="only run the benchmark")
-    parser.add_argument("--skip-bench", action="store_true", help="only run the kernel tests")
-    parser.add_argument("--skip-sweep", action="store_true",
-                        help="skip the launch-config sweep (it compiles about 24 kernel variants)")
-    args = parser.parse_args(argv)
+def exit_status(checks: dict) -> int:
+    """0 when every check ran and passed (or was skipped on request), 1 when one failed,
+    2 when one did not run."""
+    states = {res.get("status") for res in checks.values()}
+    return 1 if FAILED in states else 2 if NOT_RUN in states else 0
 
-    import torch
 
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA device here; nothing to check (the CPU tests run the kernels in the "
-              "Triton interpreter: `make test`).")
-        return 0
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    env = _environment()
-    print(f"gpu_check: {env['gpu']} (sm_{env['capability'].replace('.', '')}), torch {env['torch']}, triton {env['triton']}")
+def _report_not_run(checks: dict) -> None:
+    for what, res in checks.items():
+        if res.get("status") == NOT_RUN:
+            print(f"gpu_check: NOT RUN: {what}: {res.get('reason', '')}", file=sys.stderr)
 
-    tests = {"status": "skipped"} if args.skip_tests else run_kernel_tests(out)
-    print(f"kernel tests: {tests.get('status')} {tests.get('summary', '')}")
-    bench = []
+
+def _not_run_without_cuda(args: argparse.Namespace) -> dict:
+    checks = {}
+    if not args.skip_tests:
+        checks["kernel self-test"] = {"status": NOT_RUN, "reason": "no CUDA device"}
+        if args.pytest:
+            checks[f"pytest {args.pytest}"] = {"status": NOT_RUN, "reason": "no CUDA device"}
     if not args.skip_bench:
+        checks["benchmark"] = {"status": NOT_RUN, "reason": "no CUDA device"}
+    return checks
+
+
+def _run_checks(args: argparse.Namespace, out: Path) -> dict:
+    if args.skip_tests:
+        return {"kernel self-test": {"status": SKIPPED, "reason": "--skip-tests"}}
+    checks = {"kernel self-test": run_kernel_selftest("cuda", quick=args.quick, log=print)}
+    if args.pytest:
+        checks[f"pytest {args.pytest}"] = run_kernel_tests(out, Path(args.pytest))
+    for what, res in checks.items():
+        print(f"{what}: {res.get('status')} {res.get('summary', res.get('reason', ''))}")
+    return checks
+
+
+def _run_bench(args: argparse.Namespace, do_bench: Callable | None) -> list[dict]:
+    if args.skip_bench:
+        return []
+    if do_bench is None:
+        bench = [{"name": "benchmark", "shape": "", "error": "triton is not installed (triton.testing.do_bench)"}]
+    else:
         try:
             bench = run_benchmark()
         except Exception as e:
             bench = [{"name": "benchmark", "shape": "", "error": f"{type(e).__name__}: {e}"[:500]}]
-        for r in bench:
-            print(f"  {r['name']:<55} " + (f"fwd {r['forward_ms']:8.2f} ms  fwd+bwd {r['forward_backward_ms']:8.2f} ms"
-                                           if "error" not in r else f"error: {r['error'][:100]}"))
-    sweep = []
-    if not (args.skip_bench or args.skip_sweep):
-        from triton.testing import do_bench
+    for r in bench:
+        print(f"  {r['name']:<55} " + (f"fwd {r['forward_ms']:8.2f} ms  fwd+bwd {r['forward_backward_ms']:8.2f} ms"
+                                       if "error" not in r else f"error: {r['error'][:100]}"))
+    return bench
 
-        try:
-            sweep = run_config_sweep(do_bench=do_bench)
-        except Exception as e:
-            sweep = [{"kernel": "sweep", "config": {}, "chosen": False, "error": f"{type(e).__name__}: {e}"[:500]}]
-        best = {}
-        for r in sweep:
-            if "ms" in r and r["ms"] < best.get(r["kernel"], (float("inf"),))[0]:
-                best[r["kernel"]] = (r["ms"], r["config"])
-        for r in sweep:
-            if r.get("chosen") and "ms" in r:
-                print(f"  {r['kernel']}: chosen config {r['ms']:.3f} ms, best of {sum(x['kernel'] == r['kernel'] for x in sweep)} "
-                      f"candidates {best[r['kernel']][0]:.3f} ms {best[r['kernel']][1]}")
+
+def _run_sweep(args: argparse.Namespace, do_bench: Callable | None) -> list[dict]:
+    if args.skip_bench or args.skip_sweep or do_bench is None:
+        return []
+    try:
+        sweep = run_config_sweep(do_bench=do_bench)
+    except Exception as e:
+        sweep = [{"kernel": "sweep", "config": {}, "chosen": False, "error": f"{type(e).__name__}: {e}"[:500]}]
+    best = {}
+    for r in sweep:
+        if "ms" in r and r["ms"] < best.get(r["kernel"], (float("inf"),))[0]:
+            best[r["kernel"]] = (r["ms"], r["config"])
+    for r in sweep:
+        if r.get("chosen") and "ms" in r:
+            print(f"  {r['kernel']}: chosen config {r['ms']:.3f} ms, best of {sum(x['kernel'] == r['kernel'] for x in sweep)} "
+                  f"candidates {best[r['kernel']][0]:.3f} ms {best[r['kernel']][1]}")
+    return sweep
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m linattn_lib.experiments.gpu_check",
+                                     description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default="gpu_results", help="folder for results.json and results.md")
+    parser.add_argument("--skip-tests", action="store_true", help="only run the benchmark")
+    parser.add_argument("--skip-bench", action="store_true", help="only run the kernel checks")
+    parser.add_argument("--skip-sweep", action="store_true",
+                        help="skip the launch-config sweep (it compiles about 24 kernel variants)")
+    parser.add_argument("--pytest", metavar="PATH", default=None,
+                        help="also run this pytest file with CUDA tensors (a checkout's tests/test_kernels_interpret.py)")
+    parser.add_argument("--quick", action="store_true", help="a few self-test cases only (a smoke test)")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the checks and the benchmark; the exit status (see the module docstring)."""
+    args = _parser().parse_args(argv)
+
+    import torch
+
+    if not torch.cuda.is_available():
+        checks = _not_run_without_cuda(args)
+        _report_not_run(checks)
+        print(f"gpu_check: no CUDA device here (torch {torch.__version__}, CUDA build {torch.version.cuda}): "
+              f"{', '.join(checks) or 'nothing'} did not run. On CPU the tests run the kernels in the Triton "
+              "interpreter (`make test`); this check needs a CUDA GPU.", file=sys.stderr)
+        return exit_status(checks)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    env = _environment()
+    print(f"gpu_check: {env['gpu']} (sm_{env['capability'].replace('.', '')}), torch {env['torch']}, triton {env['triton']}")
+    checks = _run_checks(args, out)
+    try:
+        from triton.testing import do_bench
+    except ImportError:
+        do_bench = None
+    bench = _run_bench(args, do_bench)
+    sweep = _run_sweep(args, do_bench)
     (out / "results.json").write_text(json.dumps(
-        {"environment": env, "kernel_tests": tests, "benchmark": bench, "config_sweep": sweep}, indent=2))
-    (out / "results.md").write_text(_markdown(env, tests, bench, sweep))
+        {"environment": env, "checks": checks, "benchmark": bench, "config_sweep": sweep}, indent=2))
+    (out / "results.md").write_text(_markdown(env, checks, bench, sweep))
     print(f"wrote {out / 'results.json'} and {out / 'results.md'}")
-    return 1 if tests.get("status") == "failed" else 0
+    _report_not_run(checks)
+    status = exit_status(checks)
+    if status == 1:
+        print("gpu_check: FAILED: " + ", ".join(w for w, r in checks.items() if r.get("status") == FAILED), file=sys.stderr)
+    return status
 
 
 if __name__ == "__main__":

@@ -24,20 +24,25 @@ in seconds).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import time
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from pathlib import Path
-from typing import Optional, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from ..chapters.profiling import torch_threads
+from ..measure import torch_threads
 from ..nn.models import ModelConfig, TinyLM
-from .common import parse_cli, progress_bar, run_metadata, seed_everything, train, write_json
+from .common import (
+    parse_cli,
+    progress_bar,
+    run_metadata,
+    seed_everything,
+    train,
+    write_json,
+)
 
 IGNORE = -100
 KINDS = ("softmax", "performer", "linear", "cosformer", "retnet", "ssd", "hybrid")
@@ -95,7 +100,9 @@ def num_queries(num_pairs: int, seq_len: int) -> int:
     return (seq_len - 2 * num_pairs) // 2
 
 
-def make_mixed_batch(batch: int, pairs: Sequence[int], seq_len: int, vocab_size: int, *, generator: torch.Generator):
+def make_mixed_batch(
+    batch: int, pairs: Sequence[int], seq_len: int, vocab_size: int, *, generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch whose rows are split evenly over the pair counts in `pairs` (in that order).
 
     Training on a mixture of difficulties, as Zoology does, lets a model learn the lookup on
@@ -107,7 +114,9 @@ def make_mixed_batch(batch: int, pairs: Sequence[int], seq_len: int, vocab_size:
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
-def make_mqar_batch(batch: int, num_pairs: int, seq_len: int, vocab_size: int, *, generator: torch.Generator):
+def make_mqar_batch(
+    batch: int, num_pairs: int, seq_len: int, vocab_size: int, *, generator: torch.Generator,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """(inputs, targets), both (batch, seq_len - 1); targets are -100 except after queried keys.
 
     Each sequence lists `num_pairs` distinct keys (drawn without replacement from
@@ -216,7 +225,7 @@ def recall_accuracy(model: nn.Module, inputs: Tensor, targets: Tensor) -> float:
     return (pred[mask] == targets[mask]).float().mean().item()
 
 
-def evaluate(model: nn.Module, cfg: MQARConfig, pairs: Optional[Sequence[int]] = None) -> dict[int, float]:
+def evaluate(model: nn.Module, cfg: MQARConfig, pairs: Sequence[int] | None = None) -> dict[int, float]:
     """Recall accuracy at each pair count (default cfg.eval_pairs) on fresh held-out batches.
 
     The held-out data come from their own generator, seeded from cfg.seed, never from the
@@ -234,7 +243,9 @@ def evaluate(model: nn.Module, cfg: MQARConfig, pairs: Optional[Sequence[int]] =
     return out
 
 
-def run(cfg: MQARConfig, *, progress: bool = False, return_model: bool = False, eval_every: int = 0):
+def run(
+    cfg: MQARConfig, *, progress: bool = False, return_model: bool = False, eval_every: int = 0,
+) -> dict | tuple[dict, TinyLM]:
     """Train one model on fresh mixed MQAR batches; return its recall accuracy per pair count.
 
     Deterministic for a given cfg (seeded model, data and evaluation) on a given machine and
@@ -284,7 +295,7 @@ def run(cfg: MQARConfig, *, progress: bool = False, return_model: bool = False, 
     return (result, model) if return_model else result
 
 
-def config_for(kind: str, **kw) -> MQARConfig:
+def config_for(kind: str, **kw: object) -> MQARConfig:
     """MQARConfig of one of KINDS ("hybrid": linear attention with its first layer softmax)."""
     if kind not in KINDS:
         raise ValueError(f"config_for: kind={kind!r} is not one of {KINDS}")
@@ -292,43 +303,14 @@ def config_for(kind: str, **kw) -> MQARConfig:
 
 
 # --------------------------------------------------------------------------------------
-# committed results
-# --------------------------------------------------------------------------------------
-
-RESULTS_URL = "https://raw.githubusercontent.com/linattn/linear-attention-hands-on/main/book/results/"
-
-
-def results_path(name: str = "mqar.json") -> Optional[Path]:
-    """The committed results file `name` under book/results, searched from the working
-    directory (the book's notebooks run in book/) and from the package's own checkout."""
-    here = Path.cwd()
-    for base in (here / "results", here / "book" / "results", Path(__file__).resolve().parents[2] / "book" / "results"):
-        if (base / name).is_file():
-            return base / name
-    return None
-
-
-def load_results(name: str = "mqar.json") -> dict:
-    """Load a committed results JSON of the book (default: the MQAR sweep).
-
-    Looks in book/results (see `results_path`); in an installed copy without the book (e.g. on
-    Colab) it downloads the file from the book's repository.
-    """
-    path = results_path(name)
-    if path is not None:
-        return json.loads(path.read_text())
-    import urllib.request
-
-    with urllib.request.urlopen(RESULTS_URL + name, timeout=30) as f:  # pragma: no cover - network
-        return json.loads(f.read().decode())
-
-
-# --------------------------------------------------------------------------------------
 # the sweep
 # --------------------------------------------------------------------------------------
 
 
-def sweep_grid(kinds, d_models, state_kinds, seeds, base_d_model: int) -> list[tuple[str, int, int]]:
+def sweep_grid(
+    kinds: Sequence[str], d_models: Sequence[int], state_kinds: Sequence[str], seeds: Sequence[int],
+    base_d_model: int,
+) -> list[tuple[str, int, int]]:
     """(kind, d_model, seed) of every run: all kinds at `base_d_model`, and the `state_kinds`
     also at every other width in `d_models` (the state-size axis)."""
     grid = []
@@ -346,7 +328,7 @@ def _run_one(job: tuple) -> dict:
         return run(config_for(kind, d_model=d, seed=seed, **common))
 
 
-def main(argv: Optional[list[str]] = None) -> dict:
+def main(argv: list[str] | None = None) -> dict:
     """Run the sweep and write JSON: {"meta": command, versions, hardware, runtime, "results": [...]}."""
     p = argparse.ArgumentParser(prog="python -m linattn_lib.experiments.mqar", description=__doc__.split("\n\n")[0])
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)

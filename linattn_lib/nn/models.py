@@ -20,18 +20,21 @@ from __future__ import annotations
 
 import math
 import numbers
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Optional
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate as V
-from ..core.state import LinearAttentionState
-from ..core.linear import linear_attention
 from ..core.features import RandomFeatureMap, elu_plus_one
+from ..core.linear import linear_attention
 from ..core.ssm import retnet_log_decay
+from ..core.state import LinearAttentionState
+
+# what one layer carries between calls: a linear layer's state, a softmax layer's KV cache
+LayerState = LinearAttentionState | tuple[Tensor, Tensor] | None
 
 ATTENTION_KINDS = ("softmax", "performer", "linear", "cosformer", "retnet", "ssd")
 LINEAR_KINDS = ATTENTION_KINDS[1:]
@@ -94,9 +97,9 @@ class LinearAttention(nn.Module):
         n_heads: int,
         *,
         kind: str = "linear",
-        num_features: Optional[int] = None,
+        num_features: int | None = None,
         max_len: int = 1024,
-        seed: Optional[int] = 0,
+        seed: int | None = 0,
         chunk_size: int = 64,
     ) -> None:
         super().__init__()
@@ -147,7 +150,7 @@ class LinearAttention(nn.Module):
             return torch.cat([rq * ang.cos(), rq * ang.sin()], -1), torch.cat([rk * ang.cos(), rk * ang.sin()], -1)
         return q * self.d_head**-0.5, k  # retnet / ssd: no feature map, scaled like softmax
 
-    def _decay(self, x: Tensor) -> Optional[Tensor]:
+    def _decay(self, x: Tensor) -> Tensor | None:
         if self.kind == "retnet":
             return self.log_decay.to(x.dtype)
         if self.kind == "ssd":
@@ -158,10 +161,10 @@ class LinearAttention(nn.Module):
         self,
         x: Tensor,
         *,
-        state: Optional[LinearAttentionState] = None,
+        state: LinearAttentionState | None = None,
         pos_offset: int = 0,
         return_state: bool = False,
-    ):
+    ) -> Tensor | tuple[Tensor, LinearAttentionState]:
         """x: (B, T, d_model) -> (B, T, d_model) [, new state].
 
         `state` is a LinearAttentionState(S (B, H, F, d_head), z (B, H, F) when normalised),
@@ -185,7 +188,7 @@ class LinearAttention(nn.Module):
             return 2 * self.d_head
         return self.d_head
 
-    def check_state(self, fn: str, name: str, state, *, batch: int, device) -> None:
+    def check_state(self, fn: str, name: str, state: object, *, batch: int, device: torch.device) -> None:
         """`state` fits this layer: S (batch, H, F, d_head) [and z (batch, H, F)], finite, on `device`."""
         V.check_state(
             fn, name, state, B=batch, H=self.n_heads, Dk=self.feature_size, Dv=self.d_head,
@@ -216,7 +219,7 @@ class SoftmaxAttention(nn.Module):
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
 
-    def check_state(self, fn: str, name: str, state, *, batch: int, device) -> None:
+    def check_state(self, fn: str, name: str, state: object, *, batch: int, device: torch.device) -> None:
         """`state` is a KV cache (keys, values), each (batch, H, S, d_head), S >= 1, finite, on `device`."""
         if not isinstance(state, (tuple, list)) or len(state) != 2:
             raise TypeError(f"{fn}: `{name}` must be a KV cache (keys, values) of a softmax layer, got {type(state).__name__}")
@@ -230,10 +233,13 @@ class SoftmaxAttention(nn.Module):
         if state[0].shape != state[1].shape:
             raise ValueError(f"{fn}: `{name}` keys {tuple(state[0].shape)} and values {tuple(state[1].shape)} must have one shape")
 
-    def forward(self, x: Tensor, *, state: Optional[tuple[Tensor, Tensor]] = None, pos_offset: int = 0, return_state: bool = False):
+    def forward(
+        self, x: Tensor, *, state: tuple[Tensor, Tensor] | None = None, pos_offset: int = 0,
+        return_state: bool = False,
+    ) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]]:
         return self._forward(x, state=state, pos_offset=pos_offset, return_state=return_state)
 
-    def _forward(self, x: Tensor, *, state: Optional[tuple[Tensor, Tensor]] = None, pos_offset: int = 0, return_state: bool = False):
+    def _forward(self, x: Tensor, *, state: tuple[Tensor, Tensor] | None = None, pos_offset: int = 0, return_state: bool = False):
         q, k, v = (_split_heads(t, self.n_heads) for t in self.qkv(x).chunk(3, dim=-1))
         if state is not None:  # the KV cache: every past key and value
             k, v = torch.cat([state[0], k], dim=2), torch.cat([state[1], v], dim=2)
@@ -255,7 +261,7 @@ class ModelConfig:
     n_head: int = 4
     d_model: int = 64
     attention: str = "linear"
-    num_features: Optional[int] = None
+    num_features: int | None = None
     softmax_layers: tuple = field(default_factory=tuple)
     seed: int = 0
 
@@ -304,7 +310,7 @@ class Block(nn.Module):
             )
         self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model))
 
-    def forward(self, x, *, state=None, pos_offset=0):
+    def forward(self, x: Tensor, *, state: LayerState = None, pos_offset: int = 0) -> tuple[Tensor, LayerState]:
         a, state = self.attn._forward(self.ln1(x), state=state, pos_offset=pos_offset, return_state=True)
         x = x + a
         return x + self.mlp(self.ln2(x)), state
@@ -365,7 +371,10 @@ class TinyLM(nn.Module):
             if st is not None:
                 block.attn.check_state(fn, f"states[{i}]", st, batch=batch, device=device)
 
-    def forward(self, idx: Tensor, targets: Optional[Tensor] = None, *, states=None, pos_offset: int = 0, return_states: bool = False):
+    def forward(
+        self, idx: Tensor, targets: Tensor | None = None, *,
+        states: Sequence[LayerState] | None = None, pos_offset: int = 0, return_states: bool = False,
+    ) -> Tensor | tuple[Tensor, ...]:
         """idx: (B, T) token ids -> logits (B, T, vocab) [, loss] [, states].
 
         targets: (B, T) ids for the cross-entropy loss (-100 marks a position to ignore).
@@ -384,7 +393,7 @@ class TinyLM(nn.Module):
             self._check_states(fn, states, idx.shape[0], idx.device)
         return self._forward(idx, targets, states=states, pos_offset=pos_offset, return_states=return_states)
 
-    def _forward(self, idx: Tensor, targets: Optional[Tensor] = None, *, states=None, pos_offset: int = 0, return_states: bool = False):
+    def _forward(self, idx: Tensor, targets: Tensor | None = None, *, states=None, pos_offset: int = 0, return_states: bool = False):
         """`forward` without the input checks (for `generate`, whose inputs were checked once)."""
         B, T = idx.shape
         if pos_offset + T > self.cfg.block_size:
@@ -418,7 +427,7 @@ class TinyLM(nn.Module):
         return torch.cat(outs, dim=1)
 
     @torch.no_grad()
-    def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0, greedy: bool = False, generator: Optional[torch.Generator] = None) -> Tensor:
+    def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None) -> Tensor:
         """Continue `idx` (B, T0) by `max_new_tokens` (>= 0) tokens, up to block_size in total.
 
         Samples from softmax(logits / temperature) (temperature > 0, finite), or takes the
@@ -446,7 +455,7 @@ class TinyLM(nn.Module):
             pos += 1
         return torch.cat(out, dim=1)
 
-    def state_nbytes(self, states) -> int:
+    def state_nbytes(self, states: Sequence[LayerState]) -> int:
         """Bytes held by per-layer generation states (KV caches grow, linear states do not)."""
         total = 0
         for st in states:
