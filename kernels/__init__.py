@@ -5,12 +5,14 @@ kernels, a decoding step and the fused FAVOR+ feature map. Each module holds its
 that picks a config and starts them; nothing is launched at import time. The autograd
 wrappers live in `linattn_lib/core/triton_ops.py`.
 
-    chunk_fwd.py   chunk_fwd_kernel       causal forward; run backwards in time it gives dV
-    chunk_bwd.py   chunk_bwd_dqk_kernel   dQ, and run backwards in time dK
-    noncausal.py   noncausal_state_kernel, noncausal_output_kernel
-    decode.py      decode_kernel          one token, state updated in place
-    favor.py       favor_kernel           FAVOR+ positive features: projection, stabiliser, exp fused
-    configs.py     CONFIGS (every config a launcher can pick), select_config, launchable
+    chunk_state.py   chunk_state_kernel    causal forward, phase 1: every chunk's entry state
+    chunk_output.py  chunk_output_kernel   phase 2: all chunks' outputs in parallel; chunk_fwd_two_phase
+    chunk_fwd.py     chunk_fwd_kernel      causal forward in one pass; run backwards in time it gives dV
+    chunk_bwd.py     chunk_bwd_dqk_kernel  dQ, and run backwards in time dK
+    noncausal.py     noncausal_state_kernel, noncausal_output_kernel
+    decode.py        decode_kernel         one token, state updated in place
+    favor.py         favor_kernel          FAVOR+ positive features: projection, stabiliser, exp fused
+    configs.py       CONFIGS (every config a launcher can pick), select_config, launchable
 
 `KERNELS` maps each kernel name to its JITFunction and a `compile_spec(config, dtype)` that
 gives the signature of its heaviest variant: tests/test_kernels_compile.py compiles, for every
@@ -21,6 +23,10 @@ from .chunk_bwd import chunk_bwd_dqk, chunk_bwd_dqk_kernel
 from .chunk_bwd import compile_spec as _chunk_bwd_spec
 from .chunk_fwd import chunk_fwd, chunk_fwd_kernel
 from .chunk_fwd import compile_spec as _chunk_fwd_spec
+from .chunk_output import chunk_fwd_two_phase, chunk_output, chunk_output_kernel
+from .chunk_output import compile_spec as _chunk_output_spec
+from .chunk_state import chunk_state_kernel, chunk_states
+from .chunk_state import compile_spec as _chunk_state_spec
 from .configs import (
     CONFIGS,
     DIM_NAMES,
@@ -52,6 +58,8 @@ from .noncausal import (
 # kernel name -> (the @triton.jit function, compile_spec(config, dtype) -> (signature, constexprs))
 KERNELS = {
     "chunk_fwd": (chunk_fwd_kernel, _chunk_fwd_spec),
+    "chunk_state": (chunk_state_kernel, _chunk_state_spec),
+    "chunk_output": (chunk_output_kernel, _chunk_output_spec),
     "chunk_bwd_dqk": (chunk_bwd_dqk_kernel, _chunk_bwd_spec),
     "noncausal_state": (noncausal_state_kernel, _noncausal_state_spec),
     "noncausal_output": (noncausal_output_kernel, _noncausal_output_spec),
@@ -70,6 +78,9 @@ __all__ = [
     "WHOLE_DIMS",
     "chunk_bwd_dqk",
     "chunk_fwd",
+    "chunk_fwd_two_phase",
+    "chunk_output",
+    "chunk_states",
     "decode_step",
     "device_capability",
     "dot_precision",

@@ -1,8 +1,9 @@
 """Launch configurations of every kernel, the rule that picks one, and where a kernel runs.
 
-Every kernel holds one head dimension whole in a program (padded to a power of two) and tiles
-the other. Head dims are rounded up to one of a few buckets so that the set of configs a
-launcher can pick stays small and finite: `CONFIGS` lists all of them, and
+Every kernel but the two of the two-phase forward holds one head dimension whole in a program
+(padded to a power of two) and tiles the other; those two walk both in blocks. Head dims are
+rounded up to one of a few buckets so that the set of configs a launcher can pick stays small
+and finite: `CONFIGS` lists all of them, and
 tests/test_kernels_compile.py compiles each one for every GPU target ahead of time and checks
 that it fits that target's shared memory. `select_config` is the only way a launcher picks
 a config, and its answers always come from `CONFIGS`.
@@ -32,6 +33,9 @@ DIM_NAMES = {
     "noncausal_output": ("BA", "BC"),  # input dim whole, output dim tiled
     "decode": ("BK", "BV"),           # Dk whole, Dv tiled (looped inside one program)
     "favor": ("BD", "BM"),            # input dim whole, random features tiled (looped)
+    # the two-phase forward tiles both head dims: blocks of BK, whatever the head dim
+    "chunk_state": ("BK", "BV"),      # one Dk block per program, Dv tiled
+    "chunk_output": ("BK", "BV"),     # Dk looped in blocks of BK, Dv tiled
 }
 
 # Configs: kernel -> class -> {whole dim: (BT, tile, num_warps)}. The classes:
@@ -49,7 +53,7 @@ DIM_NAMES = {
 # story -- smaller tiles re-read q and k more often, smaller chunks mean more, smaller
 # matmuls -- so `python -m linattn_lib.experiments.gpu_check` times every candidate on a real GPU
 # (`run_config_sweep`); its numbers should replace this evidence.
-_TABLE: dict[str, dict[str, dict[int, tuple[int, int, int]]]] = {
+_TABLE: dict[str, dict[str, dict[int, tuple[int, ...]]]] = {
     "chunk_fwd": {
         "mma16": {64: (32, 32, 8), 128: (32, 16, 8), 256: (32, 16, 8)},
         "fp32": {64: (16, 32, 8), 128: (16, 16, 8), 256: (16, 16, 8)},
@@ -83,10 +87,33 @@ _TABLE: dict[str, dict[str, dict[int, tuple[int, int, int]]]] = {
 }
 NUM_STAGES = {"mma16": 2, "fp32": 1, "sm75": 1}
 
+# The two-phase forward (chunk_state.py, chunk_output.py): class -> (BT, BK, BV, num_warps),
+# the same at every head dim (both dims are walked in blocks), so one config per class. The
+# two kernels must share BT: the output kernel reads the states at the state kernel's chunk
+# boundaries. Chosen without a GPU from an ahead-of-time sweep (BT 32/64, blocks 16-128, 4 or
+# 8 warps, 2 or 3 stages; sm_75/80/90), compiled both as the compile test does and with the
+# divisibility the JIT sees at the benchmark shape: no spills in either, then occupancy.
+#   mma16: 64-token chunks (an fp32 entry state per chunk: 32-token chunks would double that
+#   traffic). State 32 x 32 tiles: 4 * 4 * B * H programs walk the sequence (256 at
+#   B * H = 16, where 64 x 64 tiles give 64 programs for 132 SMs); 128-168 registers, 3-4
+#   CTAs per SM. Output 32-wide Dk blocks, 64 value columns (the scores are recomputed per
+#   value tile) on 8 warps: 64 x 64 blocks on 8 warps spill ~120 instructions at sm_80.
+#   fp32 / sm75: tl.dot is FMAs (or no tf32): 32-token chunks and 32 x 32 tiles, no spills.
+_TWO_PHASE: dict[str, dict[str, tuple[int, int, int, int]]] = {
+    "chunk_state": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
+    "chunk_output": {"mma16": (64, 32, 64, 8), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
+}
+for _kernel, _classes in _TWO_PHASE.items():
+    _TABLE[_kernel] = {cls: dict.fromkeys(WHOLE_DIMS, entry) for cls, entry in _classes.items()}
+
 
 def _config(kernel: str, cls: str, whole: int) -> dict:
-    BT, tile, num_warps = _TABLE[kernel][cls][whole]
+    entry = _TABLE[kernel][cls][whole]
     w, t = DIM_NAMES[kernel]
+    if len(entry) == 4:  # blocked in both dims (the two-phase forward)
+        BT, block, tile, num_warps = entry
+        return {"BT": BT, w: block, t: tile, "num_warps": num_warps, "num_stages": NUM_STAGES[cls]}
+    BT, tile, num_warps = entry
     return {"BT": BT, w: whole, t: tile, "num_warps": num_warps, "num_stages": NUM_STAGES[cls]}
 
 

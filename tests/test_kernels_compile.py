@@ -160,9 +160,21 @@ if __name__ != "__main__" and __name__ != "__mp_main__":
 
     GROUPS = [(kernel, target) for kernel in _K.KERNELS for target in _K.TARGETS]
 
+    def _kernels_wanted(session) -> set:
+        """The kernels the selected tests of this module need compiled (`-k chunk_state`
+        compiles chunk_state only); every kernel when a test without a `kernel` needs them."""
+        wanted = set()
+        for item in session.items:
+            if item.module.__name__ != __name__ or "compiled" not in getattr(item, "fixturenames", ()):
+                continue
+            params = getattr(getattr(item, "callspec", None), "params", {})
+            wanted |= {params["kernel"]} if "kernel" in params else set(_K.KERNELS)
+        return wanted
+
     @pytest.fixture(scope="module")
-    def compiled() -> dict:
-        results = run_compile_jobs(compile_jobs(_K))
+    def compiled(request) -> dict:
+        wanted = _kernels_wanted(request.session)
+        results = run_compile_jobs([j for j in compile_jobs(_K) if j["kernel"] in wanted])
         by_group: dict = {}
         for r in results:
             by_group.setdefault((r["kernel"], r["target"]), []).append(r)

@@ -8,7 +8,8 @@ bfloat16 arithmetic.
 
 What runs where (see kernels/chunk_fwd.py and kernels/chunk_bwd.py for the maths):
 
-    causal forward    chunk_fwd                          -> o, den, final state
+    causal forward    chunk_state, then chunk_output     -> o, den, final state
+                      (chunk_fwd_two_phase: entry states, then all chunks in parallel)
     causal backward   chunk_bwd_dqk (causal)             -> dq
                       chunk_bwd_dqk (anti-causal)        -> dk
                       chunk_fwd     (anti-causal)        -> dv and the gradient of the initial state
@@ -209,7 +210,8 @@ class _CausalLinearAttention(torch.autograd.Function):
     def forward(ctx, q, k, v, g, S0, z0, normalize: bool, eps: float, return_state: bool):
         K = _kernels
         init = (S0, z0) if S0 is not None else None
-        o, den, S_T, z_T = K.chunk_fwd(
+        # two phases: every chunk's entry state (chunk_state), then all chunks in parallel
+        o, den, S_T, z_T = K.chunk_fwd_two_phase(
             q, k, v, log_decay=g, normalize=normalize, eps=eps, initial_state=init,
             store_final_state=return_state,
         )

@@ -1,0 +1,209 @@
+"""Two-phase causal forward, phase 2: every chunk's outputs, all chunks in parallel.
+
+The autograd wrapper is `_CausalLinearAttention` in linattn_lib/core/triton_ops.py, whose
+forward calls `chunk_fwd_two_phase` below (phase 1, `chunk_states`, is in chunk_state.py);
+the tests are tests/test_kernels_two_phase.py and, through the forward,
+tests/test_kernels_interpret.py.
+
+With the entry state (S_n, z_n) of chunk n stored by phase 1, the chunks no longer depend on
+one another: one program per (value tile, chunk, batch * head) computes
+
+    o_i = sum_{j <= i in chunk} exp(L_ij) (q_i . k_j) v_j + exp(gc_i) q_i S_n
+    d_i = sum_{j <= i in chunk} exp(L_ij) (q_i . k_j)     + exp(gc_i) q_i . z_n
+
+and stores o_i / (d_i + eps) and den_i = d_i + eps (fp32), exactly what `chunk_fwd_kernel`
+stores: the backward pass reads den. L_ij = g_{j+1} + ... + g_i and gc_i = g_start + ... + g_i
+come from `chunk_log_decays` (chunk_fwd.py), each summed from its own terms, all <= 0. The
+decay of the state's term is applied to the row after the product (exp(gc_i) (q_i S_n) rather
+than (exp(gc_i) q_i) S_n: a row scale commutes with the product).
+
+Dk is walked in blocks of BK (the loop the software pipeliner overlaps): each block adds its
+q k^T to the scores (input dtype on the tensor cores, fp32 accumulator) and its q S_n to the
+output, q in fp32 against the fp32 state (tf32 for 16-bit inputs, as chunk_fwd does: the state
+may be larger than fp16 can hold). The scores stay fp32 into their product with the values
+(tf32): raw scores above 65504 would be inf as fp16 even when the normalised output is not.
+
+Masks select, they do not multiply (as in chunk_fwd.py): the scores are cut to the causal
+triangle with tl.where, and a value that is inf or NaN is replaced by 0 in the product while
+NaN goes into the scores of its token, so that exactly the outputs that see it (in this
+program's BV value columns) are NaN. A NaN in q reaches its own row only; one in k the rows
+from its token on, and later chunks through the state.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunk_fwd import chunk_log_decays
+from .chunk_state import chunk_states, load_log_decay
+from .configs import dot_precision, launchable, select_config
+
+
+@triton.jit
+def _scores_and_state(q_ptr, k_ptr, h_ptr, hz_ptr, i_bh, i_n, NT, t, m_t, o_v, m_v, T, Dk, Dv,
+                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+                      NORMALIZE: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Over the blocks of Dk: the raw scores q k^T (BT x BT), q S_n (BT x BV) and q . z_n (BT,)."""
+    A = tl.zeros([BT, BT], dtype=tl.float32)
+    o = tl.zeros([BT, BV], dtype=tl.float32)
+    d = tl.zeros([BT], dtype=tl.float32)
+    h_base = h_ptr + (i_bh * NT + i_n) * Dk * Dv
+    for i_k in range(0, tl.cdiv(Dk, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < Dk
+        m_tk = m_t[:, None] & m_k[None, :]
+        q = tl.load(q_ptr + i_bh * T * Dk + t[:, None] * Dk + o_k[None, :], mask=m_tk, other=0.0)
+        k = tl.load(k_ptr + i_bh * T * Dk + t[:, None] * Dk + o_k[None, :], mask=m_tk, other=0.0)
+        S = tl.load(h_base + o_k[:, None] * Dv + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        A = tl.dot(q, tl.trans(k), acc=A, input_precision=DOT_PREC)
+        q32 = q.to(tl.float32)
+        o = tl.dot(q32, S, acc=o, input_precision=DOT_PREC)
+        if NORMALIZE:
+            z = tl.load(hz_ptr + (i_bh * NT + i_n) * Dk + o_k, mask=m_k, other=0.0)
+            d += tl.sum(q32 * z[None, :], axis=1)
+    return A, o, d
+
+
+@triton.jit
+def _poison_bad_values(A, v, visible):
+    """v with its inf/NaN entries replaced by 0, and A with NaN in the visible scores of those
+    tokens: every row that sees a bad value is NaN, no row that does not see it is."""
+    v_ok = tl.abs(v) < float("inf")
+    v_bad = tl.max(tl.where(v_ok, 0, 1), axis=1) > 0      # (BT,): a token with a bad value
+    return tl.where(visible & v_bad[None, :], float("nan"), A), tl.where(v_ok, v, 0.0)
+
+
+@triton.jit
+def chunk_output_kernel(
+    q_ptr, k_ptr, v_ptr,      # (B, H, T, Dk), (B, H, T, Dk), (B, H, T, Dv); contiguous
+    g_ptr,                    # log-decay: (H,) if DECAY == 1, (B, H, T) if DECAY == 2 (fp32)
+    h_ptr, hz_ptr,            # entry states (B, H, NT, Dk, Dv), (B, H, NT, Dk) fp32 (chunk_state_kernel)
+    o_ptr,                    # (B, H, T, Dv) output, in the dtype of v
+    den_ptr,                  # (B, H, T) fp32 d + eps (NORMALIZE)
+    T, H, Dk, Dv, eps,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DECAY: tl.constexpr, NORMALIZE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_n = tl.program_id(1)                  # which chunk
+    i_bh = tl.program_id(2).to(tl.int64)
+    NT = tl.cdiv(T, BT)
+    o_t = tl.arange(0, BT)
+    t = i_n * BT + o_t
+    m_t = t < T
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < Dv
+    A, o, d = _scores_and_state(q_ptr, k_ptr, h_ptr, hz_ptr, i_bh, i_n, NT, t, m_t, o_v, m_v,
+                                T, Dk, Dv, BT, BK, BV, NORMALIZE, DOT_PREC)
+    v = tl.load(v_ptr + i_bh * T * Dv + t[:, None] * Dv + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+    if DECAY > 0:
+        g = load_log_decay(g_ptr, i_bh, t, m_t, T, H, DECAY)
+        L, q_log, _, _ = chunk_log_decays(g, o_t, BT, False)
+        A = A * tl.exp(L)                   # L <= 0 (0 outside the causal triangle)
+        q_decay = tl.exp(q_log)
+        o = o * q_decay[:, None]
+        d = d * q_decay
+    visible = o_t[:, None] >= o_t[None, :]
+    A, v = _poison_bad_values(tl.where(visible, A, 0.0), v, visible)
+    o = tl.dot(A, v.to(tl.float32), acc=o, input_precision=DOT_PREC)
+    if NORMALIZE:
+        d = tl.sum(A, axis=1) + d + eps     # padded keys were read as 0: their scores are 0
+        o = o / d[:, None]
+        tl.store(den_ptr + i_bh * T + t, d, mask=m_t & (i_v == 0))
+    tl.store(o_ptr + i_bh * T * Dv + t[:, None] * Dv + o_v[None, :], o.to(o_ptr.dtype.element_ty),
+             mask=m_t[:, None] & m_v[None, :])
+
+
+def chunk_output(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    h: torch.Tensor,
+    hz: torch.Tensor | None,
+    *,
+    log_decay: torch.Tensor | None = None,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Launch `chunk_output_kernel`. Returns (o, den): o in the dtype of v, den = d + eps
+    (fp32, (B, H, T)) when normalize, else None.
+
+    h, hz: the entry states from `chunk_states` (hz needed when normalize), computed with the
+    chunk length of `config` (the chunk length is read off h: NT = h.shape[2] must be
+    ceil(T / BT)).
+    """
+    B, H, T, Dk = q.shape
+    Dv = v.shape[-1]
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    cfg = config or select_config("chunk_output", Dk, q.dtype, q.device)
+    NT = triton.cdiv(T, cfg["BT"])
+    if h.shape != (B, H, NT, Dk, Dv) or (normalize and (hz is None or hz.shape != (B, H, NT, Dk))):
+        raise ValueError(f"chunk_output: entry states of shape {tuple(h.shape)} do not match "
+                         f"(B, H, NT, Dk, Dv) = {(B, H, NT, Dk, Dv)} for chunks of {cfg['BT']}")
+    o = torch.empty(B, H, T, Dv, dtype=v.dtype, device=q.device)
+    den = torch.empty(B, H, T, dtype=torch.float32, device=q.device) if normalize else None
+    g = log_decay.to(torch.float32).contiguous() if log_decay is not None else None
+    if B * H * T == 0:
+        return o, den
+    dummy = o
+    grid = (triton.cdiv(Dv, cfg["BV"]), NT, B * H)
+    launchable(chunk_output_kernel, q.device)[grid](
+        q, k, v, g if g is not None else dummy, h.contiguous(), hz.contiguous() if normalize else dummy,
+        o, den if den is not None else dummy, T, H, Dk, Dv, float(eps),
+        BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"],
+        DECAY=0 if g is None else (1 if g.dim() == 1 else 2), NORMALIZE=normalize,
+        DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return o, den
+
+
+def chunk_fwd_two_phase(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    log_decay: torch.Tensor | None = None,
+    normalize: bool = True,
+    eps: float = 1e-6,
+    initial_state: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    store_final_state: bool = False,
+    configs: tuple[dict, dict] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """The causal forward in two phases. Returns (o, den, S_final, z_final), as `chunk_fwd`.
+
+    Same contract as `chunk_fwd(q, k, v, log_decay=..., normalize=..., eps=...,
+    initial_state=..., store_final_state=...)`: q, k (B, H, T, Dk), v (B, H, T, Dv), one
+    dtype; log_decay None, (H,) or (B, H, T); initial_state (S0, z0 or None). o has the dtype
+    of v; den = d + eps (fp32) when normalize, else None; S_final, z_final fp32 when
+    store_final_state (z_final only when normalize), else None. configs: (chunk_state's,
+    chunk_output's), default `select_config`; their chunk lengths BT must agree.
+    """
+    Dk = q.shape[-1]
+    if configs is None:
+        configs = (select_config("chunk_state", Dk, q.dtype, q.device),
+                   select_config("chunk_output", Dk, q.dtype, q.device))
+    cfg_state, cfg_out = configs
+    if cfg_state["BT"] != cfg_out["BT"]:
+        raise ValueError(f"chunk_fwd_two_phase: the two phases need one chunk length, got {cfg_state['BT']} "
+                         f"and {cfg_out['BT']}")
+    h, hz, S_T, z_T = chunk_states(k, v, log_decay=log_decay, track_z=normalize, initial_state=initial_state,
+                                   store_final_state=store_final_state, config=cfg_state)
+    o, den = chunk_output(q, k, v, h, hz, log_decay=log_decay, normalize=normalize, eps=eps, config=cfg_out)
+    return o, den, S_T, z_T
+
+
+def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:
+    """Signature and constexprs of `chunk_output_kernel`'s heaviest variant (per-token decay,
+    normaliser)."""
+    signature = {
+        "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "g_ptr": "*fp32",
+        "h_ptr": "*fp32", "hz_ptr": "*fp32", "o_ptr": f"*{dtype}", "den_ptr": "*fp32",
+        "T": "i32", "H": "i32", "Dk": "i32", "Dv": "i32", "eps": "fp32",
+    }
+    constexprs = {"BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2, "NORMALIZE": True,
+                  "DOT_PREC": dot_precision(dtype)}
+    for name in constexprs:
+        signature[name] = "constexpr"
+    return signature, constexprs

@@ -1,0 +1,192 @@
+"""Two-phase causal forward, phase 1: the state on entry to every chunk.
+
+The autograd wrapper is `_CausalLinearAttention` in linattn_lib/core/triton_ops.py (it calls
+`chunk_fwd_two_phase` in chunk_output.py, which launches this kernel and then
+`chunk_output_kernel`); the tests are tests/test_kernels_two_phase.py (the stored entry states
+against a float64 recurrence) and tests/test_kernels_interpret.py (the forward through it).
+
+`chunk_fwd_kernel` (chunk_fwd.py) keeps the state in registers and walks the chunks of a head
+one after another, doing all the work of a chunk (scores, outputs, state) on the way: B * H
+programs per value tile, each as long as the sequence. The two-phase forward of
+flash-linear-attention (`chunk_fwd_h`, then `chunk_fwd_o`) splits that walk in two:
+
+    phase 1 (here)   S_0 = S0 (or 0),   S_{n+1} = exp(g_last) S_n + sum_j exp(a_j) k_j v_j^T
+                     z_0 = z0 (or 0),   z_{n+1} = exp(g_last) z_n + sum_j exp(a_j) k_j
+                     storing every entry state S_n (Dk x Dv) and z_n (Dk), fp32
+    phase 2          every chunk on its own, in parallel (chunk_output.py)
+
+with a_j = g_{j+1} + ... + g_last summed from its own terms and g_last the sum over the chunk
+(`chunk_log_decays` of chunk_fwd.py: no difference of prefix sums, every exponent <= 0).
+Phase 1 is still sequential over the chunks, but light -- one (BK x BT) @ (BT x BV) product
+per chunk, no scores -- and its grid also splits Dk: one program per (Dk tile, Dv tile,
+batch * head). The keys, decayed in fp32 and rounded back to the input dtype, meet the values
+on the tensor cores (input dtype in, fp32 accumulator: the state itself); z is summed from
+the fp32 decayed keys.
+
+z. Every program computes its Dk slice of z (a row sum of the decayed keys, BT x BK adds
+against the BT x BK x BV multiply-adds of the product: 1 / BV of it, 3 % at BV = 32) and
+only the programs of value tile 0 store it. An extra column of ones in the value tile would make the
+tile BV + 1 wide, i.e. the next power of two: twice the matmul. A branch on the tile would
+save the adds but not the register for z.
+
+Non-finite input. Every token a chunk adds to the state comes before every token that reads
+that state, so nothing needs masking here: a NaN or inf in k or v makes the state (and thus
+every later output) non-finite, as the recurrence would (0 * inf = NaN included). Padded
+tokens (t >= T) and padded head dims are read as 0.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunk_fwd import chunk_log_decays
+from .configs import dot_precision, launchable, select_config
+
+
+@triton.jit
+def load_log_decay(g_ptr, i_bh, t, m_t, T, H, DECAY: tl.constexpr):
+    """The fp32 log-decays of the tokens t of head i_bh; 0 for padded tokens (they decay nothing)."""
+    if DECAY == 1:
+        g = tl.where(m_t, tl.load(g_ptr + i_bh % H).to(tl.float32), 0.0)
+    else:
+        g = tl.load(g_ptr + i_bh * T + t, mask=m_t, other=0.0).to(tl.float32)
+    return g
+
+
+@triton.jit
+def _initial_state(s0_ptr, z0_ptr, i_bh, o_k, o_v, m_k, m_v, Dk, Dv,
+                   BK: tl.constexpr, BV: tl.constexpr, HAS_Z: tl.constexpr, HAS_S0: tl.constexpr):
+    """This program's tile of the initial state (fp32), zeros without one."""
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    z = tl.zeros([BK], dtype=tl.float32)
+    if HAS_S0:
+        S = tl.load(s0_ptr + i_bh * Dk * Dv + o_k[:, None] * Dv + o_v[None, :],
+                    mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
+        if HAS_Z:
+            z = tl.load(z0_ptr + i_bh * Dk + o_k, mask=m_k, other=0.0).to(tl.float32)
+    return S, z
+
+
+@triton.jit
+def _advance(S, z, k, v, g, BT: tl.constexpr, DECAY: tl.constexpr, HAS_Z: tl.constexpr,
+             DOT_PREC: tl.constexpr):
+    """The state across one chunk: S <- exp(g_last) S + (exp(a) k)^T v, z likewise."""
+    k_s = k.to(tl.float32)
+    if DECAY > 0:
+        _, _, k_log, g_last = chunk_log_decays(g, tl.arange(0, BT), BT, False)
+        k_s = k_s * tl.exp(k_log)[:, None]          # |exp(a_j) k_j| <= |k_j|: fits the input dtype
+        S = S * tl.exp(g_last)
+        z = z * tl.exp(g_last)
+    S = tl.dot(tl.trans(k_s.to(k.dtype)), v, acc=S, input_precision=DOT_PREC)
+    if HAS_Z:
+        z += tl.sum(k_s, axis=0)
+    return S, z
+
+
+@triton.jit
+def chunk_state_kernel(
+    k_ptr, v_ptr, g_ptr,      # (B, H, T, Dk), (B, H, T, Dv) contiguous; log-decay (H,) or (B, H, T) fp32
+    h_ptr, hz_ptr,            # out: entry states (B, H, NT, Dk, Dv) and (B, H, NT, Dk), fp32
+    s0_ptr, z0_ptr,           # initial state (B, H, Dk, Dv), (B, H, Dk) fp32 (HAS_S0)
+    st_ptr, zt_ptr,           # final state, same shapes (STORE_ST)
+    T, H, Dk, Dv,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DECAY: tl.constexpr,      # 0: none, 1: one log-decay per head, 2: one per token
+    HAS_Z: tl.constexpr, HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_k = tl.program_id(0)
+    i_v = tl.program_id(1)
+    i_bh = tl.program_id(2).to(tl.int64)    # int64: the offsets into h pass 2^31 quickly
+    o_t = tl.arange(0, BT)
+    o_k = i_k * BK + tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k = o_k < Dk
+    m_v = o_v < Dv
+    m_kv = m_k[:, None] & m_v[None, :]
+    kv_off = o_k[:, None] * Dv + o_v[None, :]
+    S, z = _initial_state(s0_ptr, z0_ptr, i_bh, o_k, o_v, m_k, m_v, Dk, Dv, BK, BV, HAS_Z, HAS_S0)
+    NT = tl.cdiv(T, BT)
+    for n in range(0, NT):
+        tl.store(h_ptr + (i_bh * NT + n) * Dk * Dv + kv_off, S, mask=m_kv)
+        if HAS_Z:
+            tl.store(hz_ptr + (i_bh * NT + n) * Dk + o_k, z, mask=m_k & (i_v == 0))
+        t = n * BT + o_t
+        m_t = t < T
+        k = tl.load(k_ptr + i_bh * T * Dk + t[:, None] * Dk + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        v = tl.load(v_ptr + i_bh * T * Dv + t[:, None] * Dv + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        g = tl.zeros([BT], dtype=tl.float32)
+        if DECAY > 0:
+            g = load_log_decay(g_ptr, i_bh, t, m_t, T, H, DECAY)
+        S, z = _advance(S, z, k, v, g, BT, DECAY, HAS_Z, DOT_PREC)
+    if STORE_ST:
+        tl.store(st_ptr + i_bh * Dk * Dv + kv_off, S, mask=m_kv)
+        if HAS_Z:
+            tl.store(zt_ptr + i_bh * Dk + o_k, z, mask=m_k & (i_v == 0))
+
+
+def chunk_states(
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    log_decay: torch.Tensor | None = None,
+    track_z: bool = True,
+    initial_state: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    store_final_state: bool = False,
+    config: dict | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Launch `chunk_state_kernel`. Returns (h, hz, S_final, z_final), all fp32.
+
+    k: (B, H, T, Dk), v: (B, H, T, Dv), one dtype. The chunk length is the config's BT; the
+    output kernel that reads these states must use the same (`chunk_fwd_two_phase` checks).
+    h: (B, H, NT, Dk, Dv) with NT = ceil(T / BT), h[:, :, n] the state before chunk n's tokens (h[:, :, 0] the initial state or 0);
+    hz: (B, H, NT, Dk) likewise for z when track_z, else None. S_final, z_final: the state
+    after the last token when store_final_state (z_final only with track_z), else None.
+    log_decay: None, (H,) or (B, H, T); initial_state: (S0, z0 or None).
+    """
+    B, H, T, Dk = k.shape
+    Dv = v.shape[-1]
+    k, v = k.contiguous(), v.contiguous()
+    cfg = config or select_config("chunk_state", Dk, k.dtype, k.device)
+    NT = triton.cdiv(T, cfg["BT"])
+    f32 = dict(dtype=torch.float32, device=k.device)
+    h = torch.empty(B, H, NT, Dk, Dv, **f32)
+    hz = torch.empty(B, H, NT, Dk, **f32) if track_z else None
+    S_T = torch.empty(B, H, Dk, Dv, **f32) if store_final_state else None
+    z_T = torch.empty(B, H, Dk, **f32) if (store_final_state and track_z) else None
+    g = log_decay.to(torch.float32).contiguous() if log_decay is not None else None
+    S0 = z0 = None
+    if initial_state is not None:
+        S0 = initial_state[0].to(torch.float32).contiguous()
+        if track_z:
+            z0 = initial_state[1]
+            z0 = torch.zeros(B, H, Dk, **f32) if z0 is None else z0.to(torch.float32).contiguous()
+    if B * H == 0:
+        return h, hz, S_T, z_T
+    dummy = h  # stands in for pointers a constexpr flag says are never touched
+    grid = (triton.cdiv(Dk, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]), B * H)
+    launchable(chunk_state_kernel, k.device)[grid](
+        k, v, g if g is not None else dummy, h, hz if hz is not None else dummy,
+        S0 if S0 is not None else dummy, z0 if z0 is not None else dummy,
+        S_T if S_T is not None else dummy, z_T if z_T is not None else dummy,
+        T, H, Dk, Dv, BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"],
+        DECAY=0 if g is None else (1 if g.dim() == 1 else 2), HAS_Z=track_z, HAS_S0=S0 is not None,
+        STORE_ST=store_final_state, DOT_PREC=dot_precision(k.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )
+    return h, hz, S_T, z_T
+
+
+def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:
+    """Signature and constexprs of `chunk_state_kernel`'s heaviest variant: per-token decay,
+    normaliser state, initial and final state."""
+    signature = {
+        "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "g_ptr": "*fp32", "h_ptr": "*fp32", "hz_ptr": "*fp32",
+        "s0_ptr": "*fp32", "z0_ptr": "*fp32", "st_ptr": "*fp32", "zt_ptr": "*fp32",
+        "T": "i32", "H": "i32", "Dk": "i32", "Dv": "i32",
+    }
+    constexprs = {"BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2, "HAS_Z": True,
+                  "HAS_S0": True, "STORE_ST": True, "DOT_PREC": dot_precision(dtype)}
+    for name in constexprs:
+        signature[name] = "constexpr"
+    return signature, constexprs

@@ -1,0 +1,218 @@
+"""The two-phase causal forward (kernels/chunk_state.py, kernels/chunk_output.py) on its own.
+
+Phase 1 stores the state on entry to every chunk, phase 2 computes every chunk's outputs from
+it. Both are checked against float64: the outputs and the final state against
+`reference_linear_attention` (quadratic form), the stored entry states (S_n, z_n) and the
+denominators d + eps against a float64 token-by-token recurrence run on the very inputs the
+kernels saw (fp16 inputs rounded first). Tolerances are those of test_kernels_interpret.py:
+relative RMS 1e-5 in float32, 3e-3 in float16.
+
+The cases are a hand-picked cover of T in {1, 17, 63, 64, 65, 200} (around the chunks of 32
+and 64), Dk in {16, 48 (padded), 128 (several blocks)}, Dv in {16, 100 (several value tiles,
+the last one masked)}, several batches and heads, decays from none to strong (exp(g * 64)
+underflows) and a reset (g = -1e4 at one token), with and without initial state and
+normaliser -- not the full product, so that the file runs in well under a minute in the
+interpreter. The forward through autograd (and its NaN/inf behaviour) is tested in
+test_kernels_interpret.py, which runs these kernels too.
+"""
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+from linattn_lib import LinearAttentionState  # noqa: E402
+from linattn_lib.core.reference import reference_linear_attention  # noqa: E402
+from linattn_lib.core.triton_ops import load_kernels  # noqa: E402
+
+K = load_kernels()
+if K is None:  # pragma: no cover - triton imports but the kernels do not
+    pytest.skip("the Triton kernels do not import here", allow_module_level=True)
+
+DEVICE = torch.device(os.environ.get("LINATTN_KERNEL_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"))
+TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
+
+
+def _log_decay(kind: str | None, B: int, H: int, T: int, gen: torch.Generator) -> torch.Tensor | None:
+    if kind is None:
+        return None
+    if kind == "head":
+        return -torch.rand(H, generator=gen)
+    if kind == "token":
+        return -torch.rand(B, H, T, generator=gen)
+    if kind == "strong":  # exp(g * 64) <= exp(-128): the state from two chunks back underflows to 0
+        return -(2.0 + 2.0 * torch.rand(B, H, T, generator=gen))
+    assert kind == "reset"  # weak decay and one reset, mid-chunk
+    g = -0.05 * torch.rand(B, H, T, generator=gen)
+    g[..., min(T - 1, 37)] = -1e4
+    return g
+
+
+def make_inputs(B: int, H: int, T: int, Dk: int, Dv: int, decay: str | None, normalize: bool, resume: bool,
+                dtype: torch.dtype, seed: int = 0) -> dict:
+    """Inputs in `dtype` (q, k, v) and fp32 (g, S0, z0); positive features when normalising."""
+    gen = torch.Generator().manual_seed(seed)
+    if normalize:
+        q, k = torch.rand(B, H, T, Dk, generator=gen), torch.rand(B, H, T, Dk, generator=gen)
+    else:
+        q, k = torch.randn(B, H, T, Dk, generator=gen) / Dk**0.5, torch.randn(B, H, T, Dk, generator=gen)
+    x = {"q": q.to(dtype), "k": k.to(dtype), "v": torch.randn(B, H, T, Dv, generator=gen).to(dtype),
+         "g": _log_decay(decay, B, H, T, gen), "S0": None, "z0": None}
+    if resume:
+        x["S0"] = torch.randn(B, H, Dk, Dv, generator=gen)
+        x["z0"] = torch.rand(B, H, Dk, generator=gen) * 5 if normalize else None
+    return x
+
+
+def recurrence(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
+    """Float64 states after every token, (B, H, T, Dk, Dv) and (B, H, T, Dk), token by token."""
+    k, v = x["k"].double(), x["v"].double()
+    B, H, T, Dk = k.shape
+    g = torch.zeros(B, H, T, dtype=torch.float64)
+    if x["g"] is not None:
+        g = g + (x["g"].double() if x["g"].dim() == 3 else x["g"].double().view(1, H, 1))
+    S = torch.zeros(B, H, Dk, v.shape[-1], dtype=torch.float64) if x["S0"] is None else x["S0"].double()
+    z = torch.zeros(B, H, Dk, dtype=torch.float64) if x["z0"] is None else x["z0"].double()
+    Ss, zs = [], []
+    for t in range(T):
+        a = torch.exp(g[..., t])
+        S = a[..., None, None] * S + k[..., t, :, None] * v[..., t, None, :]
+        z = a[..., None] * z + k[..., t, :]
+        Ss.append(S)
+        zs.append(z)
+    return torch.stack(Ss, 2), torch.stack(zs, 2)
+
+
+def entry_states(x: dict, S_all: torch.Tensor, z_all: torch.Tensor, BT: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The state before chunk n's tokens, for every n: S0 (or 0), then the state after token n BT - 1."""
+    NT = -(-S_all.shape[2] // BT)
+    S0 = torch.zeros_like(S_all[:, :, 0]) if x["S0"] is None else x["S0"].double()
+    z0 = torch.zeros_like(z_all[:, :, 0]) if x["z0"] is None else x["z0"].double()
+    ends = torch.arange(1, NT) * BT - 1
+    return torch.cat([S0[:, :, None], S_all[:, :, ends]], 2), torch.cat([z0[:, :, None], z_all[:, :, ends]], 2)
+
+
+def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    """Relative RMS error ||a - b|| / ||b|| (float64)."""
+    a, b = a.detach().double().cpu(), b.detach().double().cpu()
+    return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+
+def _on_device(x: dict) -> dict:
+    return {n: (t.to(DEVICE) if t is not None else None) for n, t in x.items()}
+
+
+# B, H, T, Dk, Dv, decay, normalize, initial state, dtype
+CASES = [
+    (1, 2, 1, 16, 16, None, True, True, torch.float32),
+    (2, 1, 17, 48, 100, "head", True, True, torch.float32),
+    (1, 3, 63, 16, 100, "token", False, True, torch.float32),
+    (2, 2, 64, 128, 16, "strong", True, False, torch.float32),
+    (1, 2, 65, 48, 16, "reset", False, True, torch.float32),
+    (1, 2, 200, 48, 100, "token", True, True, torch.float32),
+    (3, 1, 200, 16, 16, None, False, False, torch.float32),
+    (1, 2, 65, 128, 100, "head", False, True, torch.float32),
+    (2, 1, 200, 16, 48, "reset", True, True, torch.float32),
+    (1, 2, 17, 16, 16, "token", True, True, torch.float16),
+    (2, 1, 65, 48, 100, "reset", True, False, torch.float16),
+    (1, 2, 200, 128, 16, "strong", False, True, torch.float16),
+    (1, 1, 64, 48, 100, "head", True, True, torch.float16),
+    (2, 1, 63, 16, 100, None, False, False, torch.float16),
+]
+
+
+def _id(c: tuple) -> str:
+    B, H, T, Dk, Dv, decay, normalize, resume, dtype = c
+    return (f"B{B}H{H}T{T}-k{Dk}v{Dv}-{decay or 'nodecay'}-{'norm' if normalize else 'unnorm'}"
+            f"{'-resume' if resume else ''}-{str(dtype).replace('torch.', '')}")
+
+
+@pytest.mark.parametrize("case", CASES, ids=_id)
+def test_two_phase_against_float64(case):
+    """Entry states, final state, outputs and denominators of the two kernels, each launched
+    through its own launcher, against float64."""
+    B, H, T, Dk, Dv, decay, normalize, resume, dtype = case
+    x = make_inputs(B, H, T, Dk, Dv, decay, normalize, resume, dtype)
+    d = _on_device(x)
+    cfg_s, cfg_o = (K.select_config(n, Dk, dtype, DEVICE) for n in ("chunk_state", "chunk_output"))
+    init = (d["S0"], d["z0"]) if resume else None
+    h, hz, S_T, z_T = K.chunk_states(d["k"], d["v"], log_decay=d["g"], track_z=normalize, initial_state=init,
+                                     store_final_state=True, config=cfg_s)
+    o, den = K.chunk_output(d["q"], d["k"], d["v"], h, hz, log_decay=d["g"], normalize=normalize, config=cfg_o)
+    tol = TOL[dtype]
+
+    S_all, z_all = recurrence(x)
+    h_ref, hz_ref = entry_states(x, S_all, z_all, cfg_s["BT"])
+    assert h.dtype == torch.float32 and h.shape == h_ref.shape
+    assert rel(h, h_ref) < tol, f"entry states: rel {rel(h, h_ref):.2e}"
+    assert (hz is None) == (not normalize) and (z_T is None) == (not normalize)
+    if normalize:
+        assert hz.shape == hz_ref.shape and rel(hz, hz_ref) < tol, f"entry z: rel {rel(hz, hz_ref):.2e}"
+
+    state = LinearAttentionState(x["S0"].double(), None if x["z0"] is None else x["z0"].double()) if resume else None
+    o_ref, st_ref = reference_linear_attention(
+        x["q"].double(), x["k"].double(), x["v"].double(), normalize=normalize, form="quadratic",
+        log_decay=None if x["g"] is None else x["g"].double(), initial_state=state, return_state=True)
+    assert o.dtype == dtype and o.shape == (B, H, T, Dv)
+    assert rel(o, o_ref) < tol, f"o: rel {rel(o, o_ref):.2e}"
+    assert rel(S_T, st_ref.S) < tol and rel(S_T, S_all[:, :, -1]) < tol
+    if normalize:
+        assert rel(z_T, st_ref.z) < tol
+        den_ref = (x["q"].double() * z_all).sum(-1) + 1e-6     # d + eps, what chunk_fwd stores
+        assert den.dtype == torch.float32 and rel(den, den_ref) < tol, f"den: rel {rel(den, den_ref):.2e}"
+    else:
+        assert den is None
+
+
+def test_two_phase_matches_the_one_pass_forward():
+    """chunk_fwd_two_phase returns what chunk_fwd's forward returns -- (o, den, S_T, z_T), den
+    = d + eps -- so the backward that reads them is unchanged; also with small blocks that
+    split Dk into several tiles in both kernels and chunks of 16."""
+    x = _on_device(make_inputs(1, 2, 50, 48, 24, "token", True, True, torch.float32, seed=3))
+    args = (x["q"], x["k"], x["v"])
+    kw = dict(log_decay=x["g"], normalize=True, eps=1e-6, initial_state=(x["S0"], x["z0"]), store_final_state=True)
+    want = K.chunk_fwd(*args, **kw)
+    small = dict(BT=16, BK=16, BV=16, num_warps=4, num_stages=1)
+    for configs in (None, (small, dict(small, BV=32))):
+        got = K.chunk_fwd_two_phase(*args, configs=configs, **kw)
+        for name, a, b in zip(("o", "den", "S_T", "z_T"), got, want):
+            assert a.dtype == b.dtype and a.shape == b.shape, name
+            assert rel(a, b) < 1e-6, (name, configs, rel(a, b))
+    o, den, S_T, z_T = K.chunk_fwd_two_phase(*args, log_decay=x["g"], normalize=False)
+    assert den is None and S_T is None and z_T is None and o.shape == (1, 2, 50, 24)
+
+
+def test_the_two_phases_share_their_chunk_length():
+    """The output kernel reads the states at the state kernel's chunk boundaries: whatever the
+    dtype, head dim or GPU, the selected configs agree on BT; mismatched ones are refused."""
+    for cap in [None, *K.TARGETS.values()]:
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            for d in (1, 64, 65, 128, 200, 256):
+                cfg_s, cfg_o = (K.select_config(n, d, dtype, cap) for n in ("chunk_state", "chunk_output"))
+                assert cfg_s["BT"] == cfg_o["BT"], (cap, dtype, d)
+    q = torch.rand(1, 1, 8, 16, device=DEVICE)
+    cfg = dict(BT=16, BK=16, BV=16, num_warps=4, num_stages=1)
+    with pytest.raises(ValueError, match="one chunk length"):
+        K.chunk_fwd_two_phase(q, q, q, configs=(cfg, dict(cfg, BT=32)))
+
+
+@pytest.mark.filterwarnings("ignore::RuntimeWarning")  # numpy, on the NaN
+def test_nonfinite_value_reaches_only_later_states_and_outputs():
+    """A NaN value at token 40 (inside chunk 1 of 32): the entry states of chunks 0 and 1 and
+    the outputs before 40 are finite and unchanged, the output at 40 and the entry states of
+    every later chunk are not finite."""
+    x = _on_device(make_inputs(1, 1, 100, 16, 16, "token", True, False, torch.float32, seed=5))
+    cfg = dict(BT=32, BK=16, BV=16, num_warps=4, num_stages=1)
+    clean_h, clean_hz, _, _ = K.chunk_states(x["k"], x["v"], log_decay=x["g"], config=cfg)
+    clean_o, _ = K.chunk_output(x["q"], x["k"], x["v"], clean_h, clean_hz, log_decay=x["g"], config=cfg)
+    v = x["v"].clone()
+    v[0, 0, 40, 3] = float("nan")
+    h, hz, _, _ = K.chunk_states(x["k"], v, log_decay=x["g"], config=cfg)
+    o, _ = K.chunk_output(x["q"], x["k"], v, h, hz, log_decay=x["g"], config=cfg)
+    assert torch.equal(h[:, :, :2], clean_h[:, :, :2]) and torch.isfinite(hz).all()
+    assert (~torch.isfinite(h[0, 0, 2:])).flatten(1).any(1).all()  # every later entry state
+    assert torch.isfinite(o[:, :, :40]).all() and rel(o[:, :, :40], clean_o[:, :, :40]) <= 1e-7
+    assert not torch.isfinite(o[0, 0, 40]).all() and not torch.isfinite(o[0, 0, 64:]).all()
