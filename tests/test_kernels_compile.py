@@ -165,7 +165,8 @@ if __name__ != "__main__" and __name__ != "__mp_main__":
         compiles chunk_state only); every kernel when a test without a `kernel` needs them."""
         wanted = set()
         for item in session.items:
-            if item.module.__name__ != __name__ or "compiled" not in getattr(item, "fixturenames", ()):
+            module = getattr(item, "module", None)  # nbval's notebook cells have none
+            if module is None or module.__name__ != __name__ or "compiled" not in getattr(item, "fixturenames", ()):
                 continue
             params = getattr(getattr(item, "callspec", None), "params", {})
             wanted |= {params["kernel"]} if "kernel" in params else set(_K.KERNELS)
