@@ -203,18 +203,85 @@ def _log_decay_grad(q, k, dq, dk, g, lengths, dS_T, S_T, dz_T, z_T) -> Tensor:
     return (dg.sum((0, 2)) if g.dim() == 1 else dg).to(g.dtype)
 
 
+def causal_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, S0: Tensor | None, z0: Tensor | None,
+                   normalize: bool, eps: float, return_state: bool) -> tuple[Tensor, ...]:
+    """The causal forward: (o, den, S_T, z_T); den is None unless normalize, S_T and z_T
+    None unless return_state (z_T also unless normalize). Not differentiable by itself: the
+    autograd Function below and the torch custom op (custom_ops.py) pair it with
+    `causal_backward`."""
+    K = require_kernels("linear_attention")
+    init = (S0, z0) if S0 is not None else None
+    # two phases: every chunk's entry state (chunk_state), then all chunks in parallel
+    o, den, S_T, z_T = K.chunk_fwd_two_phase(
+        q, k, v, log_decay=g, normalize=normalize, eps=eps, initial_state=init,
+        store_final_state=return_state,
+    )
+    return o, (den if normalize else None), S_T, (z_T if normalize else None)
+
+
+def causal_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, S0: Tensor | None, z0: Tensor | None,
+                    o: Tensor, den: Tensor | None, S_T: Tensor | None, z_T: Tensor | None,
+                    do: Tensor | None, dS_T: Tensor | None, dz_T: Tensor | None,
+                    normalize: bool, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+    """Gradients (dq, dk, dv, dg, dS0, dz0) of the causal forward, each None where `needs`
+    (six flags, in that order) is False or the input is None."""
+    K = require_kernels("linear_attention")
+    need_q, need_k, need_v, need_g, need_S0, need_z0 = needs
+    if do is None:
+        do = torch.zeros_like(o)
+    dnum, dden, scale = _output_cotangents(do, o, den if normalize else None, q.dtype)
+    dS_T, dz_T = _state_grads(dS_T, dz_T, S_T, z_T) if S_T is not None else (None, None)
+    end_state = None
+    if dS_T is not None:
+        end_state = (dS_T, dz_T) if scale is None else (dS_T * scale, None if dz_T is None else dz_T * scale)
+    init = (S0, z0) if S0 is not None else None
+    # The tail past the last nonzero cotangent is left out (its gradients are exactly 0);
+    # with a gradient of the final state every token is used.
+    lengths = _live_lengths(do) if end_state is None else None
+    # dq and dk in fp32 when the decay needs them (dg is a cumulative sum of q.dq - k.dk),
+    # and whenever the cotangents were scaled (the results are unscaled in fp32).
+    acc = torch.float32 if (need_g or scale is not None) else None
+
+    def unscale(x):
+        return x if (x is None or scale is None) else x / scale
+
+    dq = dk = dv = dg = dS0 = dz0 = None
+    if need_q or need_g:
+        dq = unscale(K.chunk_bwd_dqk(dnum, v, k, dden=dden, log_decay=g, initial_state=init,
+                                     lengths=lengths, out_dtype=acc))
+    if need_k or need_g:
+        dk = unscale(K.chunk_bwd_dqk(v, dnum, q, dden=dden, log_decay=g, initial_state=end_state,
+                                     reverse=True, lengths=lengths, out_dtype=acc))
+    if need_v or need_S0 or need_z0:
+        # dv is linear attention run backwards with (q, k, v) = (k, q, dnum); its final
+        # state is the gradient of the initial state (dden weights the keys of z).
+        dv, _, dS0, dz0 = K.chunk_fwd(
+            k, q, dnum, log_decay=g, normalize=False, initial_state=end_state,
+            store_final_state=need_S0 or need_z0, weights=dden, track_z=normalize, reverse=True,
+            lengths=lengths, out_dtype=acc,
+        )
+        dv, dS0, dz0 = unscale(dv), unscale(dS0), unscale(dz0)
+        if dv is not None:
+            dv = dv.to(v.dtype)
+    if need_g:
+        dg = _log_decay_grad(q, k, dq, dk, g, lengths, dS_T, S_T, dz_T, z_T)
+    if dq is not None:
+        dq = dq.to(q.dtype) if need_q else None
+    if dk is not None:
+        dk = dk.to(k.dtype) if need_k else None
+    if dv is not None and not need_v:
+        dv = None
+    dS0 = dS0.to(S0.dtype) if (need_S0 and dS0 is not None) else None
+    dz0 = dz0.to(z0.dtype) if (need_z0 and dz0 is not None) else None
+    return dq, dk, dv, dg, dS0, dz0
+
+
 class _CausalLinearAttention(torch.autograd.Function):
     """Causal chunked linear attention, forward and backward in Triton."""
 
     @staticmethod
     def forward(ctx, q, k, v, g, S0, z0, normalize: bool, eps: float, return_state: bool):
-        K = _kernels
-        init = (S0, z0) if S0 is not None else None
-        # two phases: every chunk's entry state (chunk_state), then all chunks in parallel
-        o, den, S_T, z_T = K.chunk_fwd_two_phase(
-            q, k, v, log_decay=g, normalize=normalize, eps=eps, initial_state=init,
-            store_final_state=return_state,
-        )
+        o, den, S_T, z_T = causal_forward(q, k, v, g, S0, z0, normalize, eps, return_state)
         ctx.save_for_backward(q, k, v, g, S0, z0, o, den, S_T, z_T)
         ctx.normalize = normalize
         ctx.set_materialize_grads(False)  # unused outputs get None, not a tensor of zeros
@@ -225,57 +292,10 @@ class _CausalLinearAttention(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dS_T=None, dz_T=None):
-        K = _kernels
         q, k, v, g, S0, z0, o, den, S_T, z_T = ctx.saved_tensors
-        need_q, need_k, need_v, need_g, need_S0, need_z0 = ctx.needs_input_grad[:6]
-        normalize = ctx.normalize
-        if do is None:
-            do = torch.zeros_like(o)
-        dnum, dden, scale = _output_cotangents(do, o, den if normalize else None, q.dtype)
-        dS_T, dz_T = _state_grads(dS_T, dz_T, S_T, z_T) if S_T is not None else (None, None)
-        end_state = None
-        if dS_T is not None:
-            end_state = (dS_T, dz_T) if scale is None else (dS_T * scale, None if dz_T is None else dz_T * scale)
-        init = (S0, z0) if S0 is not None else None
-        # The tail past the last nonzero cotangent is left out (its gradients are exactly 0);
-        # with a gradient of the final state every token is used.
-        lengths = _live_lengths(do) if end_state is None else None
-        # dq and dk in fp32 when the decay needs them (dg is a cumulative sum of q.dq - k.dk),
-        # and whenever the cotangents were scaled (the results are unscaled in fp32).
-        acc = torch.float32 if (need_g or scale is not None) else None
-
-        def unscale(x):
-            return x if (x is None or scale is None) else x / scale
-
-        dq = dk = dv = dg = dS0 = dz0 = None
-        if need_q or need_g:
-            dq = unscale(K.chunk_bwd_dqk(dnum, v, k, dden=dden, log_decay=g, initial_state=init,
-                                         lengths=lengths, out_dtype=acc))
-        if need_k or need_g:
-            dk = unscale(K.chunk_bwd_dqk(v, dnum, q, dden=dden, log_decay=g, initial_state=end_state,
-                                         reverse=True, lengths=lengths, out_dtype=acc))
-        if need_v or need_S0 or need_z0:
-            # dv is linear attention run backwards with (q, k, v) = (k, q, dnum); its final
-            # state is the gradient of the initial state (dden weights the keys of z).
-            dv, _, dS0, dz0 = K.chunk_fwd(
-                k, q, dnum, log_decay=g, normalize=False, initial_state=end_state,
-                store_final_state=need_S0 or need_z0, weights=dden, track_z=normalize, reverse=True,
-                lengths=lengths, out_dtype=acc,
-            )
-            dv, dS0, dz0 = unscale(dv), unscale(dS0), unscale(dz0)
-            if dv is not None:
-                dv = dv.to(v.dtype)
-        if need_g:
-            dg = _log_decay_grad(q, k, dq, dk, g, lengths, dS_T, S_T, dz_T, z_T)
-        if dq is not None:
-            dq = dq.to(q.dtype) if need_q else None
-        if dk is not None:
-            dk = dk.to(k.dtype) if need_k else None
-        if dv is not None and not need_v:
-            dv = None
-        dS0 = dS0.to(S0.dtype) if (need_S0 and dS0 is not None) else None
-        dz0 = dz0.to(z0.dtype) if (need_z0 and dz0 is not None) else None
-        return dq, dk, dv, dg, dS0, dz0, None, None, None
+        grads = causal_backward(q, k, v, g, S0, z0, o, den, S_T, z_T, do, dS_T, dz_T,
+                                ctx.normalize, tuple(ctx.needs_input_grad[:6]))
+        return (*grads, None, None, None)
 
 
 class _NonCausalLinearAttention(torch.autograd.Function):
