@@ -7,6 +7,10 @@ wrappers live in `linattn_lib/core/triton_ops.py`.
 
     chunk_state.py   chunk_state_kernel    causal forward, phase 1: every chunk's entry state
     chunk_output.py  chunk_output_kernel   phase 2: all chunks' outputs in parallel; chunk_fwd_two_phase
+    chunk_grad.py    chunk_bwd_prep_kernel, chunk_dqk_kernel, chunk_dv_kernel
+                                           the two-phase backward (phase 1 is chunk_state reversed);
+                                           chunk_bwd_two_phase
+    sequences.py     where a program's tokens and states are: batched or packed (cu_seqlens)
     chunk_fwd.py     chunk_fwd_kernel      causal forward in one pass; run backwards in time it gives dV
     chunk_bwd.py     chunk_bwd_dqk_kernel  dQ, and run backwards in time dK
     noncausal.py     noncausal_state_kernel, noncausal_output_kernel
@@ -23,6 +27,16 @@ from .chunk_bwd import chunk_bwd_dqk, chunk_bwd_dqk_kernel
 from .chunk_bwd import compile_spec as _chunk_bwd_spec
 from .chunk_fwd import chunk_fwd, chunk_fwd_kernel
 from .chunk_fwd import compile_spec as _chunk_fwd_spec
+from .chunk_grad import (
+    chunk_bwd_prep,
+    chunk_bwd_prep_kernel,
+    chunk_bwd_two_phase,
+    chunk_dqk_kernel,
+    chunk_dv_kernel,
+)
+from .chunk_grad import compile_spec_dqk as _chunk_dqk_spec
+from .chunk_grad import compile_spec_dv as _chunk_dv_spec
+from .chunk_grad import compile_spec_prep as _chunk_prep_spec
 from .chunk_output import chunk_fwd_two_phase, chunk_output, chunk_output_kernel
 from .chunk_output import compile_spec as _chunk_output_spec
 from .chunk_state import chunk_state_kernel, chunk_states
@@ -61,6 +75,9 @@ KERNELS = {
     "chunk_state": (chunk_state_kernel, _chunk_state_spec),
     "chunk_output": (chunk_output_kernel, _chunk_output_spec),
     "chunk_bwd_dqk": (chunk_bwd_dqk_kernel, _chunk_bwd_spec),
+    "chunk_bwd_prep": (chunk_bwd_prep_kernel, _chunk_prep_spec),
+    "chunk_dqk": (chunk_dqk_kernel, _chunk_dqk_spec),
+    "chunk_dv": (chunk_dv_kernel, _chunk_dv_spec),
     "noncausal_state": (noncausal_state_kernel, _noncausal_state_spec),
     "noncausal_output": (noncausal_output_kernel, _noncausal_output_spec),
     "decode": (decode_kernel, _decode_spec),
@@ -77,6 +94,8 @@ __all__ = [
     "TARGET_DTYPES",
     "WHOLE_DIMS",
     "chunk_bwd_dqk",
+    "chunk_bwd_prep",
+    "chunk_bwd_two_phase",
     "chunk_fwd",
     "chunk_fwd_two_phase",
     "chunk_output",

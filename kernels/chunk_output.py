@@ -38,29 +38,31 @@ import triton.language as tl
 from .chunk_fwd import chunk_log_decays
 from .chunk_state import chunk_states, load_log_decay
 from .configs import dot_precision, launchable, select_config
+from .sequences import chunk_of_program, first_chunk, packed_layout, sequence_rows
 
 
 @triton.jit
-def _scores_and_state(q_ptr, k_ptr, h_ptr, hz_ptr, i_bh, i_n, NT, t, m_t, o_v, m_v, T, Dk, Dv,
+def _scores_and_state(q_ptr, k_ptr, h_ptr, hz_ptr, row0, i_s, t, m_t, o_v, m_v, Dk, Dv,
                       BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
                       NORMALIZE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Over the blocks of Dk: the raw scores q k^T (BT x BT), q S_n (BT x BV) and q . z_n (BT,)."""
+    """Over the blocks of Dk: the raw scores q k^T (BT x BT), q S_n (BT x BV) and q . z_n (BT,);
+    i_s is the index of chunk n's entry state."""
     A = tl.zeros([BT, BT], dtype=tl.float32)
     o = tl.zeros([BT, BV], dtype=tl.float32)
     d = tl.zeros([BT], dtype=tl.float32)
-    h_base = h_ptr + (i_bh * NT + i_n) * Dk * Dv
+    h_base = h_ptr + i_s * Dk * Dv
     for i_k in range(0, tl.cdiv(Dk, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < Dk
         m_tk = m_t[:, None] & m_k[None, :]
-        q = tl.load(q_ptr + i_bh * T * Dk + t[:, None] * Dk + o_k[None, :], mask=m_tk, other=0.0)
-        k = tl.load(k_ptr + i_bh * T * Dk + t[:, None] * Dk + o_k[None, :], mask=m_tk, other=0.0)
+        q = tl.load(q_ptr + (row0 + t)[:, None] * Dk + o_k[None, :], mask=m_tk, other=0.0)
+        k = tl.load(k_ptr + (row0 + t)[:, None] * Dk + o_k[None, :], mask=m_tk, other=0.0)
         S = tl.load(h_base + o_k[:, None] * Dv + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         A = tl.dot(q, tl.trans(k), acc=A, input_precision=DOT_PREC)
         q32 = q.to(tl.float32)
         o = tl.dot(q32, S, acc=o, input_precision=DOT_PREC)
         if NORMALIZE:
-            z = tl.load(hz_ptr + (i_bh * NT + i_n) * Dk + o_k, mask=m_k, other=0.0)
+            z = tl.load(hz_ptr + i_s * Dk + o_k, mask=m_k, other=0.0)
             d += tl.sum(q32 * z[None, :], axis=1)
     return A, o, d
 
@@ -81,24 +83,25 @@ def chunk_output_kernel(
     h_ptr, hz_ptr,            # entry states (B, H, NT, Dk, Dv), (B, H, NT, Dk) fp32 (chunk_state_kernel)
     o_ptr,                    # (B, H, T, Dv) output, in the dtype of v
     den_ptr,                  # (B, H, T) fp32 d + eps (NORMALIZE)
-    T, H, Dk, Dv, eps,
+    cu_ptr, co_ptr, ci_ptr,   # packed sequences (IS_VARLEN, sequences.py)
+    T, H, Dk, Dv, NT, eps,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DECAY: tl.constexpr, NORMALIZE: tl.constexpr, DOT_PREC: tl.constexpr,
+    DECAY: tl.constexpr, NORMALIZE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_v = tl.program_id(0)
-    i_n = tl.program_id(1)                  # which chunk
-    i_bh = tl.program_id(2).to(tl.int64)
-    NT = tl.cdiv(T, BT)
+    i_seq, i_h, i_n = chunk_of_program(tl.program_id(1), tl.program_id(2).to(tl.int64), ci_ptr, H, IS_VARLEN)
+    row0, T_seq = sequence_rows(i_seq, i_h, cu_ptr, T, H, IS_VARLEN)
+    i_s = first_chunk(i_seq, i_h, co_ptr, NT, H, IS_VARLEN) + i_n
     o_t = tl.arange(0, BT)
     t = i_n * BT + o_t
-    m_t = t < T
+    m_t = t < T_seq
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < Dv
-    A, o, d = _scores_and_state(q_ptr, k_ptr, h_ptr, hz_ptr, i_bh, i_n, NT, t, m_t, o_v, m_v,
-                                T, Dk, Dv, BT, BK, BV, NORMALIZE, DOT_PREC)
-    v = tl.load(v_ptr + i_bh * T * Dv + t[:, None] * Dv + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+    A, o, d = _scores_and_state(q_ptr, k_ptr, h_ptr, hz_ptr, row0, i_s, t, m_t, o_v, m_v,
+                                Dk, Dv, BT, BK, BV, NORMALIZE, DOT_PREC)
+    v = tl.load(v_ptr + (row0 + t)[:, None] * Dv + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
     if DECAY > 0:
-        g = load_log_decay(g_ptr, i_bh, t, m_t, T, H, DECAY)
+        g = load_log_decay(g_ptr, i_h, row0, t, m_t, DECAY)
         L, q_log, _, _ = chunk_log_decays(g, o_t, BT, False)
         A = A * tl.exp(L)                   # L <= 0 (0 outside the causal triangle)
         q_decay = tl.exp(q_log)
@@ -110,8 +113,8 @@ def chunk_output_kernel(
     if NORMALIZE:
         d = tl.sum(A, axis=1) + d + eps     # padded keys were read as 0: their scores are 0
         o = o / d[:, None]
-        tl.store(den_ptr + i_bh * T + t, d, mask=m_t & (i_v == 0))
-    tl.store(o_ptr + i_bh * T * Dv + t[:, None] * Dv + o_v[None, :], o.to(o_ptr.dtype.element_ty),
+        tl.store(den_ptr + row0 + t, d, mask=m_t & (i_v == 0))
+    tl.store(o_ptr + (row0 + t)[:, None] * Dv + o_v[None, :], o.to(o_ptr.dtype.element_ty),
              mask=m_t[:, None] & m_v[None, :])
 
 
@@ -126,35 +129,37 @@ def chunk_output(
     normalize: bool = True,
     eps: float = 1e-6,
     config: dict | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch `chunk_output_kernel`. Returns (o, den): o in the dtype of v, den = d + eps
     (fp32, (B, H, T)) when normalize, else None.
 
     h, hz: the entry states from `chunk_states` (hz needed when normalize), computed with the
     chunk length of `config` (the chunk length is read off h: NT = h.shape[2] must be
-    ceil(T / BT)).
+    ceil(T / BT)). cu_seqlens: packed sequences (sequences.py), h from `chunk_states` with
+    the same cu_seqlens.
     """
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cfg = config or select_config("chunk_output", Dk, q.dtype, q.device)
-    NT = triton.cdiv(T, cfg["BT"])
+    cu, offsets, indices, NT, _ = packed_layout(cu_seqlens, T, B, H, cfg["BT"])
     if h.shape != (B, H, NT, Dk, Dv) or (normalize and (hz is None or hz.shape != (B, H, NT, Dk))):
         raise ValueError(f"chunk_output: entry states of shape {tuple(h.shape)} do not match "
                          f"(B, H, NT, Dk, Dv) = {(B, H, NT, Dk, Dv)} for chunks of {cfg['BT']}")
     o = torch.empty(B, H, T, Dv, dtype=v.dtype, device=q.device)
     den = torch.empty(B, H, T, dtype=torch.float32, device=q.device) if normalize else None
     g = log_decay.to(torch.float32).contiguous() if log_decay is not None else None
-    if B * H * T == 0:
+    if B * H * NT == 0:
         return o, den
     dummy = o
     grid = (triton.cdiv(Dv, cfg["BV"]), NT, B * H)
+    ptrs = [g, h.contiguous(), hz.contiguous() if normalize else None, o, den, cu, offsets, indices]
     launchable(chunk_output_kernel, q.device)[grid](
-        q, k, v, g if g is not None else dummy, h.contiguous(), hz.contiguous() if normalize else dummy,
-        o, den if den is not None else dummy, T, H, Dk, Dv, float(eps),
+        q, k, v, *(p if p is not None else dummy for p in ptrs), T, H, Dk, Dv, NT, float(eps),
         BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"],
         DECAY=0 if g is None else (1 if g.dim() == 1 else 2), NORMALIZE=normalize,
-        DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        IS_VARLEN=cu is not None, DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, den
 
@@ -170,6 +175,7 @@ def chunk_fwd_two_phase(
     initial_state: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     store_final_state: bool = False,
     configs: tuple[dict, dict] | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The causal forward in two phases. Returns (o, den, S_final, z_final), as `chunk_fwd`.
 
@@ -178,7 +184,8 @@ def chunk_fwd_two_phase(
     dtype; log_decay None, (H,) or (B, H, T); initial_state (S0, z0 or None). o has the dtype
     of v; den = d + eps (fp32) when normalize, else None; S_final, z_final fp32 when
     store_final_state (z_final only when normalize), else None. configs: (chunk_state's,
-    chunk_output's), default `select_config`; their chunk lengths BT must agree.
+    chunk_output's), default `select_config`; their chunk lengths BT must agree. cu_seqlens:
+    packed sequences (sequences.py; B = 1, states one per sequence).
     """
     Dk = q.shape[-1]
     if configs is None:
@@ -189,8 +196,9 @@ def chunk_fwd_two_phase(
         raise ValueError(f"chunk_fwd_two_phase: the two phases need one chunk length, got {cfg_state['BT']} "
                          f"and {cfg_out['BT']}")
     h, hz, S_T, z_T = chunk_states(k, v, log_decay=log_decay, track_z=normalize, initial_state=initial_state,
-                                   store_final_state=store_final_state, config=cfg_state)
-    o, den = chunk_output(q, k, v, h, hz, log_decay=log_decay, normalize=normalize, eps=eps, config=cfg_out)
+                                   store_final_state=store_final_state, config=cfg_state, cu_seqlens=cu_seqlens)
+    o, den = chunk_output(q, k, v, h, hz, log_decay=log_decay, normalize=normalize, eps=eps, config=cfg_out,
+                          cu_seqlens=cu_seqlens)
     return o, den, S_T, z_T
 
 
@@ -200,10 +208,11 @@ def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:
     signature = {
         "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "g_ptr": "*fp32",
         "h_ptr": "*fp32", "hz_ptr": "*fp32", "o_ptr": f"*{dtype}", "den_ptr": "*fp32",
-        "T": "i32", "H": "i32", "Dk": "i32", "Dv": "i32", "eps": "fp32",
+        "cu_ptr": "*i32", "co_ptr": "*i32", "ci_ptr": "*i32",
+        "T": "i32", "H": "i32", "Dk": "i32", "Dv": "i32", "NT": "i32", "eps": "fp32",
     }
     constexprs = {"BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2, "NORMALIZE": True,
-                  "DOT_PREC": dot_precision(dtype)}
+                  "IS_VARLEN": False, "DOT_PREC": dot_precision(dtype)}
     for name in constexprs:
         signature[name] = "constexpr"
     return signature, constexprs

@@ -42,62 +42,83 @@ import triton.language as tl
 
 from .chunk_fwd import chunk_log_decays
 from .configs import dot_precision, launchable, select_config
+from .sequences import first_chunk, packed_layout, sequence_rows
 
 
 @triton.jit
-def load_log_decay(g_ptr, i_bh, t, m_t, T, H, DECAY: tl.constexpr):
-    """The fp32 log-decays of the tokens t of head i_bh; 0 for padded tokens (they decay nothing)."""
+def load_log_decay(g_ptr, i_h, row0, t, m_t, DECAY: tl.constexpr):
+    """The fp32 log-decays of tokens t (rows row0 + t) of head i_h; 0 for padded tokens (they
+    decay nothing)."""
     if DECAY == 1:
-        g = tl.where(m_t, tl.load(g_ptr + i_bh % H).to(tl.float32), 0.0)
+        g = tl.where(m_t, tl.load(g_ptr + i_h).to(tl.float32), 0.0)
     else:
-        g = tl.load(g_ptr + i_bh * T + t, mask=m_t, other=0.0).to(tl.float32)
+        g = tl.load(g_ptr + row0 + t, mask=m_t, other=0.0).to(tl.float32)
     return g
 
 
 @triton.jit
-def _initial_state(s0_ptr, z0_ptr, i_bh, o_k, o_v, m_k, m_v, Dk, Dv,
+def _initial_state(s0_ptr, z0_ptr, i_nh, o_k, o_v, m_k, m_v, Dk, Dv,
                    BK: tl.constexpr, BV: tl.constexpr, HAS_Z: tl.constexpr, HAS_S0: tl.constexpr):
     """This program's tile of the initial state (fp32), zeros without one."""
     S = tl.zeros([BK, BV], dtype=tl.float32)
     z = tl.zeros([BK], dtype=tl.float32)
     if HAS_S0:
-        S = tl.load(s0_ptr + i_bh * Dk * Dv + o_k[:, None] * Dv + o_v[None, :],
+        S = tl.load(s0_ptr + i_nh * Dk * Dv + o_k[:, None] * Dv + o_v[None, :],
                     mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
         if HAS_Z:
-            z = tl.load(z0_ptr + i_bh * Dk + o_k, mask=m_k, other=0.0).to(tl.float32)
+            z = tl.load(z0_ptr + i_nh * Dk + o_k, mask=m_k, other=0.0).to(tl.float32)
     return S, z
 
 
 @triton.jit
-def _advance(S, z, k, v, g, BT: tl.constexpr, DECAY: tl.constexpr, HAS_Z: tl.constexpr,
-             DOT_PREC: tl.constexpr):
-    """The state across one chunk: S <- exp(g_last) S + (exp(a) k)^T v, z likewise."""
+def _advance(S, z, k, v, g, r, w, BT: tl.constexpr, DECAY: tl.constexpr, HAS_Z: tl.constexpr,
+             REVERSE: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The state across one chunk: S <- exp(g_last) S + (exp(a) k)^T v, z likewise.
+
+    Reversed (the state gradient), a is the decay from each token to the chunk start, the
+    keys are scaled by r (1 / den) and z sums w k (w = dL/dden): both in fp32 throughout."""
     k_s = k.to(tl.float32)
     if DECAY > 0:
-        _, _, k_log, g_last = chunk_log_decays(g, tl.arange(0, BT), BT, False)
+        _, _, k_log, g_last = chunk_log_decays(g, tl.arange(0, BT), BT, REVERSE)
         k_s = k_s * tl.exp(k_log)[:, None]          # |exp(a_j) k_j| <= |k_j|: fits the input dtype
         S = S * tl.exp(g_last)
         z = z * tl.exp(g_last)
-    S = tl.dot(tl.trans(k_s.to(k.dtype)), v, acc=S, input_precision=DOT_PREC)
+    if HAS_R:  # fp32 (tf32 for 16-bit inputs): dO / den may be below the smallest fp16
+        S = tl.dot(tl.trans(k_s * r[:, None]), v.to(tl.float32), acc=S, input_precision=DOT_PREC)
+    else:
+        S = tl.dot(tl.trans(k_s.to(k.dtype)), v, acc=S, input_precision=DOT_PREC)
     if HAS_Z:
-        z += tl.sum(k_s, axis=0)
+        if HAS_W:
+            z += tl.sum(k_s * w[:, None], axis=0)
+        else:
+            z += tl.sum(k_s, axis=0)
     return S, z
 
 
 @triton.jit
 def chunk_state_kernel(
     k_ptr, v_ptr, g_ptr,      # (B, H, T, Dk), (B, H, T, Dv) contiguous; log-decay (H,) or (B, H, T) fp32
-    h_ptr, hz_ptr,            # out: entry states (B, H, NT, Dk, Dv) and (B, H, NT, Dk), fp32
+    r_ptr, w_ptr,             # (B, H, T) fp32 key scales (HAS_R) and z weights (HAS_W)
+    h_ptr, hz_ptr,            # out: per-chunk states (B, H, NT, Dk, Dv) and (B, H, NT, Dk), fp32
     s0_ptr, z0_ptr,           # initial state (B, H, Dk, Dv), (B, H, Dk) fp32 (HAS_S0)
     st_ptr, zt_ptr,           # final state, same shapes (STORE_ST)
-    T, H, Dk, Dv,
+    cu_ptr, co_ptr, len_ptr,  # packed sequences (IS_VARLEN, sequences.py); live lengths (HAS_LEN)
+    T, H, Dk, Dv, NT,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DECAY: tl.constexpr,      # 0: none, 1: one log-decay per head, 2: one per token
-    HAS_Z: tl.constexpr, HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, DOT_PREC: tl.constexpr,
+    HAS_Z: tl.constexpr, HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, REVERSE: tl.constexpr,
+    HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_LEN: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DOT_PREC: tl.constexpr,
 ):
     i_k = tl.program_id(0)
     i_v = tl.program_id(1)
-    i_bh = tl.program_id(2).to(tl.int64)    # int64: the offsets into h pass 2^31 quickly
+    i_nh = tl.program_id(2).to(tl.int64)    # int64: the offsets into h pass 2^31 quickly
+    i_seq, i_h = i_nh // H, i_nh % H
+    row0, T_seq = sequence_rows(i_seq, i_h, cu_ptr, T, H, IS_VARLEN)
+    c0 = first_chunk(i_seq, i_h, co_ptr, NT, H, IS_VARLEN)
+    n_chunks = tl.cdiv(T_seq, BT)
+    if HAS_LEN:  # tokens from len on are read as 0 (the backward's dead tail)
+        T_seq = tl.minimum(T_seq, tl.load(len_ptr + i_nh))
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -105,24 +126,37 @@ def chunk_state_kernel(
     m_v = o_v < Dv
     m_kv = m_k[:, None] & m_v[None, :]
     kv_off = o_k[:, None] * Dv + o_v[None, :]
-    S, z = _initial_state(s0_ptr, z0_ptr, i_bh, o_k, o_v, m_k, m_v, Dk, Dv, BK, BV, HAS_Z, HAS_S0)
-    NT = tl.cdiv(T, BT)
-    for n in range(0, NT):
-        tl.store(h_ptr + (i_bh * NT + n) * Dk * Dv + kv_off, S, mask=m_kv)
+    S, z = _initial_state(s0_ptr, z0_ptr, i_nh, o_k, o_v, m_k, m_v, Dk, Dv, BK, BV, HAS_Z, HAS_S0)
+    for i in range(0, n_chunks):
+        if REVERSE:
+            n = n_chunks - 1 - i
+        else:
+            n = i
+        tl.store(h_ptr + (c0 + n) * Dk * Dv + kv_off, S, mask=m_kv)
         if HAS_Z:
-            tl.store(hz_ptr + (i_bh * NT + n) * Dk + o_k, z, mask=m_k & (i_v == 0))
+            tl.store(hz_ptr + (c0 + n) * Dk + o_k, z, mask=m_k & (i_v == 0))
         t = n * BT + o_t
-        m_t = t < T
-        k = tl.load(k_ptr + i_bh * T * Dk + t[:, None] * Dk + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        v = tl.load(v_ptr + i_bh * T * Dv + t[:, None] * Dv + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        m_t = t < T_seq
+        k = tl.load(k_ptr + (row0 + t)[:, None] * Dk + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+        v = tl.load(v_ptr + (row0 + t)[:, None] * Dv + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
         g = tl.zeros([BT], dtype=tl.float32)
         if DECAY > 0:
-            g = load_log_decay(g_ptr, i_bh, t, m_t, T, H, DECAY)
-        S, z = _advance(S, z, k, v, g, BT, DECAY, HAS_Z, DOT_PREC)
+            g = load_log_decay(g_ptr, i_h, row0, t, m_t, DECAY)
+        r = tl.zeros([BT], dtype=tl.float32)
+        if HAS_R:
+            r = tl.load(r_ptr + row0 + t, mask=m_t, other=0.0)
+        w = tl.zeros([BT], dtype=tl.float32)
+        if HAS_W:
+            w = tl.load(w_ptr + row0 + t, mask=m_t, other=0.0)
+        S, z = _advance(S, z, k, v, g, r, w, BT, DECAY, HAS_Z, REVERSE, HAS_R, HAS_W, DOT_PREC)
     if STORE_ST:
-        tl.store(st_ptr + i_bh * Dk * Dv + kv_off, S, mask=m_kv)
+        tl.store(st_ptr + i_nh * Dk * Dv + kv_off, S, mask=m_kv)
         if HAS_Z:
-            tl.store(zt_ptr + i_bh * Dk + o_k, z, mask=m_k & (i_v == 0))
+            tl.store(zt_ptr + i_nh * Dk + o_k, z, mask=m_k & (i_v == 0))
+
+
+def _f32(x: torch.Tensor | None) -> torch.Tensor | None:
+    return None if x is None else x.to(torch.float32).contiguous()
 
 
 def chunk_states(
@@ -134,59 +168,72 @@ def chunk_states(
     initial_state: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     store_final_state: bool = False,
     config: dict | None = None,
+    reverse: bool = False,
+    key_scale: torch.Tensor | None = None,
+    z_weights: torch.Tensor | None = None,
+    lengths: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Launch `chunk_state_kernel`. Returns (h, hz, S_final, z_final), all fp32.
 
     k: (B, H, T, Dk), v: (B, H, T, Dv), one dtype. The chunk length is the config's BT; the
     output kernel that reads these states must use the same (`chunk_fwd_two_phase` checks).
-    h: (B, H, NT, Dk, Dv) with NT = ceil(T / BT), h[:, :, n] the state before chunk n's tokens (h[:, :, 0] the initial state or 0);
-    hz: (B, H, NT, Dk) likewise for z when track_z, else None. S_final, z_final: the state
-    after the last token when store_final_state (z_final only with track_z), else None.
-    log_decay: None, (H,) or (B, H, T); initial_state: (S0, z0 or None).
+    h: (B, H, NT, Dk, Dv) with NT = ceil(T / BT), h[:, :, n] the state before chunk n's tokens
+    (h[:, :, 0] the initial state or 0); hz: (B, H, NT, Dk) likewise for z when track_z, else
+    None. S_final, z_final: the state after the last token when store_final_state (z_final
+    only with track_z), else None. log_decay: None, (H,) or (B, H, T); initial_state: (S0,
+    z0 or None).
+
+    reverse: walk from the last chunk to the first, h[:, :, n] then being the state *after*
+    chunk n seen from the end -- with key_scale = 1 / den and z_weights = dL/dden (fp32,
+    (B, H, T)) and (k, v) = (q, dO) this is the state gradient of the backward pass.
+    lengths: (B, H) int32, tokens from lengths[b, h] on read as 0. cu_seqlens: packed
+    sequences (sequences.py): B = 1, NT counts the chunks of all sequences, and the initial
+    and final states have one row per sequence, (N, H, ...).
     """
     B, H, T, Dk = k.shape
     Dv = v.shape[-1]
     k, v = k.contiguous(), v.contiguous()
     cfg = config or select_config("chunk_state", Dk, k.dtype, k.device)
-    NT = triton.cdiv(T, cfg["BT"])
+    cu, offsets, _, NT, n_seq = packed_layout(cu_seqlens, T, B, H, cfg["BT"])
     f32 = dict(dtype=torch.float32, device=k.device)
     h = torch.empty(B, H, NT, Dk, Dv, **f32)
     hz = torch.empty(B, H, NT, Dk, **f32) if track_z else None
-    S_T = torch.empty(B, H, Dk, Dv, **f32) if store_final_state else None
-    z_T = torch.empty(B, H, Dk, **f32) if (store_final_state and track_z) else None
-    g = log_decay.to(torch.float32).contiguous() if log_decay is not None else None
+    S_T = torch.empty(n_seq, H, Dk, Dv, **f32) if store_final_state else None
+    z_T = torch.empty(n_seq, H, Dk, **f32) if (store_final_state and track_z) else None
     S0 = z0 = None
     if initial_state is not None:
-        S0 = initial_state[0].to(torch.float32).contiguous()
+        S0 = _f32(initial_state[0])
         if track_z:
-            z0 = initial_state[1]
-            z0 = torch.zeros(B, H, Dk, **f32) if z0 is None else z0.to(torch.float32).contiguous()
-    if B * H == 0:
+            z0 = _f32(initial_state[1]) if initial_state[1] is not None else torch.zeros(n_seq, H, Dk, **f32)
+    if n_seq * H == 0:
         return h, hz, S_T, z_T
-    dummy = h  # stands in for pointers a constexpr flag says are never touched
-    grid = (triton.cdiv(Dk, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]), B * H)
+    g, r, w = _f32(log_decay), _f32(key_scale), _f32(z_weights)
+    ptrs = [g, r, w, h, hz, S0, z0, S_T, z_T, cu, offsets, lengths]
+    grid = (triton.cdiv(Dk, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]), n_seq * H)
     launchable(chunk_state_kernel, k.device)[grid](
-        k, v, g if g is not None else dummy, h, hz if hz is not None else dummy,
-        S0 if S0 is not None else dummy, z0 if z0 is not None else dummy,
-        S_T if S_T is not None else dummy, z_T if z_T is not None else dummy,
-        T, H, Dk, Dv, BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"],
+        k, v, *(p if p is not None else h for p in ptrs),  # h stands in for pointers never touched
+        T, H, Dk, Dv, NT, BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"],
         DECAY=0 if g is None else (1 if g.dim() == 1 else 2), HAS_Z=track_z, HAS_S0=S0 is not None,
-        STORE_ST=store_final_state, DOT_PREC=dot_precision(k.dtype),
+        STORE_ST=store_final_state, REVERSE=reverse, HAS_R=r is not None, HAS_W=w is not None,
+        HAS_LEN=lengths is not None, IS_VARLEN=cu is not None, DOT_PREC=dot_precision(k.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return h, hz, S_T, z_T
 
 
 def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:
-    """Signature and constexprs of `chunk_state_kernel`'s heaviest variant: per-token decay,
-    normaliser state, initial and final state."""
+    """Signature and constexprs of `chunk_state_kernel`'s heaviest variant: the state gradient
+    (reversed, scaled keys, weighted z) with per-token decay, initial and final state."""
     signature = {
-        "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "g_ptr": "*fp32", "h_ptr": "*fp32", "hz_ptr": "*fp32",
-        "s0_ptr": "*fp32", "z0_ptr": "*fp32", "st_ptr": "*fp32", "zt_ptr": "*fp32",
-        "T": "i32", "H": "i32", "Dk": "i32", "Dv": "i32",
+        "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "g_ptr": "*fp32", "r_ptr": "*fp32", "w_ptr": "*fp32",
+        "h_ptr": "*fp32", "hz_ptr": "*fp32", "s0_ptr": "*fp32", "z0_ptr": "*fp32", "st_ptr": "*fp32",
+        "zt_ptr": "*fp32", "cu_ptr": "*i32", "co_ptr": "*i32", "len_ptr": "*i32",
+        "T": "i32", "H": "i32", "Dk": "i32", "Dv": "i32", "NT": "i32",
     }
     constexprs = {"BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2, "HAS_Z": True,
-                  "HAS_S0": True, "STORE_ST": True, "DOT_PREC": dot_precision(dtype)}
+                  "HAS_S0": True, "STORE_ST": True, "REVERSE": True, "HAS_R": True, "HAS_W": True,
+                  "HAS_LEN": False, "IS_VARLEN": False, "DOT_PREC": dot_precision(dtype)}
     for name in constexprs:
         signature[name] = "constexpr"
     return signature, constexprs

@@ -36,6 +36,9 @@ DIM_NAMES = {
     # the two-phase forward tiles both head dims: blocks of BK, whatever the head dim
     "chunk_state": ("BK", "BV"),      # one Dk block per program, Dv tiled
     "chunk_output": ("BK", "BV"),     # Dk looped in blocks of BK, Dv tiled
+    "chunk_dqk": ("BK", "BV"),        # two-phase backward: Dk tiled, Dv looped in blocks of BV
+    "chunk_dv": ("BK", "BV"),         # Dv tiled, Dk looped in blocks of BK
+    "chunk_bwd_prep": ("BV", "BK"),   # BT rows per program, Dv whole (BK unused)
 }
 
 # Configs: kernel -> class -> {whole dim: (BT, tile, num_warps)}. The classes:
@@ -79,6 +82,11 @@ _TABLE: dict[str, dict[str, dict[int, tuple[int, ...]]]] = {
         "fp32": {64: (32, 64, 4), 128: (32, 64, 8), 256: (32, 32, 8)},
         "sm75": {64: (32, 64, 4), 128: (32, 64, 8), 256: (32, 32, 8)},
     },
+    "chunk_bwd_prep": {  # BT rows of dO and o per program, the whole Dv
+        "mma16": {64: (64, 16, 4), 128: (32, 16, 4), 256: (16, 16, 4)},
+        "fp32": {64: (64, 16, 4), 128: (32, 16, 4), 256: (16, 16, 4)},
+        "sm75": {64: (64, 16, 4), 128: (32, 16, 4), 256: (16, 16, 4)},
+    },
     "favor": {
         "mma16": {64: (64, 64, 4), 128: (64, 64, 8), 256: (64, 32, 8)},
         "fp32": {64: (32, 32, 8), 128: (16, 16, 8), 256: (16, 16, 8)},
@@ -101,6 +109,8 @@ NUM_STAGES = {"mma16": 2, "fp32": 1, "sm75": 1}
 #   fp32 / sm75: tl.dot is FMAs (or no tf32): 32-token chunks and 32 x 32 tiles, no spills.
 _TWO_PHASE: dict[str, dict[str, tuple[int, int, int, int]]] = {
     "chunk_state": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
+    "chunk_dqk": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
+    "chunk_dv": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
     "chunk_output": {"mma16": (64, 32, 64, 8), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
 }
 for _kernel, _classes in _TWO_PHASE.items():

@@ -185,16 +185,12 @@ def _state_grads(dS: Tensor | None, dz: Tensor | None, S: Tensor, z: Tensor | No
     return dS, dz
 
 
-def _log_decay_grad(q, k, dq, dk, g, lengths, dS_T, S_T, dz_T, z_T) -> Tensor:
-    """dL/dg from dq and dk (fp32), in the dtype and shape of g.
+def _log_decay_grad(r: Tensor, g: Tensor, dS_T, S_T, dz_T, z_T) -> Tensor:
+    """dL/dg from r_t = q_t . dq_t - k_t . dk_t (fp32, from the kernels), in g's dtype and shape.
 
-    dL/dG_t = q_t . dq_t - k_t . dk_t (+ <dS_T, S_T> + <dz_T, z_T> at the last token), and
-    g_s enters every G_t with t >= s: a suffix sum.
+    dL/dG_t = r_t (+ <dS_T, S_T> + <dz_T, z_T> at the last token), and g_s enters every G_t
+    with t >= s: a suffix sum.
     """
-    r = (q.float() * dq).sum(-1) - (k.float() * dk).sum(-1)
-    if lengths is not None:  # the tail's dq, dk are 0; its q, k may be anything (0 * NaN)
-        pos = torch.arange(r.shape[-1], device=r.device)
-        r = torch.where(pos < lengths.unsqueeze(-1), r, 0.0)
     if dS_T is not None:
         r[..., -1] += (dS_T * S_T).sum((-2, -1))
         if dz_T is not None:
@@ -224,56 +220,34 @@ def causal_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, S0: Tenso
                     do: Tensor | None, dS_T: Tensor | None, dz_T: Tensor | None,
                     normalize: bool, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
     """Gradients (dq, dk, dv, dg, dS0, dz0) of the causal forward, each None where `needs`
-    (six flags, in that order) is False or the input is None."""
+    (six flags, in that order) is False or the input is None.
+
+    The two-phase backward (kernels/chunk_grad.py): the state gradient of every chunk from the
+    end, then every chunk's dq, dk and dv in parallel, with 1 / den and dL/dden in fp32 on chip
+    (no loss scaling, no fp32 copy of dO). The log-decay's gradient is a suffix sum of the
+    kernels' per-token q . dq - k . dk, plus the final state's term at the last token.
+    """
     K = require_kernels("linear_attention")
     need_q, need_k, need_v, need_g, need_S0, need_z0 = needs
     if do is None:
         do = torch.zeros_like(o)
-    dnum, dden, scale = _output_cotangents(do, o, den if normalize else None, q.dtype)
     dS_T, dz_T = _state_grads(dS_T, dz_T, S_T, z_T) if S_T is not None else (None, None)
-    end_state = None
-    if dS_T is not None:
-        end_state = (dS_T, dz_T) if scale is None else (dS_T * scale, None if dz_T is None else dz_T * scale)
-    init = (S0, z0) if S0 is not None else None
+    end_state = (dS_T, dz_T) if dS_T is not None else None
     # The tail past the last nonzero cotangent is left out (its gradients are exactly 0);
     # with a gradient of the final state every token is used.
     lengths = _live_lengths(do) if end_state is None else None
-    # dq and dk in fp32 when the decay needs them (dg is a cumulative sum of q.dq - k.dk),
-    # and whenever the cotangents were scaled (the results are unscaled in fp32).
-    acc = torch.float32 if (need_g or scale is not None) else None
-
-    def unscale(x):
-        return x if (x is None or scale is None) else x / scale
-
-    dq = dk = dv = dg = dS0 = dz0 = None
-    if need_q or need_g:
-        dq = unscale(K.chunk_bwd_dqk(dnum, v, k, dden=dden, log_decay=g, initial_state=init,
-                                     lengths=lengths, out_dtype=acc))
-    if need_k or need_g:
-        dk = unscale(K.chunk_bwd_dqk(v, dnum, q, dden=dden, log_decay=g, initial_state=end_state,
-                                     reverse=True, lengths=lengths, out_dtype=acc))
-    if need_v or need_S0 or need_z0:
-        # dv is linear attention run backwards with (q, k, v) = (k, q, dnum); its final
-        # state is the gradient of the initial state (dden weights the keys of z).
-        dv, _, dS0, dz0 = K.chunk_fwd(
-            k, q, dnum, log_decay=g, normalize=False, initial_state=end_state,
-            store_final_state=need_S0 or need_z0, weights=dden, track_z=normalize, reverse=True,
-            lengths=lengths, out_dtype=acc,
-        )
-        dv, dS0, dz0 = unscale(dv), unscale(dS0), unscale(dz0)
-        if dv is not None:
-            dv = dv.to(v.dtype)
+    out = K.chunk_bwd_two_phase(
+        q, k, v, do, o=o if normalize else None, den=den if normalize else None, log_decay=g,
+        initial_state=(S0, z0) if S0 is not None else None, final_state_grad=end_state,
+        lengths=lengths, need_initial_state_grad=need_S0 or need_z0,
+    )
+    dg = None
     if need_g:
-        dg = _log_decay_grad(q, k, dq, dk, g, lengths, dS_T, S_T, dz_T, z_T)
-    if dq is not None:
-        dq = dq.to(q.dtype) if need_q else None
-    if dk is not None:
-        dk = dk.to(k.dtype) if need_k else None
-    if dv is not None and not need_v:
-        dv = None
-    dS0 = dS0.to(S0.dtype) if (need_S0 and dS0 is not None) else None
-    dz0 = dz0.to(z0.dtype) if (need_z0 and dz0 is not None) else None
-    return dq, dk, dv, dg, dS0, dz0
+        dg = _log_decay_grad(out["dg_token"], g, dS_T, S_T, dz_T, z_T)
+    dS0 = out["dS0"].to(S0.dtype) if need_S0 else None
+    dz0 = out["dz0"].to(z0.dtype) if (need_z0 and out["dz0"] is not None) else None
+    return (out["dq"] if need_q else None, out["dk"] if need_k else None, out["dv"] if need_v else None,
+            dg, dS0, dz0)
 
 
 class _CausalLinearAttention(torch.autograd.Function):

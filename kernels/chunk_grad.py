@@ -1,0 +1,335 @@
+"""Two-phase causal backward: the state gradient per chunk, then every chunk's dq, dk, dv.
+
+The autograd wrapper is `causal_backward` in linattn_lib/core/triton_ops.py; the tests are
+tests/test_kernels_two_phase.py (each phase against float64) and tests/test_kernels_interpret.py
+(gradients of the whole op). The forward (chunk_state.py, chunk_output.py) computes, per chunk
+with entry state (S_n, z_n), gc_i the decay from the chunk start to token i, a_j from token j
+to the chunk end and L_ij from j to i (all from `chunk_log_decays`, all <= 0):
+
+    num_i = sum_{j <= i} exp(L_ij) (q_i . k_j) v_j + exp(gc_i) q_i S_n,    o_i = num_i / den_i
+    den_i = sum_{j <= i} exp(L_ij) (q_i . k_j)     + exp(gc_i) q_i . z_n + eps
+
+With dO the output cotangent, r_i = 1 / den_i and e_i = -(dO_i . o_i) / den_i (the gradient of
+den_i), both fp32, formed by `chunk_bwd_prep_kernel`, the gradient is linear attention again:
+
+    phase 1  dH_n: the gradient of the state leaving chunk n, from the last chunk back,
+             dH_{n-1} = exp(g_last) dH_n + sum_i exp(gc_i) r_i q_i^T dO_i  (dZ with e_i q_i)
+             -- chunk_state.py run in reverse with (k, v) = (q, dO), keys scaled by r;
+             the state before chunk 0 comes out as the gradient of the initial state;
+    phase 2  every chunk on its own, with W_ij = exp(L_ij) (r_i (dO_i . v_j) + e_i), i >= j,
+             dq_i = sum_j W_ij k_j + exp(gc_i) (r_i dO_i S_n^T + e_i z_n)      chunk_dqk_kernel
+             dk_j = sum_i W_ij q_i + exp(a_j)  (v_j dH_n^T + dZ_n)            chunk_dqk_kernel
+             dv_j = sum_i exp(L_ij) r_i (q_i . k_j) dO_i + exp(a_j) k_j dH_n   chunk_dv_kernel
+
+and the log-decay's gradient, dL/dG_t = q_t . dq_t - k_t . dk_t, summed over the tokens after
+each (a suffix sum, in torch). The dqk kernel forms the row products from its fp32 dq, dk
+before they are rounded, one partial per Dk block.
+
+Precision. 1 / den and dL/dden are fp32 and never meet fp16: dO / den underflows fp16 for a
+mean loss over long sequences (where the previous engine needed loss scaling and fp32 copies
+of dO). The products that carry r or e (W with k and q, the state terms) are fp32 operands
+(tf32 for 16-bit inputs, fp32 range); dO v^T and q k^T run in the input dtype. dq, dk, dv
+are written in the input dtype directly.
+
+Masks select, they do not multiply, and the dead tail (tokens from `lengths`: past the last
+nonzero cotangent) is read as 0, as in the forward kernels.
+"""
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from .chunk_fwd import chunk_log_decays
+from .chunk_state import chunk_states, load_log_decay
+from .configs import dot_precision, launchable, select_config
+from .sequences import chunk_of_program, first_chunk, packed_layout, sequence_rows
+
+
+@triton.jit
+def chunk_bwd_prep_kernel(do_ptr, o_ptr, den_ptr, r_ptr, e_ptr, n_rows, Dv,
+                          BT: tl.constexpr, BV: tl.constexpr):
+    """r = 1 / den and e = -(dO . o) / den per row (fp32), 0 for a row whose dO is all zero.
+
+    A zero cotangent selects zero: an output no loss term depends on (padding, one after a
+    NaN) may be inf or NaN, and 0 * NaN would carry it into every earlier gradient."""
+    rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
+    m_r = rows < n_rows
+    cols = tl.arange(0, BV)
+    m = m_r[:, None] & (cols < Dv)[None, :]
+    do = tl.load(do_ptr + rows[:, None] * Dv + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    o = tl.load(o_ptr + rows[:, None] * Dv + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    used = do != 0
+    dot = tl.sum(tl.where(used, do * o, 0.0), axis=1)
+    row_used = tl.max(used.to(tl.int32), axis=1) > 0
+    den = tl.load(den_ptr + rows, mask=m_r & row_used, other=1.0)
+    tl.store(r_ptr + rows, tl.where(row_used, 1.0 / den, 0.0), mask=m_r)
+    tl.store(e_ptr + rows, tl.where(dot != 0, -dot / den, 0.0), mask=m_r)
+
+
+@triton.jit
+def _load_rows(ptr, row0, t, m_t, o_c, m_c, D):
+    """A (BT x block) tile of a (rows x D) tensor; 0 outside the masks."""
+    return tl.load(ptr + (row0 + t)[:, None] * D + o_c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.0)
+
+
+@triton.jit
+def _dqk_products(do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_k, m_k, Dk, Dv,
+                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Over the blocks of Dv: dO v^T (BT x BT), dO S_n^T and v dH_n^T (BT x BK, fp32)."""
+    A = tl.zeros([BT, BT], dtype=tl.float32)
+    dqS = tl.zeros([BT, BK], dtype=tl.float32)
+    dkH = tl.zeros([BT, BK], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(Dv, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < Dv
+        do = _load_rows(do_ptr, row0, t, m_t, o_v, m_v, Dv)
+        v = _load_rows(v_ptr, row0, t, m_t, o_v, m_v, Dv)
+        s_off = i_s * Dk * Dv + o_k[:, None] * Dv + o_v[None, :]
+        m_kv = m_k[:, None] & m_v[None, :]
+        S = tl.load(h_ptr + s_off, mask=m_kv, other=0.0)
+        dH = tl.load(dh_ptr + s_off, mask=m_kv, other=0.0)
+        A = tl.dot(do, tl.trans(v), acc=A, input_precision=DOT_PREC)
+        dqS = tl.dot(do.to(tl.float32), tl.trans(S), acc=dqS, input_precision=DOT_PREC)
+        dkH = tl.dot(v.to(tl.float32), tl.trans(dH), acc=dkH, input_precision=DOT_PREC)
+    return A, dqS, dkH
+
+
+@triton.jit
+def _decays(g_ptr, i_h, row0, t, m_t, o_t, BT: tl.constexpr, DECAY: tl.constexpr):
+    """exp(L) on the causal triangle (0 off it), exp(gc) and exp(a) of one chunk."""
+    visible = o_t[:, None] >= o_t[None, :]
+    if DECAY > 0:
+        g = load_log_decay(g_ptr, i_h, row0, t, m_t, DECAY)
+        L, q_log, k_log, _ = chunk_log_decays(g, o_t, BT, False)
+        return tl.where(visible, tl.exp(L), 0.0), tl.exp(q_log), tl.exp(k_log)
+    else:
+        ones = tl.full([BT], 1.0, dtype=tl.float32)
+        return tl.where(visible, 1.0, 0.0), ones, ones
+
+
+@triton.jit
+def chunk_dqk_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr,  # (B, H, T, Dk) x 2, (B, H, T, Dv) x 2; contiguous, one dtype
+    g_ptr,                        # log-decay (H,) or (B, H, T) fp32 (DECAY)
+    r_ptr, e_ptr,                 # (B, H, T) fp32 from chunk_bwd_prep_kernel (NORMALIZE)
+    h_ptr, hz_ptr,                # forward entry states (B, H, NT, Dk, Dv), (B, H, NT, Dk) fp32
+    dh_ptr, dhz_ptr,              # state gradients leaving each chunk, same shapes
+    dq_ptr, dk_ptr,               # out, the input dtype
+    dg_ptr,                       # out (NK, B, H, T) fp32: q . dq - k . dk over this Dk block
+    cu_ptr, co_ptr, ci_ptr, len_ptr,
+    T, H, Dk, Dv, NT, n_rows,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr,
+    NORMALIZE: tl.constexpr, HAS_LEN: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_k = tl.program_id(0)
+    i_hb = tl.program_id(2).to(tl.int64)
+    i_seq, i_h, i_n = chunk_of_program(tl.program_id(1), i_hb, ci_ptr, H, IS_VARLEN)
+    row0, T_seq = sequence_rows(i_seq, i_h, cu_ptr, T, H, IS_VARLEN)
+    T_live = T_seq
+    if HAS_LEN:  # tokens from len on are read as 0, and their gradients stored as 0
+        T_live = tl.minimum(T_seq, tl.load(len_ptr + i_hb))
+    i_s = first_chunk(i_seq, i_h, co_ptr, NT, H, IS_VARLEN) + i_n
+    o_t = tl.arange(0, BT)
+    t = i_n * BT + o_t
+    m_t = t < T_live
+    m_out = t < T_seq
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < Dk
+    A, dqS, dkH = _dqk_products(do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_k, m_k, Dk, Dv,
+                                BT, BK, BV, DOT_PREC)
+    M, q_decay, k_decay = _decays(g_ptr, i_h, row0, t, m_t, o_t, BT, DECAY)
+    if NORMALIZE:
+        r = tl.load(r_ptr + row0 + t, mask=m_t, other=0.0)
+        e = tl.load(e_ptr + row0 + t, mask=m_t, other=0.0)
+        W = M * (r[:, None] * A + e[:, None])
+        z = tl.load(hz_ptr + i_s * Dk + o_k, mask=m_k, other=0.0)
+        dz = tl.load(dhz_ptr + i_s * Dk + o_k, mask=m_k, other=0.0)
+        dq_state = r[:, None] * dqS + e[:, None] * z[None, :]
+        dk_state = dkH + dz[None, :]
+    else:
+        W = M * A
+        dq_state = dqS
+        dk_state = dkH
+    q = _load_rows(q_ptr, row0, t, m_t, o_k, m_k, Dk).to(tl.float32)
+    k = _load_rows(k_ptr, row0, t, m_t, o_k, m_k, Dk).to(tl.float32)
+    dq = tl.dot(W, k, acc=q_decay[:, None] * dq_state, input_precision=DOT_PREC)
+    dk = tl.dot(tl.trans(W), q, acc=k_decay[:, None] * dk_state, input_precision=DOT_PREC)
+    m_tk = m_out[:, None] & m_k[None, :]
+    tl.store(dq_ptr + (row0 + t)[:, None] * Dk + o_k[None, :], dq.to(dq_ptr.dtype.element_ty), mask=m_tk)
+    tl.store(dk_ptr + (row0 + t)[:, None] * Dk + o_k[None, :], dk.to(dk_ptr.dtype.element_ty), mask=m_tk)
+    if DECAY > 0:
+        dg = tl.sum(tl.where(m_t[:, None] & m_k[None, :], q * dq - k * dk, 0.0), axis=1)
+        tl.store(dg_ptr + i_k * n_rows + row0 + t, dg, mask=m_out)
+
+
+@triton.jit
+def chunk_dv_kernel(
+    q_ptr, k_ptr, do_ptr,         # (B, H, T, Dk) x 2, (B, H, T, Dv); contiguous, one dtype
+    g_ptr, r_ptr,                 # log-decay (DECAY); 1 / den (B, H, T) fp32 (NORMALIZE)
+    dh_ptr,                       # state gradients leaving each chunk (B, H, NT, Dk, Dv) fp32
+    dv_ptr,                       # out, the input dtype
+    cu_ptr, co_ptr, ci_ptr, len_ptr,
+    T, H, Dk, Dv, NT,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr,
+    NORMALIZE: tl.constexpr, HAS_LEN: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    i_v = tl.program_id(0)
+    i_hb = tl.program_id(2).to(tl.int64)
+    i_seq, i_h, i_n = chunk_of_program(tl.program_id(1), i_hb, ci_ptr, H, IS_VARLEN)
+    row0, T_seq = sequence_rows(i_seq, i_h, cu_ptr, T, H, IS_VARLEN)
+    T_live = T_seq
+    if HAS_LEN:  # tokens from len on are read as 0, and their gradients stored as 0
+        T_live = tl.minimum(T_seq, tl.load(len_ptr + i_hb))
+    i_s = first_chunk(i_seq, i_h, co_ptr, NT, H, IS_VARLEN) + i_n
+    o_t = tl.arange(0, BT)
+    t = i_n * BT + o_t
+    m_t = t < T_live
+    m_out = t < T_seq
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_v = o_v < Dv
+    P = tl.zeros([BT, BT], dtype=tl.float32)      # q_i . k_j
+    kH = tl.zeros([BT, BV], dtype=tl.float32)     # k_j dH_n
+    for i_k in range(0, tl.cdiv(Dk, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < Dk
+        q = _load_rows(q_ptr, row0, t, m_t, o_k, m_k, Dk)
+        k = _load_rows(k_ptr, row0, t, m_t, o_k, m_k, Dk)
+        dH = tl.load(dh_ptr + i_s * Dk * Dv + o_k[:, None] * Dv + o_v[None, :],
+                     mask=m_k[:, None] & m_v[None, :], other=0.0)
+        P = tl.dot(q, tl.trans(k), acc=P, input_precision=DOT_PREC)
+        kH = tl.dot(k.to(tl.float32), dH, acc=kH, input_precision=DOT_PREC)
+    M, _, k_decay = _decays(g_ptr, i_h, row0, t, m_t, o_t, BT, DECAY)
+    P = M * P
+    if NORMALIZE:
+        P = P * tl.load(r_ptr + row0 + t, mask=m_t, other=0.0)[:, None]
+    do = _load_rows(do_ptr, row0, t, m_t, o_v, m_v, Dv).to(tl.float32)
+    dv = tl.dot(tl.trans(P), do, acc=k_decay[:, None] * kH, input_precision=DOT_PREC)
+    tl.store(dv_ptr + (row0 + t)[:, None] * Dv + o_v[None, :], dv.to(dv_ptr.dtype.element_ty),
+             mask=m_out[:, None] & m_v[None, :])
+
+
+def chunk_bwd_prep(do: torch.Tensor, o: torch.Tensor, den: torch.Tensor,
+                   config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(r, e): 1 / den and dL/dden = -(dO . o) / den, fp32 of the shape of den (B, H, T)."""
+    Dv = do.shape[-1]
+    cfg = config or select_config("chunk_bwd_prep", Dv, do.dtype, do.device)
+    r = torch.empty_like(den, dtype=torch.float32)
+    e = torch.empty_like(r)
+    n_rows = den.numel()
+    if n_rows:
+        launchable(chunk_bwd_prep_kernel, do.device)[(triton.cdiv(n_rows, cfg["BT"]),)](
+            do.contiguous(), o.contiguous(), den.contiguous(), r, e, n_rows, Dv,
+            BT=cfg["BT"], BV=cfg["BV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return r, e
+
+
+def _launch_dqk(q, k, v, do, g, r, e, states, grads, layout, lengths, cfg):
+    """dq, dk (input dtype) and the per-token q . dq - k . dk summed over Dk (fp32 or None)."""
+    B, H, T, Dk = q.shape
+    Dv = v.shape[-1]
+    cu, offsets, indices, NT = layout
+    dq, dk = torch.empty_like(q), torch.empty_like(k)
+    NK = triton.cdiv(Dk, cfg["BK"])
+    dg = torch.empty(NK, B, H, T, dtype=torch.float32, device=q.device) if g is not None else None
+    ptrs = [g, r, e, *states, *grads, dq, dk, dg, cu, offsets, indices, lengths]
+    launchable(chunk_dqk_kernel, q.device)[(NK, NT, B * H)](
+        q, k, v, do, *(p if p is not None else dq for p in ptrs), T, H, Dk, Dv, NT, B * H * T,
+        BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"], DECAY=0 if g is None else (1 if g.dim() == 1 else 2),
+        NORMALIZE=r is not None, HAS_LEN=lengths is not None, IS_VARLEN=cu is not None,
+        DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return dq, dk, None if dg is None else dg.sum(0)
+
+
+def _launch_dv(q, k, do, g, r, dh, layout, lengths, cfg):
+    B, H, T, Dk = q.shape
+    Dv = do.shape[-1]
+    cu, offsets, indices, NT = layout
+    dv = torch.empty(do.shape, dtype=q.dtype, device=q.device)
+    ptrs = [g, r, dh, dv, cu, offsets, indices, lengths]
+    launchable(chunk_dv_kernel, q.device)[(triton.cdiv(Dv, cfg["BV"]), NT, B * H)](
+        q, k, do, *(p if p is not None else dv for p in ptrs), T, H, Dk, Dv, NT,
+        BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"], DECAY=0 if g is None else (1 if g.dim() == 1 else 2),
+        NORMALIZE=r is not None, HAS_LEN=lengths is not None, IS_VARLEN=cu is not None,
+        DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return dv
+
+
+def chunk_bwd_two_phase(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    do: torch.Tensor,
+    *,
+    o: torch.Tensor | None = None,
+    den: torch.Tensor | None = None,
+    log_decay: torch.Tensor | None = None,
+    initial_state: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    final_state_grad: tuple[torch.Tensor, torch.Tensor | None] | None = None,
+    lengths: torch.Tensor | None = None,
+    cu_seqlens: torch.Tensor | None = None,
+    need_initial_state_grad: bool = False,
+) -> dict:
+    """The causal backward in two phases. Returns {"dq", "dk", "dv", "dg_token", "dS0", "dz0"}.
+
+    q, k, v, do: as the forward's inputs and its output cotangent (one dtype); o and den (the
+    forward's output and d + eps) when the forward was normalised; log_decay None, (H,) or
+    (B, H, T); initial_state (S0, z0 or None) as given to the forward; final_state_grad (dS_T,
+    dz_T or None) fp32. dq, dk, dv come in the input dtype. dg_token (fp32, (B, H, T), None
+    without a decay) is q_t . dq_t - k_t . dk_t: the log-decay gradient is its suffix sum
+    (plus the final state's term), taken by the caller. dS0 / dz0 (fp32, None unless asked)
+    are the gradients of the initial state. lengths: (B, H) int32, tokens from there on are
+    read as 0 (their gradients are exactly 0). cu_seqlens: packed sequences (sequences.py).
+    """
+    B, H, T, Dk = q.shape
+    normalize = den is not None
+    cfg_s = select_config("chunk_state", Dk, q.dtype, q.device)
+    cfg_dqk = select_config("chunk_dqk", Dk, q.dtype, q.device)
+    cfg_dv = select_config("chunk_dv", Dk, q.dtype, q.device)
+    q, k, v, do = (x.contiguous() for x in (q, k, v, do))
+    r = e = None
+    if normalize:
+        r, e = chunk_bwd_prep(do, o, den)
+    kw = dict(log_decay=log_decay, track_z=normalize, config=cfg_s, lengths=lengths, cu_seqlens=cu_seqlens)
+    h, hz, _, _ = chunk_states(k, v, initial_state=initial_state, **kw)
+    dh, dhz, dS0, dz0 = chunk_states(q, do, initial_state=final_state_grad, reverse=True, key_scale=r,
+                                     z_weights=e, store_final_state=need_initial_state_grad, **kw)
+    cu, offsets, indices, NT, _ = packed_layout(cu_seqlens, T, B, H, cfg_s["BT"])
+    layout = (cu, offsets, indices, NT)
+    g = log_decay.to(torch.float32).contiguous() if log_decay is not None else None
+    dq, dk, dg = _launch_dqk(q, k, v, do, g, r, e, (h, hz), (dh, dhz), layout, lengths, cfg_dqk)
+    dv = _launch_dv(q, k, do, g, r, dh, layout, lengths, cfg_dv)
+    return {"dq": dq, "dk": dk, "dv": dv, "dg_token": dg, "dS0": dS0, "dz0": dz0}
+
+
+def compile_spec_prep(cfg: dict, dtype: str) -> tuple[dict, dict]:
+    """Signature and constexprs of `chunk_bwd_prep_kernel`."""
+    signature = {"do_ptr": f"*{dtype}", "o_ptr": f"*{dtype}", "den_ptr": "*fp32", "r_ptr": "*fp32",
+                 "e_ptr": "*fp32", "n_rows": "i32", "Dv": "i32"}
+    constexprs = {"BT": cfg["BT"], "BV": cfg["BV"]}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    return signature, constexprs
+
+
+def _spec(names: list[str], dtype: str, cfg: dict, ints: list[str]) -> tuple[dict, dict]:
+    signature = {n: (f"*{dtype}" if n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr")
+                     else "*i32" if n in ("cu_ptr", "co_ptr", "ci_ptr", "len_ptr") else "*fp32") for n in names}
+    signature.update(dict.fromkeys(ints, "i32"))
+    constexprs = {"BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2, "NORMALIZE": True,
+                  "HAS_LEN": True, "IS_VARLEN": False, "DOT_PREC": dot_precision(dtype)}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    return signature, constexprs
+
+
+def compile_spec_dqk(cfg: dict, dtype: str) -> tuple[dict, dict]:
+    """Signature and constexprs of `chunk_dqk_kernel`'s heaviest variant (decay, normaliser)."""
+    names = ["q_ptr", "k_ptr", "v_ptr", "do_ptr", "g_ptr", "r_ptr", "e_ptr", "h_ptr", "hz_ptr", "dh_ptr",
+             "dhz_ptr", "dq_ptr", "dk_ptr", "dg_ptr", "cu_ptr", "co_ptr", "ci_ptr", "len_ptr"]
+    return _spec(names, dtype, cfg, ["T", "H", "Dk", "Dv", "NT", "n_rows"])
+
+
+def compile_spec_dv(cfg: dict, dtype: str) -> tuple[dict, dict]:
+    """Signature and constexprs of `chunk_dv_kernel`'s heaviest variant (decay, normaliser)."""
+    names = ["q_ptr", "k_ptr", "do_ptr", "g_ptr", "r_ptr", "dh_ptr", "dv_ptr", "cu_ptr", "co_ptr", "ci_ptr",
+             "len_ptr"]
+    return _spec(names, dtype, cfg, ["T", "H", "Dk", "Dv", "NT"])
