@@ -185,32 +185,44 @@ def _state_grads(dS: Tensor | None, dz: Tensor | None, S: Tensor, z: Tensor | No
     return dS, dz
 
 
-def _log_decay_grad(r: Tensor, g: Tensor, dS_T, S_T, dz_T, z_T) -> Tensor:
+def _log_decay_grad(r: Tensor, g: Tensor, dS_T, S_T, dz_T, z_T, cu_seqlens: Tensor | None = None) -> Tensor:
     """dL/dg from r_t = q_t . dq_t - k_t . dk_t (fp32, from the kernels), in g's dtype and shape.
 
-    dL/dG_t = r_t (+ <dS_T, S_T> + <dz_T, z_T> at the last token), and g_s enters every G_t
-    with t >= s: a suffix sum.
+    dL/dG_t = r_t (+ <dS_T, S_T> + <dz_T, z_T> at a sequence's last token), and g_s enters
+    every G_t with t >= s in its sequence: a suffix sum (per packed sequence).
     """
     if dS_T is not None:
-        r[..., -1] += (dS_T * S_T).sum((-2, -1))
+        end = (dS_T * S_T).sum((-2, -1))
         if dz_T is not None:
-            r[..., -1] += (dz_T * z_T).sum(-1)
-    dg = suffix_sum(r)
+            end = end + (dz_T * z_T).sum(-1)
+    if cu_seqlens is None:
+        if dS_T is not None:
+            r[..., -1] += end
+        dg = suffix_sum(r)
+    else:
+        dg = torch.zeros_like(r)
+        bounds = cu_seqlens.tolist()
+        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
+            if b > a:
+                if dS_T is not None:
+                    r[0, :, b - 1] += end[i]
+                dg[..., a:b] = suffix_sum(r[..., a:b])
     return (dg.sum((0, 2)) if g.dim() == 1 else dg).to(g.dtype)
 
 
 def causal_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, S0: Tensor | None, z0: Tensor | None,
-                   normalize: bool, eps: float, return_state: bool) -> tuple[Tensor, ...]:
+                   normalize: bool, eps: float, return_state: bool,
+                   cu_seqlens: Tensor | None = None) -> tuple[Tensor, ...]:
     """The causal forward: (o, den, S_T, z_T); den is None unless normalize, S_T and z_T
     None unless return_state (z_T also unless normalize). Not differentiable by itself: the
     autograd Function below and the torch custom op (custom_ops.py) pair it with
-    `causal_backward`."""
+    `causal_backward`. cu_seqlens: packed sequences (B = 1; states one per sequence)."""
     K = require_kernels("linear_attention")
     init = (S0, z0) if S0 is not None else None
     # two phases: every chunk's entry state (chunk_state), then all chunks in parallel
     o, den, S_T, z_T = K.chunk_fwd_two_phase(
         q, k, v, log_decay=g, normalize=normalize, eps=eps, initial_state=init,
-        store_final_state=return_state,
+        store_final_state=return_state, cu_seqlens=cu_seqlens,
     )
     return o, (den if normalize else None), S_T, (z_T if normalize else None)
 
@@ -218,7 +230,8 @@ def causal_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, S0: Tensor
 def causal_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, S0: Tensor | None, z0: Tensor | None,
                     o: Tensor, den: Tensor | None, S_T: Tensor | None, z_T: Tensor | None,
                     do: Tensor | None, dS_T: Tensor | None, dz_T: Tensor | None,
-                    normalize: bool, needs: tuple[bool, ...]) -> tuple[Tensor | None, ...]:
+                    normalize: bool, needs: tuple[bool, ...],
+                    cu_seqlens: Tensor | None = None) -> tuple[Tensor | None, ...]:
     """Gradients (dq, dk, dv, dg, dS0, dz0) of the causal forward, each None where `needs`
     (six flags, in that order) is False or the input is None.
 
@@ -235,15 +248,16 @@ def causal_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, S0: Tenso
     end_state = (dS_T, dz_T) if dS_T is not None else None
     # The tail past the last nonzero cotangent is left out (its gradients are exactly 0);
     # with a gradient of the final state every token is used.
-    lengths = _live_lengths(do) if end_state is None else None
+    # (Packed sequences have no padding: every token is used.)
+    lengths = _live_lengths(do) if (end_state is None and cu_seqlens is None) else None
     out = K.chunk_bwd_two_phase(
         q, k, v, do, o=o if normalize else None, den=den if normalize else None, log_decay=g,
         initial_state=(S0, z0) if S0 is not None else None, final_state_grad=end_state,
-        lengths=lengths, need_initial_state_grad=need_S0 or need_z0,
+        lengths=lengths, need_initial_state_grad=need_S0 or need_z0, cu_seqlens=cu_seqlens,
     )
     dg = None
     if need_g:
-        dg = _log_decay_grad(out["dg_token"], g, dS_T, S_T, dz_T, z_T)
+        dg = _log_decay_grad(out["dg_token"], g, dS_T, S_T, dz_T, z_T, cu_seqlens)
     dS0 = out["dS0"].to(S0.dtype) if need_S0 else None
     dz0 = out["dz0"].to(z0.dtype) if (need_z0 and out["dz0"] is not None) else None
     return (out["dq"] if need_q else None, out["dk"] if need_k else None, out["dv"] if need_v else None,
