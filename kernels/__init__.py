@@ -31,7 +31,9 @@ from .chunk_grad import (
     chunk_bwd_prep,
     chunk_bwd_prep_kernel,
     chunk_bwd_two_phase,
+    chunk_dqk,
     chunk_dqk_kernel,
+    chunk_dv,
     chunk_dv_kernel,
 )
 from .chunk_grad import compile_spec_dqk as _chunk_dqk_spec
@@ -96,6 +98,8 @@ __all__ = [
     "chunk_bwd_dqk",
     "chunk_bwd_prep",
     "chunk_bwd_two_phase",
+    "chunk_dqk",
+    "chunk_dv",
     "chunk_fwd",
     "chunk_fwd_two_phase",
     "chunk_output",

@@ -224,8 +224,16 @@ def chunk_bwd_prep(do: torch.Tensor, o: torch.Tensor, den: torch.Tensor,
     return r, e
 
 
-def _launch_dqk(q, k, v, do, g, r, e, states, grads, layout, lengths, cfg):
-    """dq, dk (input dtype) and the per-token q . dq - k . dk summed over Dk (fp32 or None)."""
+def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, g: torch.Tensor | None,
+              r: torch.Tensor | None, e: torch.Tensor | None, states: tuple, grads: tuple, layout: tuple,
+              lengths: torch.Tensor | None, cfg: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Launch `chunk_dqk_kernel`: dq, dk (input dtype) and the per-token q . dq - k . dk
+    summed over Dk (fp32; None without a decay).
+
+    g: fp32 log-decay or None; r, e: from `chunk_bwd_prep` (None unnormalised); states (h, hz)
+    and grads (dh, dhz): the forward's entry states and the state gradients (chunk_states,
+    forward and reversed, with cfg's BT); layout: (cu, chunk_offsets, chunk_indices, NT) as
+    `sequences.packed_layout` gives them; lengths: (B, H) int32 or None."""
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
     cu, offsets, indices, NT = layout
@@ -241,7 +249,9 @@ def _launch_dqk(q, k, v, do, g, r, e, states, grads, layout, lengths, cfg):
     return dq, dk, None if dg is None else dg.sum(0)
 
 
-def _launch_dv(q, k, do, g, r, dh, layout, lengths, cfg):
+def chunk_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, g: torch.Tensor | None, r: torch.Tensor | None,
+             dh: torch.Tensor, layout: tuple, lengths: torch.Tensor | None, cfg: dict) -> torch.Tensor:
+    """Launch `chunk_dv_kernel`: dv in the input dtype (arguments as for `chunk_dqk`)."""
     B, H, T, Dk = q.shape
     Dv = do.shape[-1]
     cu, offsets, indices, NT = layout
@@ -297,8 +307,8 @@ def chunk_bwd_two_phase(
     cu, offsets, indices, NT, _ = packed_layout(cu_seqlens, T, B, H, cfg_s["BT"])
     layout = (cu, offsets, indices, NT)
     g = log_decay.to(torch.float32).contiguous() if log_decay is not None else None
-    dq, dk, dg = _launch_dqk(q, k, v, do, g, r, e, (h, hz), (dh, dhz), layout, lengths, cfg_dqk)
-    dv = _launch_dv(q, k, do, g, r, dh, layout, lengths, cfg_dv)
+    dq, dk, dg = chunk_dqk(q, k, v, do, g, r, e, (h, hz), (dh, dhz), layout, lengths, cfg_dqk)
+    dv = chunk_dv(q, k, do, g, r, dh, layout, lengths, cfg_dv)
     return {"dq": dq, "dk": dk, "dv": dv, "dg_token": dg, "dS0": dS0, "dz0": dz0}
 
 

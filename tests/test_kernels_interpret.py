@@ -729,15 +729,25 @@ def test_gpu_check_favor_rows_run_on_cpu():
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA run is gpu_check itself")
 def test_gpu_check_config_sweep_runs_every_candidate_on_cpu():
     """gpu_check's launch-config sweep, with a stand-in timer and the interpreter: every
-    candidate of both chunk kernels is launched, the chosen one is among them and marked."""
+    candidate of every two-phase kernel is launched, the chosen one is among them and marked."""
     from linattn_lib.experiments.gpu_check import run_config_sweep
 
     rows = run_config_sweep(1, 1, 40, 16, do_bench=lambda fn, **kw: (fn(), 0.5)[1], device="cpu")
     assert [r.get("error") for r in rows] == [None] * len(rows)
-    for kernel in ("chunk_fwd", "chunk_bwd_dqk"):
+    for kernel in ("chunk_state", "chunk_output", "chunk_dqk", "chunk_dv"):
         mine = [r for r in rows if r["kernel"] == kernel]
         assert len(mine) > 1 and sum(r["chosen"] for r in mine) == 1 and mine[0]["chosen"]
         assert len({str(r["config"]) for r in mine}) == len(mine)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA run is gpu_check itself")
+def test_gpu_check_decode_benchmark_counts_the_state_traffic():
+    """The decode benchmark's bandwidth is the state bytes (read + write, fp32) over the time."""
+    from linattn_lib.experiments.gpu_check import run_decode_benchmark
+
+    row = run_decode_benchmark(2, 3, 16, do_bench=lambda fn, **kw: (fn(), 0.25)[1], device="cpu")
+    assert row["state_bytes"] == 2 * 4 * (2 * 3 * 16 * 16 + 2 * 3 * 16)
+    assert row["GB_per_s"] == round(row["state_bytes"] / 0.25e-3 / 1e9, 1)
 
 
 # ------------------------------------------------------------------ float16 range

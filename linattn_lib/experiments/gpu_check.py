@@ -149,12 +149,24 @@ def run_benchmark(B: int = 1, H: int = 16, T: int = 16384, D: int = 128) -> list
         candidates["fla chunk_simple_gla (unnormalised, per-token decay)"] = fla_simple_gla
     except Exception:  # not installed, or another API version
         pass
+    try:  # fla's normalised linear attention (normalises in torch, no decay)
+        from fla.ops.linear_attn import chunk_linear_attn
+
+        def fla_linear_attn():
+            o, _ = chunk_linear_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=1.0,
+                                     normalize=True)
+            return o
+
+        candidates["fla chunk_linear_attn (normalised)"] = fla_linear_attn
+    except Exception:
+        pass
 
     shape = f"B={B} H={H} T={T} D={D}"
     rows = [_time_candidate(name, fn, inputs, shape, do_bench) for name, fn in candidates.items()]
     q = k = v = g = qs = ks = inputs = candidates = None  # free the GPU memory the lambdas hold
     torch.cuda.empty_cache()
-    return rows + run_favor_benchmark(B, H, T, do_bench=do_bench)
+    decode = run_decode_benchmark(do_bench=do_bench)
+    return rows + [decode] + run_favor_benchmark(B, H, T, do_bench=do_bench)
 
 
 def _time_candidate(name, fn, inputs, shape, do_bench, dtype: str = "bfloat16") -> dict:
@@ -197,32 +209,76 @@ def run_favor_benchmark(B: int, H: int, T: int, d: int = 64, m: int = 256, *, do
     return rows
 
 
+def run_decode_benchmark(B: int = 64, H: int = 16, D: int = 128, *, do_bench: Callable,
+                         device: str = "cuda") -> dict:
+    """One decoding step (normalised, per-head decay) at a batch whose fp32 states (B H D^2 x 4
+    bytes, 64 MiB here) dwarf the caches: the step reads and writes every state once, so its
+    time is set by that traffic. Returns ms, the state bytes moved and the bandwidth reached."""
+    import torch
+
+    from .. import kernels as K
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v = (torch.rand(B, H, D, device=device, dtype=dtype) for _ in range(3))
+    S = torch.zeros(B, H, D, D, device=device)
+    z = torch.zeros(B, H, D, device=device)
+    g = -torch.rand(H, device=device) * 0.1
+    ms = float(do_bench(lambda: K.decode_step(q, k, v, S, z, log_decay=g), warmup=25, rep=100))
+    moved = 2 * (S.numel() + z.numel()) * 4
+    return {"name": "decode step (state read + write)", "shape": f"B={B} H={H} D={D}", "ms": round(ms, 4),
+            "state_bytes": moved, "GB_per_s": round(moved / (ms * 1e-3) / 1e9, 1)}
+
+
 def candidate_configs(kernel: str, d_whole: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> list[dict]:
-    """Launch configs worth timing for `kernel` at one head-dim bucket on this GPU: chunk
-    lengths 32 and 64, tiles of 16, 32 and 64 columns, 4 and 8 warps, at the pipelining depth
-    the launcher uses for this dtype -- those that fit the GPU's shared memory per block are
-    decided by the run itself (a config that does not fit fails to launch and is reported)."""
-    from ..kernels import DIM_NAMES, select_config
+    """Launch configs worth timing for `kernel` at one head-dim bucket on this GPU: the chosen
+    one first, then blocks of 16, 32 and 64 columns in both head dims and 4 or 8 warps, at the
+    chosen chunk length (the two phases must share it) and pipelining depth. Which fit the
+    GPU's shared memory is decided by the run itself (a config that does not fit fails to
+    launch and is reported)."""
+    from ..kernels import select_config
 
     chosen = select_config(kernel, d_whole, dtype, capability)
-    whole, tiled = DIM_NAMES[kernel]
     out = [chosen]
-    for BT in (32, 64):
-        for tile in (16, 32, 64):
+    for BK in (16, 32, 64):
+        for BV in (16, 32, 64):
             for warps in (4, 8):
-                cfg = {"BT": BT, whole: d_whole, tiled: tile, "num_warps": warps, "num_stages": chosen["num_stages"]}
+                cfg = dict(chosen, BK=BK, BV=BV, num_warps=warps)
                 if cfg not in out:
                     out.append(cfg)
     return out
 
 
+def _sweep_calls(B: int, H: int, T: int, D: int, dtype, device: str) -> dict:
+    """kernel name -> call(config) launching that kernel alone on inputs of the benchmark shape
+    (normalised, per-token decay); the state tensors they read are made once, up front."""
+    import torch
+
+    from .. import kernels as K
+
+    torch.manual_seed(0)
+    q, k = (torch.rand(B, H, T, D, device=device, dtype=dtype) for _ in range(2))
+    v, do = (torch.randn(B, H, T, D, device=device, dtype=dtype) for _ in range(2))
+    g = -torch.rand(B, H, T, device=device) * 0.1
+    o, den, _, _ = K.chunk_fwd_two_phase(q, k, v, log_decay=g)
+    r, e = K.chunk_bwd_prep(do, o, den)
+    h, hz, _, _ = K.chunk_states(k, v, log_decay=g)
+    dh, dhz, _, _ = K.chunk_states(q, do, log_decay=g, reverse=True, key_scale=r, z_weights=e)
+    layout = (None, None, None, h.shape[2])
+    return {
+        "chunk_state": lambda cfg: K.chunk_states(k, v, log_decay=g, config=cfg),
+        "chunk_output": lambda cfg: K.chunk_output(q, k, v, h, hz, log_decay=g, config=cfg),
+        "chunk_dqk": lambda cfg: K.chunk_dqk(q, k, v, do, g, r, e, (h, hz), (dh, dhz), layout, None, cfg),
+        "chunk_dv": lambda cfg: K.chunk_dv(q, k, do, g, r, dh, layout, None, cfg),
+    }
+
+
 def run_config_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, do_bench: Callable,
                      device: str = "cuda") -> list[dict]:
-    """Time the chunked kernels' forward (chunk_fwd) and dq pass (chunk_bwd_dqk) under every
-    candidate config at the benchmark shape, bf16 (fp16 before sm_80), normalised, per-token
-    decay. The configs in kernels/configs.py were chosen without a GPU, from compile-time
-    evidence (registers and spills, `kernel_anatomy.compile_report`); these numbers are what
-    should replace that evidence."""
+    """Time each kernel of the two-phase engine alone (chunk_state, chunk_output, chunk_dqk,
+    chunk_dv) under every candidate config at the benchmark shape, bf16 (fp16 before sm_80),
+    normalised, per-token decay. The configs in kernels/configs.py were chosen without a GPU,
+    from compile-time evidence (registers, spills, CTAs per SM: tests/test_kernels_compile.py);
+    these numbers are what should replace that evidence."""
     import torch
 
     from .. import kernels as K
@@ -232,17 +288,8 @@ def run_config_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, d
         dtype = torch.bfloat16 if cap >= (8, 0) else torch.float16
     else:  # the interpreter (a smoke test of this function)
         cap, dtype = None, torch.float32
-    torch.manual_seed(0)
-    q, k = (torch.rand(B, H, T, D, device=device, dtype=dtype) for _ in range(2))
-    v = torch.randn(B, H, T, D, device=device, dtype=dtype)
-    g = -torch.rand(B, H, T, device=device) * 0.1
-    dden = torch.randn(B, H, T, device=device)
-    calls = {
-        "chunk_fwd": lambda cfg: K.chunk_fwd(q, k, v, log_decay=g, config=cfg),
-        "chunk_bwd_dqk": lambda cfg: K.chunk_bwd_dqk(v, v, k, dden=dden, log_decay=g, config=cfg),
-    }
     rows = []
-    for kernel, call in calls.items():
+    for kernel, call in _sweep_calls(B, H, T, D, dtype, device).items():
         chosen = K.select_config(kernel, D, dtype, cap)
         for cfg in candidate_configs(kernel, K.whole_dim(D), dtype, cap):
             row = {"kernel": kernel, "config": cfg, "chosen": cfg == chosen, "shape": f"B={B} H={H} T={T} D={D}",
@@ -270,6 +317,8 @@ def _markdown(env: dict, checks: dict, bench: list[dict], sweep: list[dict] = ()
     for r in bench:
         if "error" in r:
             lines.append(f"| {r['name']} | {r['shape']} | error: {r['error'][:80]} | |")
+        elif "GB_per_s" in r:
+            lines.append(f"| {r['name']} | {r['shape']} | {r['ms']:.4f} ({r['GB_per_s']:.0f} GB/s) | |")
         else:
             lines.append(f"| {r['name']} | {r['shape']} | {r['forward_ms']:.2f} | {r['forward_backward_ms']:.2f} |")
     if sweep:
@@ -328,6 +377,9 @@ def _run_bench(args: argparse.Namespace, do_bench: Callable | None) -> list[dict
         except Exception as e:
             bench = [{"name": "benchmark", "shape": "", "error": f"{type(e).__name__}: {e}"[:500]}]
     for r in bench:
+        if "GB_per_s" in r:
+            print(f"  {r['name']:<55} {r['ms']:8.4f} ms  {r['GB_per_s']:8.1f} GB/s")
+            continue
         print(f"  {r['name']:<55} " + (f"fwd {r['forward_ms']:8.2f} ms  fwd+bwd {r['forward_backward_ms']:8.2f} ms"
                                        if "error" not in r else f"error: {r['error'][:100]}"))
     return bench
