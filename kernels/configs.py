@@ -104,14 +104,26 @@ NUM_STAGES = {"mma16": 2, "fp32": 1, "sm75": 1}
 #   mma16: 64-token chunks (an fp32 entry state per chunk: 32-token chunks would double that
 #   traffic). State 32 x 32 tiles: 4 * 4 * B * H programs walk the sequence (256 at
 #   B * H = 16, where 64 x 64 tiles give 64 programs for 132 SMs); 128-168 registers, 3-4
-#   CTAs per SM. Output 32-wide Dk blocks, 64 value columns (the scores are recomputed per
-#   value tile) on 8 warps: 64 x 64 blocks on 8 warps spill ~120 instructions at sm_80.
+#   CTAs per SM. Output: 16-wide Dk blocks, 32 value columns, 4 warps. It must pass the gates
+#   of tests/test_kernels_compile.py (bf16, D = 64 and 128, sm_80 and sm_90: no spills, >= 2
+#   CTAs per SM): 163 registers on sm_80 / 128 on sm_90 as the JIT compiles it there (3 / 4
+#   CTAs per SM), 225 / 190 with no divisibility known (2 CTAs), 16-20 KiB of shared memory,
+#   no spills in either. The scores are recomputed per value tile, so the widest BV that
+#   passes wins: at BV = 64 every 4-warp config spills on sm_80 without divisibility (41-582
+#   STL/LDL) and every 8-warp one needs 158-164 registers with it (1 CTA); the previous
+#   (64, 32, 64, 8) had 162 / 212-227 registers on sm_80: 1 CTA per SM.
+#   Backward (chunk_grad.py), 64-token chunks like the state kernel whose states they read;
+#   three 64 x 64 fp32 matrices (dO v^T, the decays, W) live at once, so 8 warps would need
+#   <= 128 registers for 2 CTAs and none gets there (152-255 on sm_80). At 4 warps every
+#   config fits 2 CTAs by registers; the sm_80 sweep (bf16, D = 128, no divisibility): dqk
+#   16 x 16 blocks 214 registers, no spills (16 x 32: 255, 32 x 32: 96 spill instructions);
+#   dv 32 x 64: 254, no spills (64-wide Dk blocks spill 117-365).
 #   fp32 / sm75: tl.dot is FMAs (or no tf32): 32-token chunks and 32 x 32 tiles, no spills.
 _TWO_PHASE: dict[str, dict[str, tuple[int, int, int, int]]] = {
     "chunk_state": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
-    "chunk_dqk": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
-    "chunk_dv": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
-    "chunk_output": {"mma16": (64, 32, 64, 8), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
+    "chunk_dqk": {"mma16": (64, 16, 16, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
+    "chunk_dv": {"mma16": (64, 32, 64, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
+    "chunk_output": {"mma16": (64, 16, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
 }
 for _kernel, _classes in _TWO_PHASE.items():
     _TABLE[_kernel] = {cls: dict.fromkeys(WHOLE_DIMS, entry) for cls, entry in _classes.items()}

@@ -207,6 +207,18 @@ def check_shape(fn: str, name: str, x: Tensor, expected: Sequence[int], layout: 
         raise ValueError(f"{fn}: `{name}` has shape {tuple(x.shape)}; expected ({named})")
 
 
+def values_checked() -> bool:
+    """False while `torch.compile` traces: then the checks of tensor *values* (finite, signs,
+    ranges) are skipped, and run only in eager mode.
+
+    They need the data on the host (`bool(tensor)`), which would break the graph at every
+    call, and a device-side assert cannot name the argument and the offending index. Checks
+    of shapes, dtypes, devices and Python arguments stay on: they read metadata and compile
+    into guards. Run a model once eagerly (or a test) to have its inputs' values checked.
+    """
+    return not torch.compiler.is_compiling()
+
+
 def check_values(
     fn: str,
     name: str,
@@ -217,7 +229,12 @@ def check_values(
     strict: bool = False,
     why: str = "",
 ) -> None:
-    """All entries of `x` are finite and lie in [low, high] (or (low, high) when strict)."""
+    """All entries of `x` are finite and lie in [low, high] (or (low, high) when strict).
+
+    Checked in eager mode only: under `torch.compile` a test of the data would break the
+    graph (see `values_checked`)."""
+    if not values_checked():
+        return
     if not bool(torch.isfinite(x).all()):
         raise ValueError(f"{fn}: `{name}` contains NaN or infinite values ({describe(x)})")
     hint = f" ({why})" if why else ""
@@ -354,7 +371,10 @@ def check_all_finite(fn: str, named: Sequence[tuple[str, Tensor]]) -> None:
     in a matmul (0 * NaN = NaN) and would poison outputs *before* t, which the recurrent
     form keeps; so every form refuses it instead, naming the first position. (Finite
     garbage, e.g. in right-padding, is harmless: masks select, they do not multiply.)
+    Eager mode only (see `values_checked`).
     """
+    if not values_checked():
+        return
     for name, x in named:
         bad = ~torch.isfinite(x)
         if bad.any():

@@ -9,15 +9,26 @@ from __future__ import annotations
 
 from typing import Literal, overload
 
+import torch
 from torch import Tensor
 
 from .. import _validate as V
+from . import custom_ops  # noqa: F401  (registers torch.ops.linattn.*, which the Triton path calls)
 from .reference import FORMS, reference_linear_attention
 from .state import DEFAULT_EPS, LinearAttentionState
 from .torch_chunked import chunked_linear_attention
 from .triton_ops import linear_attention_triton, triton_available, triton_supports
 
 BACKENDS = ("auto", "torch", "triton")
+
+
+@torch.compiler.assume_constant_result
+def _kernels_import() -> bool:
+    """`triton_available()`, run eagerly even while `torch.compile` traces (an import cannot
+    be traced): so a compiled first call loads the kernels too, and every later trace reads
+    them as the constant they are."""
+    return triton_available()
+
 
 @overload
 def linear_attention(
@@ -97,12 +108,12 @@ def linear_attention(
     # auto: the compiled kernels on CUDA for the inputs they support (fp16/bf16/fp32, head dims
     # up to 256); float64 and wider heads stay on torch
     use_triton = backend == "triton" or (
-        backend == "auto" and q.is_cuda and form == "chunked" and triton_supports(q, v)
+        backend == "auto" and q.is_cuda and form == "chunked" and _kernels_import() and triton_supports(q, v)
     )
     if use_triton:
         if form != "chunked":
             raise ValueError(f"{fn}: backend='triton' implements form='chunked' only, got form={form!r}")
-        if not triton_available():
+        if not _kernels_import():
             raise RuntimeError(f"{fn}: backend='triton' needs the `triton` package and linattn_lib.kernels")
 
         return linear_attention_triton(

@@ -1,23 +1,29 @@
-"""The Triton backend: autograd wrappers around the kernels in `linattn_lib.kernels`.
+"""The Triton backend: the causal forward and backward around the kernels in `linattn_lib.kernels`.
 
 `linear_attention(..., backend="triton")` lands in `linear_attention_triton`; `backend="auto"`
 does too for CUDA tensors. On CUDA the kernels are compiled; on CPU tensors they run in the
 Triton interpreter (numpy, one program at a time: slow, but the very same kernel source, so
 the CPU tests check the code a GPU would run). bfloat16 needs a GPU: the interpreter has no
-bfloat16 arithmetic.
+bfloat16 arithmetic. The kernels run as torch custom ops (custom_ops.py: autograd, fake
+implementations, `torch.compile(fullgraph=True)` without a graph break), which call
+`causal_forward` / `causal_backward` here.
 
-What runs where (see kernels/chunk_fwd.py and kernels/chunk_bwd.py for the maths):
+What runs where (the maths is in the headers of kernels/chunk_state.py, chunk_output.py and
+chunk_grad.py):
 
-    causal forward    chunk_state, then chunk_output     -> o, den, final state
-                      (chunk_fwd_two_phase: entry states, then all chunks in parallel)
-    causal backward   chunk_bwd_dqk (causal)             -> dq
-                      chunk_bwd_dqk (anti-causal)        -> dk
-                      chunk_fwd     (anti-causal)        -> dv and the gradient of the initial state
-                      torch, O(B H T)                    -> the gradient of the log-decay
-    non-causal        noncausal_state + noncausal_output, forward and backward
+    causal forward    chunk_state            every chunk's entry state, sequential over chunks
+                      chunk_output           every chunk's outputs, in parallel -> o, den, state
+    causal backward   chunk_bwd_prep         1 / den and dL/dden per token (fp32)
+                      chunk_state            the entry states again (recomputed, not stored)
+                      chunk_state, reversed  the state gradient of every chunk, from the end;
+                                             the gradient of the initial state
+                      chunk_dqk, chunk_dv    dq, dk, dv of every chunk, in parallel
+                      torch, O(B H T)        the log-decay's gradient (a suffix sum)
+    non-causal        noncausal_state + noncausal_output, forward and backward (custom_ops.py)
     decoding          decode (one token, state updated in place; wrapper in decode.py)
 
-Gradients flow to q, k, v, the log-decay and the initial state (S0 and z0).
+Gradients flow to q, k, v, the log-decay and the initial state (S0 and z0). Packed sequences
+(`cu_seqlens`) run through the same kernels (kernels/sequences.py).
 """
 from __future__ import annotations
 
@@ -264,78 +270,6 @@ def causal_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, S0: Tenso
             dg, dS0, dz0)
 
 
-class _CausalLinearAttention(torch.autograd.Function):
-    """Causal chunked linear attention, forward and backward in Triton."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, g, S0, z0, normalize: bool, eps: float, return_state: bool):
-        o, den, S_T, z_T = causal_forward(q, k, v, g, S0, z0, normalize, eps, return_state)
-        ctx.save_for_backward(q, k, v, g, S0, z0, o, den, S_T, z_T)
-        ctx.normalize = normalize
-        ctx.set_materialize_grads(False)  # unused outputs get None, not a tensor of zeros
-        if not return_state:
-            return o
-        return (o, S_T, z_T) if normalize else (o, S_T)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do, dS_T=None, dz_T=None):
-        q, k, v, g, S0, z0, o, den, S_T, z_T = ctx.saved_tensors
-        grads = causal_backward(q, k, v, g, S0, z0, o, den, S_T, z_T, do, dS_T, dz_T,
-                                ctx.normalize, tuple(ctx.needs_input_grad[:6]))
-        return (*grads, None, None, None)
-
-
-class _NonCausalLinearAttention(torch.autograd.Function):
-    """Non-causal linear attention: global state, then one product; both passes in Triton."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, S0, z0, normalize: bool, eps: float, return_state: bool):
-        K = _kernels
-        init = (S0, z0) if S0 is not None else None
-        S, z = K.noncausal_state(k, v, track_z=normalize, initial_state=init)
-        o, den = K.noncausal_output(q, S, z=z if normalize else None, eps=eps, out_dtype=v.dtype)
-        ctx.save_for_backward(q, k, v, S0, z0, o, den, S, z)
-        ctx.normalize = normalize
-        ctx.set_materialize_grads(False)
-        if not return_state:
-            return o
-        return (o, S, z) if normalize else (o, S)
-
-    @staticmethod
-    @torch.autograd.function.once_differentiable
-    def backward(ctx, do, dS_T=None, dz_T=None):
-        K = _kernels
-        q, k, v, S0, z0, o, den, S, z = ctx.saved_tensors
-        need_q, need_k, need_v, need_S0, need_z0 = ctx.needs_input_grad[:5]
-        normalize = ctx.normalize
-        if do is None:
-            do = torch.zeros_like(o)
-        dnum, dden, scale = _output_cotangents(do, o, den if normalize else None, q.dtype)
-        dS_T, dz_T = _state_grads(dS_T, dz_T, S, z)
-        end_state = None
-        if dS_T is not None:
-            end_state = (dS_T, dz_T) if scale is None else (dS_T * scale, None if dz_T is None else dz_T * scale)
-        # dS = dS_T + q^T dnum and dz = dz_T + q^T dden: the state kernel with (k, v) = (q, dnum).
-        # They come back in fp32, and are unscaled right away (see _output_cotangents).
-        dS, dz = K.noncausal_state(q, dnum, track_z=normalize, weights=dden, initial_state=end_state)
-        if scale is not None:
-            dS, dz = dS / scale, (None if dz is None else dz / scale)
-        dq = dk = dv = None
-        if need_q:  # dq = dnum S^T + dden z^T
-            dq, _ = K.noncausal_output(dnum, S.transpose(-1, -2), u=z if normalize else None, e=dden,
-                                       out_dtype=q.dtype if scale is None else torch.float32)
-            if scale is not None:
-                dq = (dq / scale).to(q.dtype)
-        if need_k:  # dk = v dS^T + 1 dz^T
-            dk, _ = K.noncausal_output(v, dS.transpose(-1, -2), u=dz if normalize else None, out_dtype=k.dtype)
-        if need_v:  # dv = k dS
-            dv, _ = K.noncausal_output(k, dS, out_dtype=v.dtype)
-        dS0 = dS.to(S0.dtype) if need_S0 else None
-        dz0 = dz.to(z0.dtype) if (need_z0 and dz is not None) else None
-        return dq, dk, dv, dS0, dz0, None, None, None
-
-
 def linear_attention_triton(
     q: Tensor,
     k: Tensor,
@@ -352,6 +286,10 @@ def linear_attention_triton(
 
     Same contract as `linear_attention(..., form="chunked")`: o has the dtype of v; the
     returned state is float32. Differentiable in q, k, v, log_decay and initial_state.
+
+    The kernels run as the torch custom ops `torch.ops.linattn.causal_fwd` and
+    `noncausal_fwd` (registered, with their backward ops, by custom_ops.py, which
+    `linattn_lib` imports), so `torch.compile(fullgraph=True)` traces this without a break.
     """
     fn = "linear_attention"
     _check_inputs(fn, q, v)
@@ -362,15 +300,14 @@ def linear_attention_triton(
         S0 = initial_state.S
         z0 = initial_state.z if normalize else None
     eps = float(eps)
+    # by name through the dispatcher, not imported: custom_ops.py imports this module
     if causal:
-        out = _CausalLinearAttention.apply(q, k, v, log_decay, S0, z0, normalize, eps, return_state)
+        o, _, S, z = torch.ops.linattn.causal_fwd(q, k, v, log_decay, S0, z0, normalize, eps, return_state)
     else:
-        out = _NonCausalLinearAttention.apply(q, k, v, S0, z0, normalize, eps, return_state)
+        o, _, S, z = torch.ops.linattn.noncausal_fwd(q, k, v, S0, z0, normalize, eps)
     if not return_state:
-        return out
-    o, S = out[0], out[1]
-    z = out[2] if normalize else None
-    return o, LinearAttentionState(S, z)
+        return o
+    return o, LinearAttentionState(S, z if normalize else None)
 
 
 # --------------------------------------------------------------------------------------
