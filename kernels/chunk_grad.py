@@ -47,24 +47,35 @@ from .sequences import chunk_of_program, first_chunk, packed_layout, sequence_ro
 
 
 @triton.jit
-def chunk_bwd_prep_kernel(do_ptr, o_ptr, den_ptr, r_ptr, e_ptr, n_rows, Dv,
-                          BT: tl.constexpr, BV: tl.constexpr):
-    """r = 1 / den and e = -(dO . o) / den per row (fp32), 0 for a row whose dO is all zero.
+def chunk_bwd_prep_kernel(do_ptr, o_ptr, den_ptr, r_ptr, e_ptr, len_ptr, T, Dv,
+                          BT: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr, FIND_LEN: tl.constexpr):
+    """Per row of dO (one program: BT tokens of one (batch, head) row, the whole Dv):
 
-    A zero cotangent selects zero: an output no loss term depends on (padding, one after a
-    NaN) may be inf or NaN, and 0 * NaN would carry it into every earlier gradient."""
-    rows = tl.program_id(0).to(tl.int64) * BT + tl.arange(0, BT)
-    m_r = rows < n_rows
+    NORMALIZE  r = 1 / den and e = -(dO . o) / den (fp32), 0 for a row whose dO is all zero:
+               a zero cotangent selects zero, for an output no loss term depends on
+               (padding, one after a NaN) may be inf or NaN, and 0 * NaN would carry it into
+               every earlier gradient;
+    FIND_LEN   len[b, h] = 1 + the last token whose dO is not all zero (atomic max; len must
+               start at 0): the tokens after it are the dead tail the other kernels skip.
+    """
+    i_t = tl.program_id(0)
+    i_bh = tl.program_id(1).to(tl.int64)
+    t = i_t * BT + tl.arange(0, BT)
+    m_t = t < T
+    rows = i_bh * T + t
     cols = tl.arange(0, BV)
-    m = m_r[:, None] & (cols < Dv)[None, :]
+    m = m_t[:, None] & (cols < Dv)[None, :]
     do = tl.load(do_ptr + rows[:, None] * Dv + cols[None, :], mask=m, other=0.0).to(tl.float32)
-    o = tl.load(o_ptr + rows[:, None] * Dv + cols[None, :], mask=m, other=0.0).to(tl.float32)
     used = do != 0
-    dot = tl.sum(tl.where(used, do * o, 0.0), axis=1)
     row_used = tl.max(used.to(tl.int32), axis=1) > 0
-    den = tl.load(den_ptr + rows, mask=m_r & row_used, other=1.0)
-    tl.store(r_ptr + rows, tl.where(row_used, 1.0 / den, 0.0), mask=m_r)
-    tl.store(e_ptr + rows, tl.where(dot != 0, -dot / den, 0.0), mask=m_r)
+    if NORMALIZE:
+        o = tl.load(o_ptr + rows[:, None] * Dv + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        dot = tl.sum(tl.where(used, do * o, 0.0), axis=1)
+        den = tl.load(den_ptr + rows, mask=m_t & row_used, other=1.0)
+        tl.store(r_ptr + rows, tl.where(row_used, 1.0 / den, 0.0), mask=m_t)
+        tl.store(e_ptr + rows, tl.where(dot != 0, -dot / den, 0.0), mask=m_t)
+    if FIND_LEN:
+        tl.atomic_max(len_ptr + i_bh, tl.max(tl.where(row_used, t + 1, 0), axis=0))
 
 
 @triton.jit
@@ -209,19 +220,29 @@ def chunk_dv_kernel(
              mask=m_out[:, None] & m_v[None, :])
 
 
-def chunk_bwd_prep(do: torch.Tensor, o: torch.Tensor, den: torch.Tensor,
-                   config: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(r, e): 1 / den and dL/dden = -(dO . o) / den, fp32 of the shape of den (B, H, T)."""
-    Dv = do.shape[-1]
+def chunk_bwd_prep(do: torch.Tensor, o: torch.Tensor | None, den: torch.Tensor | None, *,
+                   find_lengths: bool = False, config: dict | None = None) -> tuple:
+    """Launch `chunk_bwd_prep_kernel`: (r, e, lengths).
+
+    r, e: 1 / den and dL/dden = -(dO . o) / den, fp32 (B, H, T), when den is given (else
+    None). lengths: (B, H) int32, 1 + the last position whose cotangent is not zero (0 if
+    none), when find_lengths (else None). dO is read once for both."""
+    B, H, T, Dv = do.shape
+    normalize = den is not None
     cfg = config or select_config("chunk_bwd_prep", Dv, do.dtype, do.device)
-    r = torch.empty_like(den, dtype=torch.float32)
-    e = torch.empty_like(r)
-    n_rows = den.numel()
-    if n_rows:
-        launchable(chunk_bwd_prep_kernel, do.device)[(triton.cdiv(n_rows, cfg["BT"]),)](
-            do.contiguous(), o.contiguous(), den.contiguous(), r, e, n_rows, Dv,
-            BT=cfg["BT"], BV=cfg["BV"], num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return r, e
+    r = e = lengths = None
+    if normalize:
+        r = torch.empty(B, H, T, dtype=torch.float32, device=do.device)
+        e = torch.empty_like(r)
+    if find_lengths:
+        lengths = torch.zeros(B, H, dtype=torch.int32, device=do.device)
+    if B * H * T and (normalize or find_lengths):
+        dummy = do
+        launchable(chunk_bwd_prep_kernel, do.device)[(triton.cdiv(T, cfg["BT"]), B * H)](
+            do.contiguous(), *(x.contiguous() if x is not None else dummy for x in (o, den, r, e, lengths)),
+            T, Dv, BT=cfg["BT"], BV=cfg["BV"], NORMALIZE=normalize, FIND_LEN=find_lengths,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return r, e, lengths
 
 
 def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, g: torch.Tensor | None,
@@ -276,7 +297,7 @@ def chunk_bwd_two_phase(
     log_decay: torch.Tensor | None = None,
     initial_state: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     final_state_grad: tuple[torch.Tensor, torch.Tensor | None] | None = None,
-    lengths: torch.Tensor | None = None,
+    skip_dead_tail: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     need_initial_state_grad: bool = False,
 ) -> dict:
@@ -288,18 +309,19 @@ def chunk_bwd_two_phase(
     dz_T or None) fp32. dq, dk, dv come in the input dtype. dg_token (fp32, (B, H, T), None
     without a decay) is q_t . dq_t - k_t . dk_t: the log-decay gradient is its suffix sum
     (plus the final state's term), taken by the caller. dS0 / dz0 (fp32, None unless asked)
-    are the gradients of the initial state. lengths: (B, H) int32, tokens from there on are
-    read as 0 (their gradients are exactly 0). cu_seqlens: packed sequences (sequences.py).
+    are the gradients of the initial state. skip_dead_tail: the tokens after the last nonzero
+    cotangent of each (batch, head) are read as 0 and their gradients are exactly 0 -- right
+    only without a final-state gradient, which every token reaches (whatever those tokens
+    hold, padding, NaN or inf, then never meets a zero in a matmul). cu_seqlens: packed
+    sequences (sequences.py; no dead tail).
     """
     B, H, T, Dk = q.shape
-    normalize = den is not None
     cfg_s = select_config("chunk_state", Dk, q.dtype, q.device)
     cfg_dqk = select_config("chunk_dqk", Dk, q.dtype, q.device)
     cfg_dv = select_config("chunk_dv", Dk, q.dtype, q.device)
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
-    r = e = None
-    if normalize:
-        r, e = chunk_bwd_prep(do, o, den)
+    r, e, lengths = chunk_bwd_prep(do, o, den, find_lengths=skip_dead_tail)
+    normalize = den is not None
     kw = dict(log_decay=log_decay, track_z=normalize, config=cfg_s, lengths=lengths, cu_seqlens=cu_seqlens)
     h, hz, _, _ = chunk_states(k, v, initial_state=initial_state, **kw)
     dh, dhz, dS0, dz0 = chunk_states(q, do, initial_state=final_state_grad, reverse=True, key_scale=r,
@@ -315,8 +337,8 @@ def chunk_bwd_two_phase(
 def compile_spec_prep(cfg: dict, dtype: str) -> tuple[dict, dict]:
     """Signature and constexprs of `chunk_bwd_prep_kernel`."""
     signature = {"do_ptr": f"*{dtype}", "o_ptr": f"*{dtype}", "den_ptr": "*fp32", "r_ptr": "*fp32",
-                 "e_ptr": "*fp32", "n_rows": "i32", "Dv": "i32"}
-    constexprs = {"BT": cfg["BT"], "BV": cfg["BV"]}
+                 "e_ptr": "*fp32", "len_ptr": "*i32", "T": "i32", "Dv": "i32"}
+    constexprs = {"BT": cfg["BT"], "BV": cfg["BV"], "NORMALIZE": True, "FIND_LEN": True}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return signature, constexprs
 

@@ -23,11 +23,12 @@ batch * head). The keys, decayed in fp32 and rounded back to the input dtype, me
 on the tensor cores (input dtype in, fp32 accumulator: the state itself); z is summed from
 the fp32 decayed keys.
 
-z. Every program computes its Dk slice of z (a row sum of the decayed keys, BT x BK adds
-against the BT x BK x BV multiply-adds of the product: 1 / BV of it, 3 % at BV = 32) and
-only the programs of value tile 0 store it. An extra column of ones in the value tile would make the
-tile BV + 1 wide, i.e. the next power of two: twice the matmul. A branch on the tile would
-save the adds but not the register for z.
+z. The normaliser state has programs of its own: the grid has one more column of value
+tiles, and a program of that column walks z (a row sum of the decayed keys per chunk) while
+every other walks its state tile. When every program summed its slice of z next to the
+product (and value tile 0 stored it), the row sums' shuffles and adds were ~70 of the ~235
+SASS instructions per chunk of the loop, on the sequential chain; an extra column of ones
+in the value tile would make it BV + 1 wide, the next power of two: twice the matmul.
 
 Non-finite input. Every token a chunk adds to the state comes before every token that reads
 that state, so nothing needs masking here: a NaN or inf in k or v makes the state (and thus
@@ -57,51 +58,106 @@ def load_log_decay(g_ptr, i_h, row0, t, m_t, DECAY: tl.constexpr):
 
 
 @triton.jit
-def _initial_state(s0_ptr, z0_ptr, i_nh, o_k, o_v, m_k, m_v, Dk, Dv,
-                   BK: tl.constexpr, BV: tl.constexpr, HAS_Z: tl.constexpr, HAS_S0: tl.constexpr):
-    """This program's tile of the initial state (fp32), zeros without one."""
-    S = tl.zeros([BK, BV], dtype=tl.float32)
-    z = tl.zeros([BK], dtype=tl.float32)
-    if HAS_S0:
-        S = tl.load(s0_ptr + i_nh * Dk * Dv + o_k[:, None] * Dv + o_v[None, :],
-                    mask=m_k[:, None] & m_v[None, :], other=0.0).to(tl.float32)
-        if HAS_Z:
-            z = tl.load(z0_ptr + i_nh * Dk + o_k, mask=m_k, other=0.0).to(tl.float32)
-    return S, z
+def _chunk_inputs(k_ptr, v_ptr, g_ptr, r_ptr, w_ptr, row0, t, m_t, o_k, m_k, o_v, m_v, i_h, Dk, Dv,
+                  BT: tl.constexpr, DECAY: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr,
+                  LOAD_V: tl.constexpr):
+    """One chunk's key tile, value tile (LOAD_V), fp32 log-decays, key scales and z weights."""
+    k = tl.load(k_ptr + (row0 + t)[:, None] * Dk + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+    v = k
+    if LOAD_V:
+        v = tl.load(v_ptr + (row0 + t)[:, None] * Dv + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+    g = tl.zeros([BT], dtype=tl.float32)
+    if DECAY > 0:
+        g = load_log_decay(g_ptr, i_h, row0, t, m_t, DECAY)
+    r = tl.zeros([BT], dtype=tl.float32)
+    if HAS_R:
+        r = tl.load(r_ptr + row0 + t, mask=m_t, other=0.0)
+    w = tl.zeros([BT], dtype=tl.float32)
+    if HAS_W:
+        w = tl.load(w_ptr + row0 + t, mask=m_t, other=0.0)
+    return k, v, g, r, w
 
 
 @triton.jit
-def _advance(S, z, k, v, g, r, w, BT: tl.constexpr, DECAY: tl.constexpr, HAS_Z: tl.constexpr,
-             REVERSE: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr, DOT_PREC: tl.constexpr):
-    """The state across one chunk: S <- exp(g_last) S + (exp(a) k)^T v, z likewise.
-
-    Reversed (the state gradient), a is the decay from each token to the chunk start, the
-    keys are scaled by r (1 / den) and z sums w k (w = dL/dden): both in fp32 throughout."""
+def _decayed_keys(k, g, BT: tl.constexpr, DECAY: tl.constexpr, REVERSE: tl.constexpr):
+    """exp(a_j) k_j in fp32 and exp(g_last): a_j from key j to the chunk end (to the chunk
+    start, reversed), both summed from their own terms (chunk_log_decays), both <= 0."""
     k_s = k.to(tl.float32)
+    decay = 1.0
     if DECAY > 0:
         _, _, k_log, g_last = chunk_log_decays(g, tl.arange(0, BT), BT, REVERSE)
         k_s = k_s * tl.exp(k_log)[:, None]          # |exp(a_j) k_j| <= |k_j|: fits the input dtype
-        S = S * tl.exp(g_last)
-        z = z * tl.exp(g_last)
-    if HAS_R:  # fp32 (tf32 for 16-bit inputs): dO / den may be below the smallest fp16
-        S = tl.dot(tl.trans(k_s * r[:, None]), v.to(tl.float32), acc=S, input_precision=DOT_PREC)
-    else:
-        S = tl.dot(tl.trans(k_s.to(k.dtype)), v, acc=S, input_precision=DOT_PREC)
-    if HAS_Z:
-        if HAS_W:
-            z += tl.sum(k_s * w[:, None], axis=0)
+        decay = tl.exp(g_last)
+    return k_s, decay
+
+
+@triton.jit
+def _walk_S(k_ptr, v_ptr, g_ptr, r_ptr, h_ptr, s0_ptr, st_ptr, i_nh, i_h, row0, T_seq, n_chunks, c0,
+            o_k, o_v, m_k, m_v, Dk, Dv, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+            DECAY: tl.constexpr, HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, REVERSE: tl.constexpr,
+            HAS_R: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The (BK x BV) state tile across the chunks: S <- exp(g_last) S + (exp(a) k)^T v, stored
+    on entry to every chunk. Reversed (the state gradient) the keys are scaled by r (1 / den)
+    and the product is fp32 (tf32 for 16-bit inputs): dO / den may be below the smallest fp16."""
+    m_kv = m_k[:, None] & m_v[None, :]
+    kv_off = o_k[:, None] * Dv + o_v[None, :]
+    S = tl.zeros([BK, BV], dtype=tl.float32)
+    if HAS_S0:
+        S = tl.load(s0_ptr + i_nh * Dk * Dv + kv_off, mask=m_kv, other=0.0).to(tl.float32)
+    o_t = tl.arange(0, BT)
+    for i in range(0, n_chunks):
+        if REVERSE:
+            n = n_chunks - 1 - i
         else:
-            z += tl.sum(k_s, axis=0)
-    return S, z
+            n = i
+        tl.store(h_ptr + (c0 + n) * Dk * Dv + kv_off, S.to(h_ptr.dtype.element_ty), mask=m_kv)
+        t = n * BT + o_t
+        k, v, g, r, _ = _chunk_inputs(k_ptr, v_ptr, g_ptr, r_ptr, r_ptr, row0, t, t < T_seq, o_k, m_k, o_v, m_v,
+                                      i_h, Dk, Dv, BT, DECAY, HAS_R, False, True)
+        k_s, decay = _decayed_keys(k, g, BT, DECAY, REVERSE)
+        S = S * decay
+        if HAS_R:
+            S = tl.dot(tl.trans(k_s * r[:, None]), v.to(tl.float32), acc=S, input_precision=DOT_PREC)
+        else:
+            S = tl.dot(tl.trans(k_s.to(k.dtype)), v, acc=S, input_precision=DOT_PREC)
+    if STORE_ST:
+        tl.store(st_ptr + i_nh * Dk * Dv + kv_off, S, mask=m_kv)
+
+
+@triton.jit
+def _walk_z(k_ptr, g_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr, i_nh, i_h, row0, T_seq, n_chunks, c0,
+            o_k, m_k, Dk, BT: tl.constexpr, BK: tl.constexpr, DECAY: tl.constexpr, HAS_S0: tl.constexpr,
+            STORE_ST: tl.constexpr, REVERSE: tl.constexpr, HAS_W: tl.constexpr):
+    """The (BK,) normaliser state across the chunks, z <- exp(g_last) z + sum_j exp(a_j) w_j k_j
+    (w = 1 forward, dL/dden reversed), fp32, stored on entry to every chunk."""
+    z = tl.zeros([BK], dtype=tl.float32)
+    if HAS_S0:
+        z = tl.load(z0_ptr + i_nh * Dk + o_k, mask=m_k, other=0.0).to(tl.float32)
+    o_t = tl.arange(0, BT)
+    for i in range(0, n_chunks):
+        if REVERSE:
+            n = n_chunks - 1 - i
+        else:
+            n = i
+        tl.store(hz_ptr + (c0 + n) * Dk + o_k, z, mask=m_k)
+        t = n * BT + o_t
+        k, _, g, _, w = _chunk_inputs(k_ptr, k_ptr, g_ptr, w_ptr, w_ptr, row0, t, t < T_seq, o_k, m_k, o_k, m_k,
+                                      i_h, Dk, Dk, BT, DECAY, False, HAS_W, False)
+        k_s, decay = _decayed_keys(k, g, BT, DECAY, REVERSE)
+        if HAS_W:
+            k_s = k_s * w[:, None]
+        z = z * decay + tl.sum(k_s, axis=0)
+    if STORE_ST:
+        tl.store(zt_ptr + i_nh * Dk + o_k, z, mask=m_k)
 
 
 @triton.jit
 def chunk_state_kernel(
     k_ptr, v_ptr, g_ptr,      # (B, H, T, Dk), (B, H, T, Dv) contiguous; log-decay (H,) or (B, H, T) fp32
     r_ptr, w_ptr,             # (B, H, T) fp32 key scales (HAS_R) and z weights (HAS_W)
-    h_ptr, hz_ptr,            # out: per-chunk states (B, H, NT, Dk, Dv) and (B, H, NT, Dk), fp32
+    h_ptr, hz_ptr,            # out: per-chunk states (B, H, NT, Dk, Dv) and (B, H, NT, Dk)
     s0_ptr, z0_ptr,           # initial state (B, H, Dk, Dv), (B, H, Dk) fp32 (HAS_S0)
-    st_ptr, zt_ptr,           # final state, same shapes (STORE_ST)
+    st_ptr, zt_ptr,           # final state, same shapes, fp32 (STORE_ST)
     cu_ptr, co_ptr, len_ptr,  # packed sequences (IS_VARLEN, sequences.py); live lengths (HAS_LEN)
     T, H, Dk, Dv, NT,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
@@ -111,7 +167,7 @@ def chunk_state_kernel(
     DOT_PREC: tl.constexpr,
 ):
     i_k = tl.program_id(0)
-    i_v = tl.program_id(1)
+    i_v = tl.program_id(1)                  # value tile; with HAS_Z the last one is z's
     i_nh = tl.program_id(2).to(tl.int64)    # int64: the offsets into h pass 2^31 quickly
     i_seq, i_h = i_nh // H, i_nh % H
     row0, T_seq = sequence_rows(i_seq, i_h, cu_ptr, T, H, IS_VARLEN)
@@ -119,40 +175,16 @@ def chunk_state_kernel(
     n_chunks = tl.cdiv(T_seq, BT)
     if HAS_LEN:  # tokens from len on are read as 0 (the backward's dead tail)
         T_seq = tl.minimum(T_seq, tl.load(len_ptr + i_nh))
-    o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
     m_k = o_k < Dk
     m_v = o_v < Dv
-    m_kv = m_k[:, None] & m_v[None, :]
-    kv_off = o_k[:, None] * Dv + o_v[None, :]
-    S, z = _initial_state(s0_ptr, z0_ptr, i_nh, o_k, o_v, m_k, m_v, Dk, Dv, BK, BV, HAS_Z, HAS_S0)
-    for i in range(0, n_chunks):
-        if REVERSE:
-            n = n_chunks - 1 - i
-        else:
-            n = i
-        tl.store(h_ptr + (c0 + n) * Dk * Dv + kv_off, S, mask=m_kv)
-        if HAS_Z:
-            tl.store(hz_ptr + (c0 + n) * Dk + o_k, z, mask=m_k & (i_v == 0))
-        t = n * BT + o_t
-        m_t = t < T_seq
-        k = tl.load(k_ptr + (row0 + t)[:, None] * Dk + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
-        v = tl.load(v_ptr + (row0 + t)[:, None] * Dv + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        g = tl.zeros([BT], dtype=tl.float32)
-        if DECAY > 0:
-            g = load_log_decay(g_ptr, i_h, row0, t, m_t, DECAY)
-        r = tl.zeros([BT], dtype=tl.float32)
-        if HAS_R:
-            r = tl.load(r_ptr + row0 + t, mask=m_t, other=0.0)
-        w = tl.zeros([BT], dtype=tl.float32)
-        if HAS_W:
-            w = tl.load(w_ptr + row0 + t, mask=m_t, other=0.0)
-        S, z = _advance(S, z, k, v, g, r, w, BT, DECAY, HAS_Z, REVERSE, HAS_R, HAS_W, DOT_PREC)
-    if STORE_ST:
-        tl.store(st_ptr + i_nh * Dk * Dv + kv_off, S, mask=m_kv)
-        if HAS_Z:
-            tl.store(zt_ptr + i_nh * Dk + o_k, z, mask=m_k & (i_v == 0))
+    if HAS_Z and i_v == tl.cdiv(Dv, BV):
+        _walk_z(k_ptr, g_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr, i_nh, i_h, row0, T_seq, n_chunks, c0,
+                o_k, m_k, Dk, BT, BK, DECAY, HAS_S0, STORE_ST, REVERSE, HAS_W)
+    else:
+        _walk_S(k_ptr, v_ptr, g_ptr, r_ptr, h_ptr, s0_ptr, st_ptr, i_nh, i_h, row0, T_seq, n_chunks, c0,
+                o_k, o_v, m_k, m_v, Dk, Dv, BT, BK, BV, DECAY, HAS_S0, STORE_ST, REVERSE, HAS_R, DOT_PREC)
 
 
 def _f32(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -210,7 +242,8 @@ def chunk_states(
         return h, hz, S_T, z_T
     g, r, w = _f32(log_decay), _f32(key_scale), _f32(z_weights)
     ptrs = [g, r, w, h, hz, S0, z0, S_T, z_T, cu, offsets, lengths]
-    grid = (triton.cdiv(Dk, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]), n_seq * H)
+    # one more column of programs for z: a program walks either a state tile or z
+    grid = (triton.cdiv(Dk, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]) + int(track_z), n_seq * H)
     launchable(chunk_state_kernel, k.device)[grid](
         k, v, *(p if p is not None else h for p in ptrs),  # h stands in for pointers never touched
         T, H, Dk, Dv, NT, BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"],

@@ -7,7 +7,10 @@
     reference.py      the quadratic, recurrent and chunked forms in plain autograd
     linear.py         `linear_attention`: checks its inputs and picks a backend
     torch_chunked.py  the fast CPU path (blockwise, recomputing backward)
-    triton_ops.py     autograd wrappers around the Triton kernels
+    triton_ops.py     the causal forward and backward around the Triton kernels
+    custom_ops.py     those as torch custom ops (autograd, fake shapes, torch.compile)
+    varlen.py         packed variable-length sequences (cu_seqlens): checks, the definition
+                      (each sequence alone) and the torch paths' padded batches
     decode.py         one token at a time: decoders and the functional decode step
     features.py       feature maps (ELU+1, random features, FAVOR+ and its relatives)
     performer.py      Performer attention

@@ -18,6 +18,7 @@ from .reference import FORMS, reference_linear_attention
 from .state import DEFAULT_EPS, LinearAttentionState
 from .torch_chunked import chunked_linear_attention
 from .triton_ops import linear_attention_triton, triton_available, triton_supports
+from .varlen import check_varlen, pad_and_batch
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -36,7 +37,7 @@ def linear_attention(
     log_decay: Tensor | None = ..., form: str = ..., chunk_size: int = ...,
     eps: float = ..., backend: str = ...,
     initial_state: LinearAttentionState | None = ...,
-    return_state: Literal[False] = ...,
+    return_state: Literal[False] = ..., cu_seqlens: Tensor | None = ...,
 ) -> Tensor: ...
 
 
@@ -46,7 +47,7 @@ def linear_attention(
     log_decay: Tensor | None = ..., form: str = ..., chunk_size: int = ...,
     eps: float = ..., backend: str = ...,
     initial_state: LinearAttentionState | None = ...,
-    return_state: Literal[True],
+    return_state: Literal[True], cu_seqlens: Tensor | None = ...,
 ) -> tuple[Tensor, LinearAttentionState]: ...
 
 
@@ -64,6 +65,7 @@ def linear_attention(
     backend: str = "auto",
     initial_state: LinearAttentionState | None = None,
     return_state: bool = False,
+    cu_seqlens: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, LinearAttentionState]:
     """Linear attention over feature maps: o_i = sum_j w_ij (q_i . k_j) v_j [/ sum_j w_ij (q_i . k_j)].
 
@@ -85,6 +87,13 @@ def linear_attention(
         initial_state: a LinearAttentionState to resume from (e.g. the state returned by a
             previous call on the preceding piece of the sequence).
         return_state: also return the final LinearAttentionState.
+        cu_seqlens: packed variable-length sequences (as flash-attn's varlen functions and
+            fla): an int32/int64 (N + 1,) tensor of cumulative starts, cu[0] = 0, cu[N] = T;
+            q, k, v are then (1, H, T_total, D), log_decay (H,) or (1, H, T_total), and the
+            initial and final states have one row per sequence, S (N, H, Dk, Dv) and
+            z (N, H, Dk). Each sequence's output and state equal running it alone: the
+            Triton kernels take the packed layout as it is (causal), the torch paths run
+            zero-padded batches of similar lengths (`linattn_lib.core.varlen`).
 
     Returns:
         o of shape (B, H, T, Dv) in the dtype of v, or (o, state) when return_state=True.
@@ -101,7 +110,11 @@ def linear_attention(
     V.check_all_finite(fn, (("q", q), ("k", k), ("v", v)))
     if log_decay is not None:
         V.check_log_decay(fn, log_decay, q, causal=causal)
-    if initial_state is not None:
+    spans = None  # with cu_seqlens: the (start, end) of each packed sequence
+    if cu_seqlens is not None:
+        spans = check_varlen(fn, q, k, v, cu_seqlens, log_decay=log_decay, initial_state=initial_state,
+                             normalize=normalize)
+    elif initial_state is not None:
         B, H, _, Dk = q.shape
         V.check_state(fn, "initial_state", initial_state, B=B, H=H, Dk=Dk, Dv=v.shape[-1], device=q.device, normalize=normalize)
 
@@ -115,20 +128,19 @@ def linear_attention(
             raise ValueError(f"{fn}: backend='triton' implements form='chunked' only, got form={form!r}")
         if not _kernels_import():
             raise RuntimeError(f"{fn}: backend='triton' needs the `triton` package and linattn_lib.kernels")
+    kw = dict(causal=causal, normalize=normalize, log_decay=log_decay, eps=eps,
+              initial_state=initial_state, return_state=return_state)
+    if use_triton and (spans is None or causal):  # the kernels take packed sequences as they are
+        return linear_attention_triton(q, k, v, cu_seqlens=cu_seqlens if spans is not None else None, **kw)
+    if use_triton:
+        engine = linear_attention_triton
+    elif form == "chunked" and backend in ("auto", "torch"):
+        engine, kw = chunked_linear_attention, dict(kw, chunk_size=chunk_size)
+    else:
+        engine, kw = reference_linear_attention, dict(kw, form=form, chunk_size=chunk_size)
+    if spans is not None:  # each sequence alone, exactly: zero-padded batches (varlen.py)
+        return pad_and_batch(engine, q, k, v, spans, **kw)
+    return engine(q, k, v, **kw)
 
-        return linear_attention_triton(
-            q, k, v, causal=causal, normalize=normalize, log_decay=log_decay, eps=eps,
-            initial_state=initial_state, return_state=return_state,
-        )
-
-    if form == "chunked" and backend in ("auto", "torch"):
-        return chunked_linear_attention(
-            q, k, v, causal=causal, normalize=normalize, log_decay=log_decay, eps=eps,
-            chunk_size=chunk_size, initial_state=initial_state, return_state=return_state,
-        )
-    return reference_linear_attention(
-        q, k, v, causal=causal, normalize=normalize, log_decay=log_decay, form=form,
-        chunk_size=chunk_size, eps=eps, initial_state=initial_state, return_state=return_state,
-    )
 
 

@@ -166,21 +166,6 @@ def _output_cotangents(do: Tensor, o: Tensor, den: Tensor | None, dtype: torch.d
     return dnum, None if dden is None else dden * scale, scale
 
 
-def _live_lengths(do: Tensor) -> Tensor:
-    """(B, H) int32: 1 + the last position whose output cotangent is not zero (0 if none).
-
-    Every gradient at position j is linear in the cotangents of the outputs at positions >= j
-    (a token only influences the outputs from itself on). Past the last nonzero cotangent the
-    gradients are therefore exactly zero, and the tokens there can be left out of the backward
-    kernels altogether: whatever they hold (right-padding, NaN, inf) never meets a zero in a
-    matmul. Only without a gradient of the final state, which every token reaches.
-    """
-    T = do.shape[-2]
-    used = (do != 0).any(-1)  # (B, H, T)
-    pos = torch.arange(1, T + 1, device=do.device, dtype=torch.int32)
-    return torch.where(used, pos, 0).amax(-1).to(torch.int32)
-
-
 def _state_grads(dS: Tensor | None, dz: Tensor | None, S: Tensor, z: Tensor | None):
     """Gradients of the final state as a pair that is either (None, None) or two tensors."""
     if dS is None and dz is None:
@@ -255,11 +240,11 @@ def causal_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, S0: Tenso
     # The tail past the last nonzero cotangent is left out (its gradients are exactly 0);
     # with a gradient of the final state every token is used.
     # (Packed sequences have no padding: every token is used.)
-    lengths = _live_lengths(do) if (end_state is None and cu_seqlens is None) else None
     out = K.chunk_bwd_two_phase(
         q, k, v, do, o=o if normalize else None, den=den if normalize else None, log_decay=g,
         initial_state=(S0, z0) if S0 is not None else None, final_state_grad=end_state,
-        lengths=lengths, need_initial_state_grad=need_S0 or need_z0, cu_seqlens=cu_seqlens,
+        skip_dead_tail=end_state is None and cu_seqlens is None,
+        need_initial_state_grad=need_S0 or need_z0, cu_seqlens=cu_seqlens,
     )
     dg = None
     if need_g:
@@ -281,6 +266,7 @@ def linear_attention_triton(
     eps: float = DEFAULT_EPS,
     initial_state: LinearAttentionState | None = None,
     return_state: bool = False,
+    cu_seqlens: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, LinearAttentionState]:
     """Linear attention with the Triton kernels (inputs already validated by `linear_attention`).
 
@@ -302,8 +288,12 @@ def linear_attention_triton(
     eps = float(eps)
     # by name through the dispatcher, not imported: custom_ops.py imports this module
     if causal:
-        o, _, S, z = torch.ops.linattn.causal_fwd(q, k, v, log_decay, S0, z0, normalize, eps, return_state)
+        o, _, S, z = torch.ops.linattn.causal_fwd(q, k, v, log_decay, S0, z0, normalize, eps, return_state,
+                                                  cu_seqlens)
     else:
+        if cu_seqlens is not None:
+            raise ValueError(f"{fn}: the non-causal kernels take no packed sequences (linear_attention "
+                             "pads them into a batch)")
         o, _, S, z = torch.ops.linattn.noncausal_fwd(q, k, v, S0, z0, normalize, eps)
     if not return_state:
         return o

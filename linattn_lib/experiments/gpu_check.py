@@ -260,7 +260,7 @@ def _sweep_calls(B: int, H: int, T: int, D: int, dtype, device: str) -> dict:
     v, do = (torch.randn(B, H, T, D, device=device, dtype=dtype) for _ in range(2))
     g = -torch.rand(B, H, T, device=device) * 0.1
     o, den, _, _ = K.chunk_fwd_two_phase(q, k, v, log_decay=g)
-    r, e = K.chunk_bwd_prep(do, o, den)
+    r, e, _ = K.chunk_bwd_prep(do, o, den)
     h, hz, _, _ = K.chunk_states(k, v, log_decay=g)
     dh, dhz, _, _ = K.chunk_states(q, do, log_decay=g, reverse=True, key_scale=r, z_weights=e)
     layout = (None, None, None, h.shape[2])
