@@ -98,7 +98,7 @@ def _dqk_products(do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_k, m_k, Dk,
         v = _load_rows(v_ptr, row0, t, m_t, o_v, m_v, Dv)
         s_off = i_s * Dk * Dv + o_k[:, None] * Dv + o_v[None, :]
         m_kv = m_k[:, None] & m_v[None, :]
-        S = tl.load(h_ptr + s_off, mask=m_kv, other=0.0)
+        S = tl.load(h_ptr + s_off, mask=m_kv, other=0.0).to(tl.float32)  # fp32 or bf16 (see below)
         dH = tl.load(dh_ptr + s_off, mask=m_kv, other=0.0)
         A = tl.dot(do, tl.trans(v), acc=A, input_precision=DOT_PREC)
         dqS = tl.dot(do.to(tl.float32), tl.trans(S), acc=dqS, input_precision=DOT_PREC)
@@ -323,7 +323,10 @@ def chunk_bwd_two_phase(
     r, e, lengths = chunk_bwd_prep(do, o, den, find_lengths=skip_dead_tail)
     normalize = den is not None
     kw = dict(log_decay=log_decay, track_z=normalize, config=cfg_s, lengths=lengths, cu_seqlens=cu_seqlens)
-    h, hz, _, _ = chunk_states(k, v, initial_state=initial_state, **kw)
+    # The forward's entry states again, stored as the forward stored them (bf16 for bf16 inputs):
+    # dq's inter-chunk term then sees the very state the output was computed from.
+    h_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    h, hz, _, _ = chunk_states(k, v, initial_state=initial_state, state_dtype=h_dtype, **kw)
     dh, dhz, dS0, dz0 = chunk_states(q, do, initial_state=final_state_grad, reverse=True, key_scale=r,
                                      z_weights=e, store_final_state=need_initial_state_grad, **kw)
     cu, offsets, indices, NT, _ = packed_layout(cu_seqlens, T, B, H, cfg_s["BT"])
@@ -357,7 +360,10 @@ def compile_spec_dqk(cfg: dict, dtype: str) -> tuple[dict, dict]:
     """Signature and constexprs of `chunk_dqk_kernel`'s heaviest variant (decay, normaliser)."""
     names = ["q_ptr", "k_ptr", "v_ptr", "do_ptr", "g_ptr", "r_ptr", "e_ptr", "h_ptr", "hz_ptr", "dh_ptr",
              "dhz_ptr", "dq_ptr", "dk_ptr", "dg_ptr", "cu_ptr", "co_ptr", "ci_ptr", "len_ptr"]
-    return _spec(names, dtype, cfg, ["T", "H", "Dk", "Dv", "NT", "n_rows"])
+    signature, constexprs = _spec(names, dtype, cfg, ["T", "H", "Dk", "Dv", "NT", "n_rows"])
+    if dtype == "bf16":  # bf16 inputs read bf16 entry states (chunk_bwd_two_phase)
+        signature["h_ptr"] = "*bf16"
+    return signature, constexprs
 
 
 def compile_spec_dv(cfg: dict, dtype: str) -> tuple[dict, dict]:

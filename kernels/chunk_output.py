@@ -60,7 +60,10 @@ def _scores_and_state(q_ptr, k_ptr, h_ptr, hz_ptr, row0, i_s, t, m_t, o_v, m_v, 
         S = tl.load(h_base + o_k[:, None] * Dv + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
         A = tl.dot(q, tl.trans(k), acc=A, input_precision=DOT_PREC)
         q32 = q.to(tl.float32)
-        o = tl.dot(q32, S, acc=o, input_precision=DOT_PREC)
+        if h_ptr.dtype.element_ty == tl.float32:
+            o = tl.dot(q32, S, acc=o, input_precision=DOT_PREC)
+        else:  # states stored in the input dtype (bf16): the product on the tensor cores
+            o = tl.dot(q, S.to(q.dtype), acc=o, input_precision=DOT_PREC)
         if NORMALIZE:
             z = tl.load(hz_ptr + i_s * Dk + o_k, mask=m_k, other=0.0)
             d += tl.sum(q32 * z[None, :], axis=1)
@@ -176,6 +179,7 @@ def chunk_fwd_two_phase(
     store_final_state: bool = False,
     configs: tuple[dict, dict] | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    state_dtype: torch.dtype | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """The causal forward in two phases. Returns (o, den, S_final, z_final), as `chunk_fwd`.
 
@@ -185,7 +189,11 @@ def chunk_fwd_two_phase(
     of v; den = d + eps (fp32) when normalize, else None; S_final, z_final fp32 when
     store_final_state (z_final only when normalize), else None. configs: (chunk_state's,
     chunk_output's), default `select_config`; their chunk lengths BT must agree. cu_seqlens:
-    packed sequences (sequences.py; B = 1, states one per sequence).
+    packed sequences (sequences.py; B = 1, states one per sequence). state_dtype: the dtype
+    the entry states are stored in between the phases; None: bf16 for bf16 inputs (as fla
+    stores them: half the traffic of the largest tensor, and an inter-chunk term rounded as
+    the inputs are; the backward recomputes its states in fp32), fp32 otherwise (fp16 has
+    too little range for a state summed over thousands of tokens).
     """
     Dk = q.shape[-1]
     if configs is None:
@@ -195,8 +203,11 @@ def chunk_fwd_two_phase(
     if cfg_state["BT"] != cfg_out["BT"]:
         raise ValueError(f"chunk_fwd_two_phase: the two phases need one chunk length, got {cfg_state['BT']} "
                          f"and {cfg_out['BT']}")
+    if state_dtype is None:
+        state_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
     h, hz, S_T, z_T = chunk_states(k, v, log_decay=log_decay, track_z=normalize, initial_state=initial_state,
-                                   store_final_state=store_final_state, config=cfg_state, cu_seqlens=cu_seqlens)
+                                   store_final_state=store_final_state, config=cfg_state, cu_seqlens=cu_seqlens,
+                                   state_dtype=state_dtype)
     o, den = chunk_output(q, k, v, h, hz, log_decay=log_decay, normalize=normalize, eps=eps, config=cfg_out,
                           cu_seqlens=cu_seqlens)
     return o, den, S_T, z_T
@@ -207,7 +218,8 @@ def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:
     normaliser)."""
     signature = {
         "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "g_ptr": "*fp32",
-        "h_ptr": "*fp32", "hz_ptr": "*fp32", "o_ptr": f"*{dtype}", "den_ptr": "*fp32",
+        # bf16 inputs read bf16 states (chunk_fwd_two_phase's default), the others fp32
+        "h_ptr": "*bf16" if dtype == "bf16" else "*fp32", "hz_ptr": "*fp32", "o_ptr": f"*{dtype}", "den_ptr": "*fp32",
         "cu_ptr": "*i32", "co_ptr": "*i32", "ci_ptr": "*i32",
         "T": "i32", "H": "i32", "Dk": "i32", "Dv": "i32", "NT": "i32", "eps": "fp32",
     }

@@ -205,8 +205,10 @@ def chunk_states(
     z_weights: torch.Tensor | None = None,
     lengths: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
+    state_dtype: torch.dtype = torch.float32,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Launch `chunk_state_kernel`. Returns (h, hz, S_final, z_final), all fp32.
+    """Launch `chunk_state_kernel`. Returns (h, hz, S_final, z_final), fp32 but for h, which
+    has `state_dtype` (the state itself is accumulated in fp32 either way).
 
     k: (B, H, T, Dk), v: (B, H, T, Dv), one dtype. The chunk length is the config's BT; the
     output kernel that reads these states must use the same (`chunk_fwd_two_phase` checks).
@@ -229,7 +231,7 @@ def chunk_states(
     cfg = config or select_config("chunk_state", Dk, k.dtype, k.device)
     cu, offsets, _, NT, n_seq = packed_layout(cu_seqlens, T, B, H, cfg["BT"])
     f32 = dict(dtype=torch.float32, device=k.device)
-    h = torch.empty(B, H, NT, Dk, Dv, **f32)
+    h = torch.empty(B, H, NT, Dk, Dv, dtype=state_dtype, device=k.device)
     hz = torch.empty(B, H, NT, Dk, **f32) if track_z else None
     S_T = torch.empty(n_seq, H, Dk, Dv, **f32) if store_final_state else None
     z_T = torch.empty(n_seq, H, Dk, **f32) if (store_final_state and track_z) else None

@@ -185,6 +185,25 @@ def test_two_phase_matches_the_one_pass_forward():
     assert den is None and S_T is None and z_T is None and o.shape == (1, 2, 50, 24)
 
 
+def test_states_stored_in_the_input_dtype():
+    """Entry states stored in 16 bits between the phases (what bf16 inputs get by default; fp16
+    here, the interpreter has no bf16): the outputs stay within the 16-bit tolerance of
+    float64, and the stored states are the fp32 ones rounded."""
+    x = make_inputs(1, 2, 130, 48, 40, "token", True, True, torch.float16, seed=2)
+    d = _on_device(x)
+    kw = dict(log_decay=d["g"], normalize=True, initial_state=(d["S0"], d["z0"]), store_final_state=True)
+    o16, den16, S16, _ = K.chunk_fwd_two_phase(d["q"], d["k"], d["v"], state_dtype=torch.float16, **kw)
+    o32, den32, S32, _ = K.chunk_fwd_two_phase(d["q"], d["k"], d["v"], **kw)
+    state = LinearAttentionState(x["S0"].double(), x["z0"].double())
+    o_ref = reference_linear_attention(x["q"].double(), x["k"].double(), x["v"].double(), form="quadratic",
+                                       log_decay=x["g"].double(), initial_state=state)
+    assert rel(o16, o_ref) < TOL[torch.float16] and rel(o32, o_ref) < TOL[torch.float16]
+    assert torch.equal(S16, S32) and torch.equal(den16, den32)  # the running state is fp32 either way
+    h16, _, _, _ = K.chunk_states(d["k"], d["v"], log_decay=d["g"], state_dtype=torch.float16)
+    h32, _, _, _ = K.chunk_states(d["k"], d["v"], log_decay=d["g"])
+    assert h16.dtype == torch.float16 and torch.equal(h16, h32.half())
+
+
 def test_the_two_phases_share_their_chunk_length():
     """The output kernel reads the states at the state kernel's chunk boundaries: whatever the
     dtype, head dim or GPU, the selected configs agree on BT; mismatched ones are refused."""
