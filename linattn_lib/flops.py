@@ -316,11 +316,24 @@ def token_loop_cost(T: int, Dk: int, Dv: int, dtype_bytes: int) -> Cost:
     return Cost(per.flops * T, per.bytes * T)
 
 
-def flash_attention_cost(T: int, D: int, dtype_bytes: int, *, causal: bool = True) -> Cost:
+def flash_attention_cost(T: int, D: int, dtype_bytes: int, *, causal: bool = True,
+                         block_q: int | None = 128) -> Cost:
     """Exact softmax attention computed block by block (FlashAttention), one (batch, head).
 
     FLOPs: 4 T^2 D (two matmuls, `attention_core_flops`), halved by a causal mask, as a float.
-    Bytes: q, k, v read and o written once (`io_bytes`), the ideal an IO-aware kernel
-    approaches (real kernels re-read k and v once per block of queries, from L2 mostly).
+    Bytes: q read and o written once; k and v read once per block of `block_q` queries, as
+    the kernels do (FlashAttention-2 keeps a query block on chip and streams every key and
+    value block it attends to through it): with n = ceil(T / block_q) blocks that is n T
+    rows of k and of v, or block_q n (n + 1) / 2 when causal -- about T D b bytes per token
+    (32 KiB at T = 16384, D = 128 in bf16 with 128-query blocks), where reading each input
+    once would be 4 D b. Much of the re-reading is served by L2 on a real GPU; this counts
+    what the kernel asks of memory. block_q=None: every input read once (`io_bytes`), the
+    ideal an IO-aware kernel approaches only when T fits one block.
     """
-    return Cost(flops=float(attention_core_flops(T, D, causal=causal)), bytes=io_bytes(1, 1, T, D, D, dtype_bytes))
+    flops = float(attention_core_flops(T, D, causal=causal))
+    if block_q is None:
+        return Cost(flops=flops, bytes=io_bytes(1, 1, T, D, D, dtype_bytes))
+    n = math.ceil(T / block_q)
+    kv_rows = block_q * n * (n + 1) // 2 if causal else n * T
+    kv_rows = min(kv_rows, n * T)
+    return Cost(flops=flops, bytes=(2 * T * D + 2 * kv_rows * D) * dtype_bytes)

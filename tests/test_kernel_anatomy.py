@@ -30,8 +30,14 @@ def test_closed_forms_by_hand():
     assert ka.chunk_fwd_traffic(128, 128, 128, cfg, 2, decay="token").bytes == c.bytes + 2 * 128 * 4
     with pytest.raises(ValueError):
         ka.chunk_fwd_traffic(128, 128, 128, cfg, 2, decay="bogus")
-    fa = ka.flash_attention_cost(1024, 64, 2)
+    fa = ka.flash_attention_cost(1024, 64, 2, block_q=None)
     assert fa.flops == 2 * 1024 * 1024 * 64 and fa.bytes == 4 * 1024 * 64 * 2
+    # 8 query blocks of 128: block i reads the k, v rows of blocks 0..i, 128 * 36 rows each
+    fa = ka.flash_attention_cost(1024, 64, 2)
+    assert fa.bytes == (2 * 1024 * 64 + 2 * 128 * 36 * 64) * 2
+    assert ka.flash_attention_cost(1024, 64, 2, causal=False).bytes == (2 * 1024 + 2 * 8 * 1024) * 64 * 2
+    # the figure: ~32 KiB per token at T = 16384, d = 128, bf16
+    assert 32 * 1024 <= ka.flash_attention_cost(16384, 128, 2).bytes / 16384 <= 33 * 1024
     assert ka.decode_step_cost(64, 64, 2).intensity < 1          # the state dominates the bytes
     assert ka.token_loop_cost(10, 64, 64, 2).bytes == 10 * ka.decode_step_cost(64, 64, 2).bytes
 
