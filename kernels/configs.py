@@ -68,7 +68,8 @@ _TABLE: dict[str, dict[str, dict[int, tuple[int, ...]]]] = {
         "sm75": {64: (32, 32, 8), 128: (16, 16, 8), 256: (16, 16, 8)},
     },
     "noncausal_state": {
-        "mma16": {64: (64, 64, 4), 128: (64, 64, 8), 256: (32, 32, 8)},
+        # 128: (64, 64, 8) spilled 2 STL/LDL on sm_80 as the JIT compiles it (the gates)
+        "mma16": {64: (64, 64, 4), 128: (32, 64, 8), 256: (32, 32, 8)},
         "fp32": {64: (32, 64, 4), 128: (32, 64, 8), 256: (32, 32, 8)},
         "sm75": {64: (32, 64, 8), 128: (32, 32, 8), 256: (16, 16, 8)},
     },
@@ -107,22 +108,25 @@ NUM_STAGES = {"mma16": 2, "fp32": 1, "sm75": 1}
 #   B * H = 16, where 64 x 64 tiles give 64 programs for 132 SMs); 128-168 registers, 3-4
 #   CTAs per SM. Output: 16-wide Dk blocks, 32 value columns, 4 warps. It must pass the gates
 #   of tests/test_kernels_compile.py (bf16, D = 64 and 128, sm_80 and sm_90: no spills, >= 2
-#   CTAs per SM): 163 registers on sm_80 / 128 on sm_90 as the JIT compiles it there (3 / 4
-#   CTAs per SM), 225 / 190 with no divisibility known (2 CTAs), 16-20 KiB of shared memory,
-#   no spills in either. The scores are recomputed per value tile, so the widest BV that
-#   passes wins: at BV = 64 every 4-warp config spills on sm_80 without divisibility (41-582
-#   STL/LDL) and every 8-warp one needs 158-164 registers with it (1 CTA); the previous
-#   (64, 32, 64, 8) had 162 / 212-227 registers on sm_80: 1 CTA per SM.
+#   CTAs per SM, pipelined loads): 163 registers on sm_80 / 128 on sm_90 as the JIT compiles
+#   it there (3 / 4 CTAs per SM), 222 / 187 with no divisibility known (odd head dims: still
+#   2 CTAs), 16-20 KiB of shared memory, no spills in either. The scores are recomputed per
+#   value tile, so the widest BV that passes wins; BV = 64 does not: on 4 warps it passes the
+#   gates (214-216 registers on sm_80) but spills 42-70 STL/LDL on sm_80 without divisibility
+#   (over the compile test's budget of 32), on 8 warps it needs 160-192 registers (1 CTA).
+#   The previous (64, 32, 64, 8) had 162-227 registers on sm_80: 1 CTA per SM.
 #   Backward (chunk_grad.py), 64-token chunks like the state kernel whose states they read;
 #   three 64 x 64 fp32 matrices (dO v^T, the decays, W) live at once, so 8 warps would need
 #   <= 128 registers for 2 CTAs and none gets there (152-255 on sm_80). At 4 warps every
 #   config fits 2 CTAs by registers; the sm_80 sweep (bf16, D = 128, no divisibility): dqk
 #   16 x 16 blocks 214 registers, no spills (16 x 32: 255, 32 x 32: 96 spill instructions);
-#   dv 32 x 64: 254, no spills (64-wide Dk blocks spill 117-365).
+#   dv 32 x 64: 254, no spills (64-wide Dk blocks spill 117-365). As the JIT compiles them at
+#   D = 64 / 128 (aligned) all their loop loads are async copies, 128-167 registers, 3-4 CTAs.
+#   sm75 dqk: 32 x 32 x 32 spilled 35 instructions in fp16; 32 x 16 (Dk x Dv blocks) none.
 #   fp32 / sm75: tl.dot is FMAs (or no tf32): 32-token chunks and 32 x 32 tiles, no spills.
 _TWO_PHASE: dict[str, dict[str, tuple[int, int, int, int]]] = {
     "chunk_state": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
-    "chunk_dqk": {"mma16": (64, 16, 16, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
+    "chunk_dqk": {"mma16": (64, 16, 16, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 16, 4)},
     "chunk_dv": {"mma16": (64, 32, 64, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
     "chunk_output": {"mma16": (64, 16, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
 }

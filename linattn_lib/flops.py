@@ -11,7 +11,7 @@ all counts are exact Python ints unless stated. Sections:
 * the chunked algorithm (bench): `chunk_flops`, `chunked_forward_flops`, `FLOPS_FORMULA`,
   `io_bytes`, `state_bytes`;
 * the Triton kernels' traffic (appendix): `Cost`, `chunk_fwd_traffic`, `chunk_fwd_min_traffic`,
-  `token_loop_cost`, `decode_step_cost`, `flash_attention_cost`.
+  `two_phase_forward_traffic`, `token_loop_cost`, `decode_step_cost`, `flash_attention_cost`.
 
 Imports only torch, the standard library and `_validate`.
 """
@@ -284,6 +284,49 @@ def chunk_fwd_traffic(
     stores = T * Dv * dtype_bytes + (T * 4 if normalize else 0)
     flops = n_tiles * n_chunks * chunk_flops(BT, BK, BV)
     return Cost(flops=flops, bytes=loads + stores)
+
+
+def two_phase_forward_traffic(
+    T: int, Dk: int, Dv: int, state_config: dict, output_config: dict, dtype_bytes: int, *,
+    state_bytes: int = 4, normalize: bool = True, decay: str | None = None,
+) -> dict[str, Cost]:
+    """Bytes moved and tensor-core FLOPs of one (batch, head) of the two-phase forward,
+    {"chunk_state": Cost, "chunk_output": Cost}, counted the way the kernels issue them.
+
+    With NT = ceil(T / BT) chunks, n_k = ceil(Dk / BK) key blocks and n_v = ceil(Dv / BV)
+    value tiles (each kernel's own BK, BV; one BT) and b bytes per input element:
+
+    chunk_state   its n_k n_v state programs read k n_v times and v n_k times and store
+                  NT entry states of Dk Dv values (`state_bytes` each); with the normaliser
+                  n_k more programs (one per key block) read k once more and store NT fp32 z's of Dk values.
+                  One (BK x BT) @ (BT x BV) product per chunk and state program.
+    chunk_output  each of its n_v NT programs reads q and k of its chunk (so q and k n_v
+                  times in all), its block of the state (all of them once), z (Dk fp32 per
+                  program), its value tile; stores o, and den (fp32) once.
+                  Per key block two products (scores, q S), then one (scores @ v).
+
+    decay: None, "head" (one scalar, one load per program and chunk it is read in: counted
+    as 4 bytes per load) or "token" (fp32 per token, read by every program that walks it).
+    """
+    BT, K1, V1 = state_config["BT"], state_config["BK"], state_config["BV"]
+    K2, V2 = output_config["BK"], output_config["BV"]
+    if output_config["BT"] != BT:
+        raise ValueError("two_phase_forward_traffic: the two phases share one chunk length")
+    NT, nk, nv = math.ceil(T / BT), math.ceil(Dk / K1), math.ceil(Dv / V1)
+    walkers = nk * nv + (nk if normalize else 0)        # programs that walk the sequence
+    g_state = {None: 0, "head": walkers * NT * 4, "token": walkers * T * 4}[decay]
+    state_in = nv * T * Dk * dtype_bytes + nk * T * Dv * dtype_bytes + g_state
+    state_in += T * Dk * dtype_bytes if normalize else 0    # the z programs: k once more
+    state_out = NT * Dk * Dv * state_bytes + (NT * Dk * 4 if normalize else 0)
+    state_flops = nk * nv * NT * matmul_flops(K1, BT, V1)
+    nv2, nk2 = math.ceil(Dv / V2), math.ceil(Dk / K2)
+    g_out = {None: 0, "head": nv2 * NT * 4, "token": nv2 * T * 4}[decay]
+    out_in = (nv2 * 2 * T * Dk * dtype_bytes + NT * Dk * Dv * state_bytes + T * Dv * dtype_bytes + g_out
+              + (nv2 * NT * Dk * 4 if normalize else 0))
+    out_out = T * Dv * dtype_bytes + (T * 4 if normalize else 0)
+    out_flops = nv2 * NT * (nk2 * (matmul_flops(BT, K2, BT) + matmul_flops(BT, K2, V2)) + matmul_flops(BT, BT, V2))
+    return {"chunk_state": Cost(flops=state_flops, bytes=state_in + state_out),
+            "chunk_output": Cost(flops=out_flops, bytes=out_in + out_out)}
 
 
 def chunk_fwd_min_traffic(T: int, Dk: int, Dv: int, BT: int, dtype_bytes: int) -> Cost:

@@ -45,6 +45,8 @@ COMMANDS = {
                             "  (on a machine with a CUDA GPU)",
     "crossover_cpu.json": "python -m linattn_lib.experiments.crossover --out book/results/crossover_cpu.json",
     "bench/": "python -m linattn_lib.experiments.bench --out book/results/bench",
+    "perf_model.json": "python -m linattn_lib.experiments.perf_predictions --out book/results/perf_model.json"
+                       "  (with LINATTN_FLA_SOURCE pointing at a checkout of flash-linear-attention)",
 }
 
 _MISSING = object()

@@ -97,3 +97,25 @@ def test_compile_report_for_a100():
     assert rep["ptx_lines"] > 100 and rep["cubin_bytes"] > 0
     if rep["sass_instructions"] is not None:  # cuobjdump ships with Triton's NVIDIA backend
         assert rep["mma_instructions"] > 0 and rep["registers"] <= 255
+
+
+@pytest.mark.parametrize("B,H,T,dk,dv,decay,normalize", [
+    (1, 2, 200, 48, 100, "token", True), (1, 1, 70, 16, 16, None, False), (2, 1, 64, 32, 20, "head", True)])
+def test_two_phase_traffic_model_matches_the_interpreter(B, H, T, dk, dv, decay, normalize):
+    """`two_phase_forward_traffic` counts, on paper, exactly the bytes and FLOPs the two
+    forward kernels move and compute in the interpreter (masked elements excluded)."""
+    from linattn_lib.flops import two_phase_forward_traffic
+
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.rand(B, H, T, dk, generator=gen) for _ in range(2))
+    v = torch.randn(B, H, T, dv, generator=gen)
+    g = {None: None, "token": -torch.rand(B, H, T, generator=gen), "head": -torch.rand(H, generator=gen)}[decay]
+    cs, co = (K.select_config(n, dk, torch.float32, None) for n in ("chunk_state", "chunk_output"))
+    with ka.count_interpreter_traffic() as t_state:
+        h, hz, _, _ = K.chunk_states(k, v, log_decay=g, track_z=normalize)
+    with ka.count_interpreter_traffic() as t_out:
+        K.chunk_output(q, k, v, h, hz, log_decay=g, normalize=normalize)
+    model = two_phase_forward_traffic(T, dk, dv, cs, co, 4, normalize=normalize, decay=decay)
+    for t, name in ((t_state, "chunk_state"), (t_out, "chunk_output")):
+        assert t.bytes == B * H * model[name].bytes, name
+        assert t.dot_flops == B * H * model[name].flops, name

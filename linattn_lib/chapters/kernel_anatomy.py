@@ -14,6 +14,9 @@ Used by the book's appendix on the kernels (book/appendix_kernels.ipynb).
   re-exported here); `roofline_time` and `GPU_PEAKS` turn them into roofline bounds.
 * `compile_report` compiles a kernel ahead of time for a GPU target (no GPU needed) and reports
   the sizes of its PTX and SASS, its shared memory, registers and spills.
+* `ctas_per_sm` is the CUDA occupancy rule (registers x threads and shared memory per CTA
+  against an SM's, `SM_RESOURCES`); `loop_loads` reads from a compiled kernel's TTGIR which
+  loads inside its loops the software pipeliner made asynchronous (cp.async / TMA).
 * `draw_chunk_algorithm` and `plot_roofline` draw the appendix's two figures.
 """
 from __future__ import annotations
@@ -235,10 +238,15 @@ def _nvidia_tool(name: str) -> str | None:
     return path if os.access(path, os.X_OK) else None
 
 
-def sass_stats(cubin: bytes) -> dict | None:
+def sass_stats(cubin: bytes, *, lazy: bool = False) -> dict | None:
     """What ptxas made of a kernel, from its cubin (cuobjdump, shipped with Triton): registers
     and stack bytes per thread, SASS instructions, tensor-core MMA instructions and spill
-    instructions (STL/LDL: local-memory stores and loads). None when cuobjdump is missing."""
+    instructions (STL/LDL: local-memory stores and loads). None when cuobjdump is missing.
+
+    Disassembling takes a second or two for a large kernel. `lazy`: only when ptxas gave the
+    kernel local memory (a stack frame or local bytes); without any there is nowhere a spill
+    could go, so spill_instructions is 0 and the instruction counts are None.
+    """
     cuobjdump = _nvidia_tool("cuobjdump")
     if cuobjdump is None:
         return None
@@ -247,11 +255,15 @@ def sass_stats(cubin: bytes) -> dict | None:
         with open(path, "wb") as f:
             f.write(cubin)
         usage = subprocess.run([cuobjdump, "-res-usage", path], capture_output=True, text=True).stdout
+        stats: dict = {"registers": None, "stack_bytes": None, "sass_instructions": None, "mma_instructions": None}
+        m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
+        if m:
+            stats["registers"], stats["stack_bytes"] = int(m.group(1)), int(m.group(2))
+        local = re.search(r"LOCAL:(\d+)", usage)
+        if lazy and m and stats["stack_bytes"] == 0 and local and int(local.group(1)) == 0:
+            stats["spill_instructions"] = 0
+            return stats
         sass = subprocess.run([cuobjdump, "-sass", path], capture_output=True, text=True).stdout
-    stats: dict = {"registers": None, "stack_bytes": None}
-    m = re.search(r"REG:(\d+) STACK:(\d+)", usage)
-    if m:
-        stats["registers"], stats["stack_bytes"] = int(m.group(1)), int(m.group(2))
     ops = [re.sub(r"^\s*/\*[0-9a-f]+\*/\s+(@!?U?P\w+\s+)?", "", line).split(" ")[0].split(".")[0]
            for line in sass.splitlines() if re.match(r"\s*/\*[0-9a-f]{4,}\*/\s+\S", line)]
     counts = Counter(ops)
@@ -261,7 +273,20 @@ def sass_stats(cubin: bytes) -> dict | None:
     return stats
 
 
-def compile_report(kernel: str, target: str, dtype: str, d_whole: int, *, config: dict | None = None) -> dict:
+# the integer arguments that are sequence lengths or counts: not multiples of 16 in general
+SEQUENCE_ARGS = ("T", "NT", "n_rows", "H")
+
+
+def jit_alignment(arg_names: list[str], signature: dict) -> dict:
+    """The `attrs` of an ASTSource that tell the compiler what the JIT knows when the head dims
+    are multiples of 16 and the tensors come from torch: every pointer 16-byte aligned, every
+    integer but the sequence lengths (`SEQUENCE_ARGS`) a multiple of 16."""
+    return {(arg_names.index(name),): [["tt.divisibility", 16]] for name, ty in signature.items()
+            if ty.startswith("*") or (ty == "i32" and name not in SEQUENCE_ARGS)}
+
+
+def compile_report(kernel: str, target: str, dtype: str, d_whole: int, *, config: dict | None = None,
+                   aligned: bool = False) -> dict:
     """Compile `kernel` (a name of `linattn_lib.kernels.KERNELS`) for `target` ("sm_80") ahead of time.
 
     The config is the one the launcher picks for a head dim of `d_whole` and inputs of `dtype`
@@ -269,7 +294,9 @@ def compile_report(kernel: str, target: str, dtype: str, d_whole: int, *, config
     kernel's heaviest (its `compile_spec`). No GPU is needed: Triton lowers to PTX and runs
     ptxas. Returns the config, the shared memory per block (bytes), the PTX (lines), the SASS
     (instructions, from cuobjdump), registers and stack (spill) bytes per thread, the number of
-    tensor-core MMA instructions, the cubin size, and the shared-memory limit of the target.
+    tensor-core MMA instructions, the cubin size, the shared-memory limit of the target, and
+    the loads of each loop (`loop_loads` of the TTGIR). aligned: compile with the alignment the
+    JIT sees at head dims that are multiples of 16 (`jit_alignment`), as it would specialise.
     """
     import torch
     import triton
@@ -284,8 +311,9 @@ def compile_report(kernel: str, target: str, dtype: str, d_whole: int, *, config
     cap = K.TARGETS[target]
     cfg = config or K.select_config(kernel, d_whole, getattr(torch, _TORCH_DTYPES[dtype]), cap)
     signature, constexprs = spec(cfg, dtype)
+    attrs = jit_alignment(fn.arg_names, signature) if aligned else None
     compiled = triton.compile(
-        ASTSource(fn=fn, signature=signature, constexprs=constexprs),
+        ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
         target=GPUTarget("cuda", cap[0] * 10 + cap[1], 32),
         options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
     )
@@ -294,12 +322,148 @@ def compile_report(kernel: str, target: str, dtype: str, d_whole: int, *, config
         "shared_bytes": int(compiled.metadata.shared), "smem_limit": K.SMEM_LIMITS[target],
         "ptx_lines": len(compiled.asm["ptx"].splitlines()), "cubin_bytes": len(compiled.asm["cubin"]),
         "registers": None, "stack_bytes": None, "sass_instructions": None, "mma_instructions": None,
-        "spill_instructions": None,
+        "spill_instructions": None, "loops": loop_loads(compiled.asm["ttgir"]),
     }
     stats = sass_stats(compiled.asm["cubin"])
     if stats is not None:
         report.update(stats)
     return report
+
+
+# --------------------------------------------------------------------------------------
+# occupancy and software pipelining, read from the compiled artifacts
+# --------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class SMResources:
+    """What one SM of a GPU generation holds, for the occupancy rule of `ctas_per_sm`.
+
+    From the CUDA C++ Programming Guide ("Technical Specifications per Compute Capability")
+    and the allocation rules of the CUDA occupancy calculator (cuda_occupancy.h): registers
+    are allocated per warp in units of 256, from the register files of the SM's 4
+    sub-partitions; shared memory in units of `shared_unit`, plus `reserved_shared` per CTA
+    that the CUDA runtime keeps for itself (1 KiB from sm_80 on).
+    """
+
+    shared: int            # shared memory per SM (bytes): the largest carve-out
+    shared_per_block: int  # the opt-in maximum one CTA may use
+    max_threads: int       # resident threads per SM
+    max_ctas: int          # resident CTAs per SM
+    reserved_shared: int = 1024
+    shared_unit: int = 128
+    registers: int = 65536           # 32-bit registers per SM (and at most per CTA)
+    max_registers_per_thread: int = 255
+    register_unit: int = 256         # per warp
+    sub_partitions: int = 4
+
+
+KIB = 1024
+SM_RESOURCES = {
+    "sm_75": SMResources(64 * KIB, 64 * KIB, 1024, 16, reserved_shared=0, shared_unit=256),
+    "sm_80": SMResources(164 * KIB, 163 * KIB, 2048, 32),
+    "sm_86": SMResources(100 * KIB, 99 * KIB, 1536, 16),
+    "sm_89": SMResources(100 * KIB, 99 * KIB, 1536, 24),
+    "sm_90": SMResources(228 * KIB, 227 * KIB, 2048, 32),
+}
+
+
+@dataclass(frozen=True)
+class Occupancy:
+    """Resident CTAs per SM that each resource allows; `ctas` is the smallest of them."""
+
+    by_registers: int
+    by_shared: int
+    by_threads: int
+    by_ctas: int
+
+    @property
+    def ctas(self) -> int:
+        return min(self.by_registers, self.by_shared, self.by_threads, self.by_ctas)
+
+    @property
+    def limited_by(self) -> str:
+        """The resource that sets `ctas` (the first of a tie, in the order of the fields)."""
+        limits = {"registers": self.by_registers, "shared memory": self.by_shared,
+                  "threads": self.by_threads, "CTAs": self.by_ctas}
+        return min(limits, key=limits.__getitem__)
+
+
+def ctas_per_sm(n_regs: int, num_warps: int, shared_bytes: int, target: str) -> Occupancy:
+    """How many CTAs of a kernel fit on one SM of `target` ("sm_80") at once.
+
+    `n_regs`: registers per thread (ptxas; `sass_stats(...)["registers"]`), `num_warps`: warps
+    per CTA (32 threads each), `shared_bytes`: shared memory per CTA (`metadata.shared`).
+    Registers: each warp takes n_regs * 32 rounded up to 256, from one of the SM's 4
+    sub-partitions (16384 registers each), so 128 registers x 8 warps gives 4 warps per
+    sub-partition, 16 per SM: 2 CTAs, and 129 registers give 1. Shared memory: each CTA
+    takes its bytes rounded up to the allocation unit plus the runtime's reserved 1 KiB
+    (sm_80+), out of the SM's largest carve-out. A CTA over a per-CTA limit fits 0 times.
+    """
+    sm = SM_RESOURCES[target]
+    per_warp = -(-n_regs * 32 // sm.register_unit) * sm.register_unit  # rounded up to the unit
+    if n_regs > sm.max_registers_per_thread or per_warp * num_warps > sm.registers:
+        by_registers = 0
+    elif per_warp == 0:
+        by_registers = sm.max_ctas
+    else:
+        warps = (sm.registers // sm.sub_partitions // per_warp) * sm.sub_partitions
+        by_registers = warps // num_warps
+    per_cta = -(-shared_bytes // sm.shared_unit) * sm.shared_unit + sm.reserved_shared
+    by_shared = 0 if shared_bytes > sm.shared_per_block else sm.shared // per_cta if per_cta else sm.max_ctas
+    return Occupancy(by_registers, by_shared, sm.max_threads // (num_warps * 32), sm.max_ctas)
+
+
+# Ops that copy global memory to shared memory asynchronously: cp.async (sm_80+), TMA (sm_90+).
+_ASYNC_LOADS = re.compile(r"\b(ttg\.async_copy_global_to_local|ttng\.async_tma_copy_global_to_local"
+                          r"|ttng\.async_tma_gather|ttng\.async_copy_global_to_local)\b")
+_DOTS = re.compile(r"\b(tt\.dot|tt\.dot_scaled|ttng\.warp_group_dot|ttng\.tc_gen5_mma)\b")
+_TILE_LOAD = re.compile(r"\btt\.(load|descriptor_load)\b.*: (tensor|!tt\.tensordesc)<\d+x\d+")
+
+
+def loop_loads(ttgir: str) -> list[dict]:
+    """The global loads and matmuls of each loop (scf.for body) of a kernel's TTGIR
+    (`compiled.asm["ttgir"]`), after Triton's software pipeliner has run.
+
+    A tile load the pipeliner overlapped with the previous iteration's compute is either an
+    async copy into shared memory (`ttg.async_copy_global_to_local`: cp.async;
+    `ttng.async_tma_*`: TMA) or a `tt.load` of the next iteration's tile whose result the loop
+    carries (it is yielded: a prefetch into registers); any other `tt.load` of a tile is
+    waited for where it is used. One dict per loop, in source order, each op counted in its
+    innermost loop: dots (tt.dot and warp-group dots), async (async copies), prefetched and
+    sync_tiles (the 2-D tile loads of each kind), ops (the async op names).
+    """
+    loops: list[dict] = []
+    regions: list[int | None] = []  # per open region: the index of its loop, None if not a loop
+    for raw in ttgir.splitlines():
+        line = raw.strip()
+        if line.startswith("}") and regions:
+            regions.pop()
+        inner = next((i for i in reversed(regions) if i is not None), None)
+        if inner is not None:
+            _count_loop_line(loops[inner], line, yields=regions[-1] == inner)
+        if line.endswith("{"):
+            if " scf.for " in f" {line}":
+                loops.append({"dots": 0, "async": 0, "prefetched": 0, "sync_tiles": 0, "ops": [], "tiles": []})
+                regions.append(len(loops) - 1)
+            else:
+                regions.append(None)
+    return [{k: v for k, v in loop.items() if k != "tiles"} for loop in loops]
+
+
+def _count_loop_line(loop: dict, line: str, yields: bool) -> None:
+    """Add one TTGIR line of a loop body to `loop_loads`' counts for that loop."""
+    loop["dots"] += len(_DOTS.findall(line))
+    found = _ASYNC_LOADS.findall(line)
+    loop["async"] += len(found)
+    loop["ops"] += [op for op in found if op not in loop["ops"]]
+    if _TILE_LOAD.search(line):
+        loop["tiles"].append(line.split(" = ")[0].split(":")[0])
+        loop["sync_tiles"] += 1
+    elif yields and line.startswith("scf.yield"):
+        carried = set(re.findall(r"%[\w.]+", line.split(" : ")[0]))
+        n = sum(name in carried for name in loop["tiles"])
+        loop["prefetched"] += n
+        loop["sync_tiles"] -= n
 
 
 # --------------------------------------------------------------------------------------
