@@ -120,6 +120,23 @@ def _decays(g_ptr, i_h, row0, t, m_t, o_t, BT: tl.constexpr, DECAY: tl.constexpr
 
 
 @triton.jit
+def _chunk_program(cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT: tl.constexpr, HAS_LEN: tl.constexpr,
+                   IS_VARLEN: tl.constexpr):
+    """Where a parallel program's chunk is: (row of its sequence's first token, head, index of
+    its per-chunk states, its tokens t, which of them are read (m_t) and stored (m_out)).
+    With HAS_LEN the tokens from len on are read as 0, and their gradients stored as 0."""
+    i_hb = tl.program_id(2).to(tl.int64)
+    i_seq, i_h, i_n = chunk_of_program(tl.program_id(1), i_hb, ci_ptr, H, IS_VARLEN)
+    row0, T_seq = sequence_rows(i_seq, i_h, cu_ptr, T, H, IS_VARLEN)
+    T_live = T_seq
+    if HAS_LEN:
+        T_live = tl.minimum(T_seq, tl.load(len_ptr + i_hb))
+    i_s = first_chunk(i_seq, i_h, co_ptr, NT, H, IS_VARLEN) + i_n
+    t = i_n * BT + tl.arange(0, BT)
+    return row0, i_h, i_s, t, t < T_live, t < T_seq
+
+
+@triton.jit
 def chunk_dqk_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,  # (B, H, T, Dk) x 2, (B, H, T, Dv) x 2; contiguous, one dtype
     g_ptr,                        # log-decay (H,) or (B, H, T) fp32 (DECAY)
@@ -134,17 +151,9 @@ def chunk_dqk_kernel(
     NORMALIZE: tl.constexpr, HAS_LEN: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_k = tl.program_id(0)
-    i_hb = tl.program_id(2).to(tl.int64)
-    i_seq, i_h, i_n = chunk_of_program(tl.program_id(1), i_hb, ci_ptr, H, IS_VARLEN)
-    row0, T_seq = sequence_rows(i_seq, i_h, cu_ptr, T, H, IS_VARLEN)
-    T_live = T_seq
-    if HAS_LEN:  # tokens from len on are read as 0, and their gradients stored as 0
-        T_live = tl.minimum(T_seq, tl.load(len_ptr + i_hb))
-    i_s = first_chunk(i_seq, i_h, co_ptr, NT, H, IS_VARLEN) + i_n
+    row0, i_h, i_s, t, m_t, m_out = _chunk_program(cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT,
+                                                   HAS_LEN, IS_VARLEN)
     o_t = tl.arange(0, BT)
-    t = i_n * BT + o_t
-    m_t = t < T_live
-    m_out = t < T_seq
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < Dk
     A, dqS, dkH = _dqk_products(do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_k, m_k, Dk, Dv,
@@ -186,17 +195,9 @@ def chunk_dv_kernel(
     NORMALIZE: tl.constexpr, HAS_LEN: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_v = tl.program_id(0)
-    i_hb = tl.program_id(2).to(tl.int64)
-    i_seq, i_h, i_n = chunk_of_program(tl.program_id(1), i_hb, ci_ptr, H, IS_VARLEN)
-    row0, T_seq = sequence_rows(i_seq, i_h, cu_ptr, T, H, IS_VARLEN)
-    T_live = T_seq
-    if HAS_LEN:  # tokens from len on are read as 0, and their gradients stored as 0
-        T_live = tl.minimum(T_seq, tl.load(len_ptr + i_hb))
-    i_s = first_chunk(i_seq, i_h, co_ptr, NT, H, IS_VARLEN) + i_n
+    row0, i_h, i_s, t, m_t, m_out = _chunk_program(cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT,
+                                                   HAS_LEN, IS_VARLEN)
     o_t = tl.arange(0, BT)
-    t = i_n * BT + o_t
-    m_t = t < T_live
-    m_out = t < T_seq
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < Dv
     P = tl.zeros([BT, BT], dtype=tl.float32)      # q_i . k_j
