@@ -750,6 +750,22 @@ def test_gpu_check_decode_benchmark_counts_the_state_traffic():
     assert row["GB_per_s"] == round(row["state_bytes"] / 0.25e-3 / 1e9, 1)
 
 
+def test_gpu_check_puts_the_model_beside_the_measurement():
+    """On an H100 or H200 the benchmark rows carry the committed model's predictions (the same
+    shape: B=1, H=16, T=16384, D=128); on other GPUs they carry none."""
+    from linattn_lib.experiments.gpu_check import PREDICTED_AS, _markdown, attach_predictions
+    from linattn_lib.results import load_result
+
+    pred = load_result("perf_model.json")["ms"]["H200 SXM, B=1"]
+    rows = [{"name": name, "shape": "", "forward_ms": 1.0, "forward_backward_ms": 2.0} for name in PREDICTED_AS]
+    attach_predictions(rows, "NVIDIA H200")
+    for row in rows:
+        assert row["predicted_forward_backward_ms"] == pred[PREDICTED_AS[row["name"]]]["total"]
+    assert f"{rows[0]['predicted_forward_ms']:.2f} / " in _markdown({}, {}, rows)
+    others = attach_predictions([{"name": rows[0]["name"]}], "Tesla T4")
+    assert "predicted_forward_ms" not in others[0]
+
+
 # ------------------------------------------------------------------ float16 range
 
 

@@ -166,7 +166,36 @@ def run_benchmark(B: int = 1, H: int = 16, T: int = 16384, D: int = 128) -> list
     q = k = v = g = qs = ks = inputs = candidates = None  # free the GPU memory the lambdas hold
     torch.cuda.empty_cache()
     decode = run_decode_benchmark(do_bench=do_bench)
+    attach_predictions(rows, torch.cuda.get_device_name(), B)
     return rows + [decode] + run_favor_benchmark(B, H, T, do_bench=do_bench)
+
+
+# benchmark row -> the performance model's row (book/results/perf_model.json, same shape)
+PREDICTED_AS = {
+    "linattn triton (normalised)": "ours, normalised, no decay",
+    "linattn triton (unnormalised, per-token decay)": "ours, unnormalised, per-token decay",
+    "fla chunk_simple_gla (unnormalised, per-token decay)": "fla chunk_simple_gla (per-token decay g)",
+    "fla chunk_linear_attn (normalised)": "fla chunk_linear_attn(normalize=True)",
+}
+
+
+def attach_predictions(rows: list[dict], gpu_name: str, B: int = 1) -> list[dict]:
+    """Put the performance model's predicted forward and forward+backward ms beside each
+    benchmark row it has a prediction for (the committed book/results/perf_model.json, for
+    the H100 or H200 the name says; other GPUs get none). Returns the rows."""
+    from ..results import load_result
+
+    pred = load_result("perf_model.json", default=None)
+    gpu = next((g for g in ("H100", "H200") if g in gpu_name), None)
+    if pred is None or gpu is None:
+        return rows
+    table = pred["ms"].get(f"{gpu} SXM, B={B}", {})
+    for row in rows:
+        model = table.get(PREDICTED_AS.get(row["name"], ""))
+        if model is not None:
+            row["predicted_forward_ms"] = model["forward"]
+            row["predicted_forward_backward_ms"] = model["total"]
+    return rows
 
 
 def _time_candidate(name, fn, inputs, shape, do_bench, dtype: str = "bfloat16") -> dict:
@@ -313,14 +342,17 @@ def _markdown(env: dict, checks: dict, bench: list[dict], sweep: list[dict] = ()
         lines += ["", "| failed check | dtype | problems |", "| --- | --- | --- |"]
         lines += [f"| {r['name']} | {r['dtype']} | {'; '.join(r['problems'])[:200]} |" for r in failures]
     lines += ["", "## Benchmark (median ms, triton.testing.do_bench)", "",
-              "| implementation | shape | forward | forward + backward |", "| --- | --- | ---: | ---: |"]
+              "| implementation | shape | forward | forward + backward | model: fwd / fwd+bwd |",
+              "| --- | --- | ---: | ---: | ---: |"]
     for r in bench:
         if "error" in r:
-            lines.append(f"| {r['name']} | {r['shape']} | error: {r['error'][:80]} | |")
+            lines.append(f"| {r['name']} | {r['shape']} | error: {r['error'][:80]} | | |")
         elif "GB_per_s" in r:
-            lines.append(f"| {r['name']} | {r['shape']} | {r['ms']:.4f} ({r['GB_per_s']:.0f} GB/s) | |")
+            lines.append(f"| {r['name']} | {r['shape']} | {r['ms']:.4f} ({r['GB_per_s']:.0f} GB/s) | | |")
         else:
-            lines.append(f"| {r['name']} | {r['shape']} | {r['forward_ms']:.2f} | {r['forward_backward_ms']:.2f} |")
+            model = (f"{r['predicted_forward_ms']:.2f} / {r['predicted_forward_backward_ms']:.2f}"
+                     if "predicted_forward_ms" in r else "")
+            lines.append(f"| {r['name']} | {r['shape']} | {r['forward_ms']:.2f} | {r['forward_backward_ms']:.2f} | {model} |")
     if sweep:
         lines += ["", "## Launch configs (median ms; * = the one select_config picks)", "",
                   "| kernel | config | ms |", "| --- | --- | ---: |"]
@@ -380,8 +412,10 @@ def _run_bench(args: argparse.Namespace, do_bench: Callable | None) -> list[dict
         if "GB_per_s" in r:
             print(f"  {r['name']:<55} {r['ms']:8.4f} ms  {r['GB_per_s']:8.1f} GB/s")
             continue
+        model = (f"  (model: {r['predicted_forward_ms']:.2f} / {r['predicted_forward_backward_ms']:.2f})"
+                 if "predicted_forward_ms" in r else "")
         print(f"  {r['name']:<55} " + (f"fwd {r['forward_ms']:8.2f} ms  fwd+bwd {r['forward_backward_ms']:8.2f} ms"
-                                       if "error" not in r else f"error: {r['error'][:100]}"))
+                                       if "error" not in r else f"error: {r['error'][:100]}") + model)
     return bench
 
 
