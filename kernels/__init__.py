@@ -12,7 +12,6 @@ wrappers live in `linattn_lib/core/triton_ops.py`.
                                            chunk_bwd_two_phase
     sequences.py     where a program's tokens and states are: batched or packed (cu_seqlens)
     chunk_fwd.py     chunk_fwd_kernel      causal forward in one pass; run backwards in time it gives dV
-    chunk_bwd.py     chunk_bwd_dqk_kernel  dQ, and run backwards in time dK
     noncausal.py     noncausal_state_kernel, noncausal_output_kernel
     decode.py        decode_kernel         one token, state updated in place
     favor.py         favor_kernel          FAVOR+ positive features: projection, stabiliser, exp fused
@@ -23,8 +22,6 @@ gives the signature of its heaviest variant: tests/test_kernels_compile.py compi
 GPU target in `TARGETS`, each config `select_config` can pick there (`selectable_configs`),
 ahead of time and without a GPU, and checks it fits `SMEM_LIMITS`.
 """
-from .chunk_bwd import chunk_bwd_dqk, chunk_bwd_dqk_kernel
-from .chunk_bwd import compile_spec as _chunk_bwd_spec
 from .chunk_fwd import chunk_fwd, chunk_fwd_kernel
 from .chunk_fwd import compile_spec as _chunk_fwd_spec
 from .chunk_grad import (
@@ -76,7 +73,6 @@ KERNELS = {
     "chunk_fwd": (chunk_fwd_kernel, _chunk_fwd_spec),
     "chunk_state": (chunk_state_kernel, _chunk_state_spec),
     "chunk_output": (chunk_output_kernel, _chunk_output_spec),
-    "chunk_bwd_dqk": (chunk_bwd_dqk_kernel, _chunk_bwd_spec),
     "chunk_bwd_prep": (chunk_bwd_prep_kernel, _chunk_prep_spec),
     "chunk_dqk": (chunk_dqk_kernel, _chunk_dqk_spec),
     "chunk_dv": (chunk_dv_kernel, _chunk_dv_spec),
@@ -95,7 +91,6 @@ __all__ = [
     "TARGETS",
     "TARGET_DTYPES",
     "WHOLE_DIMS",
-    "chunk_bwd_dqk",
     "chunk_bwd_prep",
     "chunk_bwd_two_phase",
     "chunk_dqk",

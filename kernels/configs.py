@@ -28,7 +28,6 @@ TARGET_DTYPES = {name: ("fp16", "fp32") if cap < (8, 0) else ("bf16", "fp16", "f
 # kernel name -> (name of the whole dim, name of the tiled dim) in that kernel's constexprs
 DIM_NAMES = {
     "chunk_fwd": ("BK", "BV"),        # Dk whole (q . k), Dv tiled (the value columns)
-    "chunk_bwd_dqk": ("BV", "BK"),    # Dv whole (dO . v), Dk tiled (the dq / dk columns)
     "noncausal_state": ("BK", "BV"),  # Dk whole, Dv tiled
     "noncausal_output": ("BA", "BC"),  # input dim whole, output dim tiled
     "decode": ("BK", "BV"),           # Dk whole, Dv tiled (looped inside one program)
@@ -61,11 +60,6 @@ _TABLE: dict[str, dict[str, dict[int, tuple[int, ...]]]] = {
         "mma16": {64: (32, 32, 8), 128: (32, 16, 8), 256: (32, 16, 8)},
         "fp32": {64: (16, 32, 8), 128: (16, 16, 8), 256: (16, 16, 8)},
         "sm75": {64: (16, 32, 8), 128: (16, 16, 8), 256: (16, 16, 8)},
-    },
-    "chunk_bwd_dqk": {
-        "mma16": {64: (32, 64, 8), 128: (32, 32, 8), 256: (32, 16, 8)},
-        "fp32": {64: (32, 32, 8), 128: (32, 32, 8), 256: (16, 16, 8)},
-        "sm75": {64: (32, 32, 8), 128: (16, 16, 8), 256: (16, 16, 8)},
     },
     "noncausal_state": {
         # 128: (64, 64, 8) spilled 2 STL/LDL on sm_80 as the JIT compiles it (the gates)

@@ -71,7 +71,7 @@ ROOT = HERE.parent.parent
 COMPILED_DTYPES = {"sm_75": ("fp16", "fp32"), "sm_80": ("bf16", "fp32"), "sm_86": ("bf16", "fp32"),
                    "sm_89": ("bf16", "fp32"), "sm_90": ("bf16", "fp32")}
 # The kernels and targets whose fp16 twin is compiled to compare with bf16 (heaviest config).
-FP16_TWINS = ("chunk_fwd", "chunk_bwd_dqk", "chunk_output", "chunk_dqk")
+FP16_TWINS = ("chunk_fwd", "chunk_output", "chunk_dqk")
 FP16_TWIN_TARGETS = ("sm_80", "sm_90")
 
 # The gates: the configs select_config picks for bf16 at these head dims on these targets.

@@ -24,7 +24,6 @@ MAX_FUNCTION_LINES = 60
 # (issue 15) replaces them with shorter kernels. Listed by name so that nothing else slips in.
 LONG_FUNCTIONS_ALLOWED = {
     "linattn_lib.kernels.chunk_fwd.chunk_fwd_kernel",
-    "linattn_lib.kernels.chunk_bwd.chunk_bwd_dqk_kernel",
 }
 CORE_MAY_IMPORT = ("linattn_lib.core", "linattn_lib._validate", "linattn_lib.kernels")
 FORBIDDEN_IN_CORE = ("matplotlib", "ipywidgets", "IPython", "tqdm")
