@@ -260,21 +260,25 @@ def run_decode_benchmark(B: int = 64, H: int = 16, D: int = 128, *, do_bench: Ca
 
 def candidate_configs(kernel: str, d_whole: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> list[dict]:
     """Launch configs worth timing for `kernel` at one head-dim bucket on this GPU: the chosen
-    one first, then blocks of 16, 32 and 64 columns in both head dims and 4 or 8 warps, at the
-    chosen chunk length (the two phases must share it) and pipelining depth. Which fit the
-    GPU's shared memory is decided by the run itself (a config that does not fit fails to
-    launch and is reported)."""
+    one first, then its neighbours -- each block width (BK, BV) halved or doubled within 16 to
+    64, at its warp count -- and the chosen blocks on the other warp count (4 or 8), at the
+    chosen chunk length (the two phases must share it) and pipelining depth: at most ten per
+    kernel, so that the sweep's compiles fit the GPU check's time. Which fit the GPU's shared
+    memory is decided by the run itself (a config that does not fit fails to launch and is
+    reported)."""
     from ..kernels import select_config
 
     chosen = select_config(kernel, d_whole, dtype, capability)
+
+    def near(b: int) -> list[int]:
+        return [x for x in (b // 2, b, b * 2) if 16 <= x <= 64]
+
     out = [chosen]
-    for BK in (16, 32, 64):
-        for BV in (16, 32, 64):
-            for warps in (4, 8):
-                cfg = dict(chosen, BK=BK, BV=BV, num_warps=warps)
-                if cfg not in out:
-                    out.append(cfg)
-    return out
+    for BK in near(chosen["BK"]):
+        for BV in near(chosen["BV"]):
+            out.append(dict(chosen, BK=BK, BV=BV))
+    out.append(dict(chosen, num_warps=12 - chosen["num_warps"]))
+    return [cfg for i, cfg in enumerate(out) if cfg not in out[:i]]
 
 
 def _sweep_calls(B: int, H: int, T: int, D: int, dtype, device: str) -> dict:
@@ -444,7 +448,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-tests", action="store_true", help="only run the benchmark")
     parser.add_argument("--skip-bench", action="store_true", help="only run the kernel checks")
     parser.add_argument("--skip-sweep", action="store_true",
-                        help="skip the launch-config sweep (it compiles about 24 kernel variants)")
+                        help="skip the launch-config sweep (it compiles about 40 kernel variants)")
     parser.add_argument("--pytest", metavar="PATH", default=None,
                         help="also run this pytest file with CUDA tensors (a checkout's tests/test_kernels_interpret.py)")
     parser.add_argument("--quick", action="store_true", help="a few self-test cases only (a smoke test)")
