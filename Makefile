@@ -48,7 +48,7 @@ book: $(STAMP)  ## build the HTML book into _build/html (warnings are errors)
 # headless Chromium and saves screenshots to _build/screenshots.
 test: $(STAMP) browser-deps book  ## run the library tests, check every notebook's outputs (nbval) and read the built book in Chromium
 	LINATTN_BOOK_HTML=_build/html LINATTN_REQUIRE_BROWSER=1 CHROMIUM=$(CHROMIUM) \
-		$(BIN)/python -m pytest -p no:cacheprovider --nbval tests book || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
+		$(BIN)/python -m pytest -p no:cacheprovider --durations=25 --nbval tests book || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
 
 # Debian's chromium for the browser test (Playwright drives it; `playwright install` is not
 # used), plus a CJK font so that the glossary's Chinese shows in the screenshots. apt-get runs

@@ -290,7 +290,11 @@ def _tol(name: str, dtype: torch.dtype) -> float:
     return (DECAY_TOL if name == "g" else GRAD_TOL)[dtype]
 
 
-@pytest.mark.parametrize("case", CASES[1::2], ids=_id)
+# head decay + resume, unnormalised per-token decay, the reset, fp16: one of each kind
+BACKWARD_CASES = [CASES[1], CASES[2], CASES[8], CASES[9]]
+
+
+@pytest.mark.parametrize("case", BACKWARD_CASES, ids=_id)
 def test_two_phase_backward_against_float64(case):
     """dq, dk, dv, the log-decay's and the initial state's gradients of a loss on the outputs
     and the final state, from the two-phase backward, against float64 autograd through the
