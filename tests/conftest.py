@@ -99,3 +99,13 @@ def random_inputs(
 def make_inputs() -> Callable[..., tuple]:
     """The factory `random_inputs`."""
     return random_inputs
+
+
+@pytest.fixture
+def one_thread():
+    """One torch thread for the test: on tiny shapes extra threads only add synchronisation,
+    which stalls badly when the machine is busy (benchmarks leave the thread count alone)."""
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -28,14 +28,8 @@ CHUNKS = (16, 64)
 DECAYS = (None, "head", "token")
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """These shapes are tiny: extra threads only add synchronisation, which stalls badly when
-    the machine is busy. (The bench measures with the thread count left alone.)"""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# tiny shapes: extra threads only add synchronisation (the `one_thread` fixture of conftest.py)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:

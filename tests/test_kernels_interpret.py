@@ -40,6 +40,7 @@ from linattn_lib import LinearAttentionState, linear_attention  # noqa: E402
 from linattn_lib.core.decode import linear_attention_decode_step
 from linattn_lib.core.reference import reference_linear_attention  # noqa: E402
 from linattn_lib.core.triton_ops import triton_available  # noqa: E402
+from linattn_lib.experiments.kernel_selftest import DECAYS as SELFTEST_DECAYS  # noqa: E402
 
 if not triton_available():  # pragma: no cover - triton imports but the kernels do not
     pytest.skip("the Triton kernels do not import here", allow_module_level=True)
@@ -54,15 +55,9 @@ TOL = {
     torch.bfloat16: (2e-2, 5e-2, 5e-2),
 }
 
-# log-decay per token drawn from -U(lo, hi); "head" variants use one value per head.
-DECAYS = {
-    None: None,
-    "head-weak": (0.0, 0.05),
-    "head": (0.0, 1.0),
-    "token": (0.0, 1.0),
-    "token-strong": (1.0, 4.0),
-    "token-extreme": (20.0, 40.0),  # every chunk-crossing factor underflows to exactly 0
-}
+# log-decay per token drawn from -U(lo, hi); "head" variants use one value per head: the
+# self-test's table (gpu_check runs the same kinds of decay on a GPU)
+DECAYS = {None: None, **SELFTEST_DECAYS}
 
 
 

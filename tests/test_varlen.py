@@ -43,13 +43,8 @@ LENGTHS = {  # chunk_size 16: boundaries inside a chunk, on a chunk edge, empty 
 H, DK, DV = 2, 5, 3
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny shapes: extra threads only add synchronisation."""
-    n = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(n)
+# tiny shapes: extra threads only add synchronisation (the `one_thread` fixture of conftest.py)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:

@@ -53,7 +53,7 @@ from .bench_targets import (
     run_targets,
     verdict,
 )
-from .common import progress_bar, run_metadata, write_json
+from .common import progress_bar, run_metadata, save_figure, write_json
 
 MODULE = "linattn_lib.experiments.bench"
 DEFAULT_OUT = "book/results/bench"
@@ -205,12 +205,7 @@ def plot_sweep(records: list[dict], path: Path, title: str) -> Path:
         ax.set(xscale="log", yscale="log", xlabel="sequence length T", ylabel="time (ms)", title=mode)
         ax.grid(True, which="both", alpha=0.3)
         ax.legend(fontsize=7)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
 
 
 def cuda_peak_gbps() -> float | None:

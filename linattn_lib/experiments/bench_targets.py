@@ -32,7 +32,7 @@ from ..core.torch_chunked import BLOCK_TOKENS, _blocks, _prepare, _Workspace
 from ..flops import FLOPS_FORMULA, chunked_forward_flops, io_bytes, matmul_flops
 from ..measure import peak_memory_bytes, rss_bytes, timed_calls
 from .bench_providers import make_inputs, provider_call, provider_forward
-from .common import progress_bar
+from .common import progress_bar, save_figure
 
 PROBE_MODULE = "linattn_lib.experiments.bench_targets"
 
@@ -378,12 +378,7 @@ def plot_targets(res: dict, path: Path, title: str) -> Path:
     ax.plot(Ts, [ys[0] * t / Ts[0] for t in Ts], "--", color="gray", label="linear in T")
     ax.set(xscale="log", yscale="log", xlabel="T", ylabel="time (ms)", title="fwd+bwd growth")
     ax.legend(fontsize=8)
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return save_figure(fig, path, title)
 
 
 def _probe_main(argv: list[str] | None = None) -> int:

@@ -10,11 +10,15 @@ import sys
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from .. import __version__
 from ..measure import device_name
+
+if TYPE_CHECKING:  # matplotlib is imported where a figure is drawn
+    from matplotlib.figure import Figure
 
 
 def seed_everything(seed: int) -> torch.Generator:
@@ -73,6 +77,19 @@ def write_json(path: os.PathLike, payload: dict) -> Path:
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(payload, indent=1, sort_keys=False) + "\n")
     os.replace(tmp, path)
+    return path
+
+
+def save_figure(fig: Figure, path: os.PathLike, title: str) -> Path:
+    """Give a benchmark figure its title, save it as PNG (dpi 110, folders made) and close it."""
+    import matplotlib.pyplot as plt
+
+    path = Path(path)
+    fig.suptitle(title, fontsize=9)
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
     return path
 
 

@@ -38,7 +38,8 @@ PASSED, FAILED, NOT_RUN = "passed", "failed", "not run"
 TOLERANCES = {"float32": (1e-5, 1e-5, 1e-4), "float16": (3e-3, 1e-2, 1e-2), "bfloat16": (2e-2, 5e-2, 5e-2)}
 
 # log-decay per token drawn from -U(lo, hi); "head" variants have one value per head
-_DECAYS = {"head-weak": (0.0, 0.05), "head": (0.0, 1.0), "token": (0.0, 1.0), "token-strong": (1.0, 4.0),
+# (tests/test_kernels_interpret.py draws its decays from this table too)
+DECAYS = {"head-weak": (0.0, 0.05), "head": (0.0, 1.0), "token": (0.0, 1.0), "token-strong": (1.0, 4.0),
            "token-extreme": (20.0, 40.0)}  # extreme: every chunk-crossing factor underflows to 0
 
 # B, H, T, Dk, Dv, decay, normalize, resume from a non-zero state
@@ -95,7 +96,7 @@ def _log_decay(decay, B, H, T, gen):
         return g
     if decay == "head-reset":  # one head decays weakly, the next resets at every token
         return torch.tensor([-0.01, -1e5] * H)[:H]
-    lo, hi = _DECAYS[decay]
+    lo, hi = DECAYS[decay]
     shape = (H,) if decay.startswith("head") else (B, H, T)
     return -(lo + (hi - lo) * torch.rand(shape, generator=gen))
 
