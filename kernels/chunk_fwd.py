@@ -16,11 +16,12 @@ a_j = g_{j+1} + ... + g_last (from key j to the chunk end), and S the state on e
     S  <- exp(gc_last) S + sum_j exp(a_j) k_j v_j^T                  <- pass the state on
 
 Every exponent is a sum of log-decays over a forward interval, hence <= 0: nothing overflows,
-however strong the decay. (Writing exp(gc_i) * exp(-gc_j) instead would overflow.) And each
-is summed from its own terms (`chunk_log_decays`), never taken as gc_i - gc_j or
-gc_last - gc_j: after a reset (g = -1e5) both prefix sums are ~ -1e5 and their difference
-keeps ~1e-2 of absolute precision in fp32 (outputs were off by 0.16 where the torch forms
-gave 1.5e-6).
+however strong the decay. (Writing exp(gc_i) * exp(-gc_j) instead would overflow.) And none is a
+plain difference of fp32 prefix sums, gc_i - gc_j or gc_last - gc_j: after a reset
+(g = -1e5) both are ~ -1e5 and their difference keeps ~1e-2 of absolute precision (outputs
+were off by 0.16 where the torch forms gave 1.5e-6). `chunk_log_decays` takes the
+differences of compensated prefix sums (TwoSum), accurate to the rounding of the result, and
+for a decay per head the products n g_h (a sum over n tokens, one rounding).
 
 Masks select, they do not multiply. A future key or value that is inf or NaN (garbage in
 right-padding, a score that overflowed) meets the zeros of the causal mask: 0 * inf = NaN
@@ -80,36 +81,91 @@ _shifted = _shifted_gather if hasattr(tl, "gather") else _shifted_sum
 
 
 @triton.jit
-def chunk_log_decays(g, o_t, BT: tl.constexpr, REVERSE: tl.constexpr):
-    """The log-decays one chunk needs, each summed over exactly the tokens it spans.
+def _two_sum(a_hi, a_lo, b_hi, b_lo):
+    """(a_hi + a_lo) + (b_hi + b_lo) as an unevaluated pair: hi the rounded sum of the two his,
+    lo the other parts plus what that rounding dropped (Knuth's TwoSum, exact in IEEE fp32)."""
+    s = a_hi + b_hi
+    b_virtual = s - a_hi
+    dropped = (a_hi - (s - b_virtual)) + (b_hi - b_virtual)
+    return s, a_lo + b_lo + dropped
 
-    g: (BT,) log-decays of the chunk's tokens (<= 0; 0 for padding), o_t = arange(BT).
+
+@triton.jit
+def _gap(hi_a, lo_a, hi_b, lo_b):
+    """P_a - P_b for two compensated prefix sums, clamped to <= 0 (the exact value is)."""
+    return tl.minimum((hi_a - hi_b) + (lo_a - lo_b), 0.0)
+
+
+@triton.jit
+def _head_log_decays(g, o_t, REVERSE: tl.constexpr):
+    """chunk_log_decays when every token decays by the same g_h: a sum over n tokens is n g_h
+    (one rounding, no scan). The first n tokens are real, the rest padding (g = 0); with
+    g_h = 0 every decay is 0, whatever n."""
+    g_h = tl.min(g, axis=0)
+    n = tl.sum(tl.where(g < 0, 1.0, 0.0), axis=0)
+    i = o_t.to(tl.float32)
+    gc = tl.minimum(i + 1.0, n) * g_h                   # g_start + ... + g_i
+    after = tl.maximum(n - 1.0 - i, 0.0) * g_h          # g_{j+1} + ... + g_last
+    real = tl.minimum(i, n - 1.0)                       # padding adds nothing: a pair counts
+    lag = real[:, None] - real[None, :]                 # only the real tokens between them
+    if REVERSE:
+        L = tl.where(o_t[None, :] > o_t[:, None], -lag * g_h, 0.0)  # (j - i) g_h for j > i
+        return L, after, gc, n * g_h
+    else:
+        L = tl.where(o_t[None, :] < o_t[:, None], lag * g_h, 0.0)   # (i - j) g_h for i > j
+        return L, gc, after, n * g_h
+
+
+@triton.jit
+def chunk_log_decays(g, o_t, BT: tl.constexpr, REVERSE: tl.constexpr, PER_HEAD: tl.constexpr = False,
+                     ROW_SCANS: tl.constexpr = False):
+    """The log-decays one chunk needs, each accurate to the rounding of its own value.
+
+    g: (BT,) log-decays of the chunk's tokens (<= 0; 0 for padding), o_t = arange(BT);
+    PER_HEAD: all of them are one value (a decay per head), whose sums are products;
+    ROW_SCANS: L from a scan along each row of the chunk's pairs, each summed from its own
+    terms (more instructions, fewer registers: the one-pass kernel, whose state takes many).
     Returns (L, q_log, k_log, g_last): L (BT x BT) holds, inside the visible triangle, the log
     of the decay between the two tokens of a pair (0 outside it); q_log the decay from the
     end of the chunk the state comes from to each query; k_log from each key to the end the
     state goes to; g_last the decay across the whole chunk.
 
-    Nothing is a difference of two cumulative sums. After a reset (g = -1e5) a prefix sum is
-    ~ -1e5, and gc_i - gc_j keeps ~1e-2 of absolute precision in fp32 however close i and j
-    are. Here every sum starts after the pair's first token and adds only the terms between
-    the two (as `segsum` in linattn_lib/core/masks.py does), and the decay to the chunk end is a
-    sum from the next token on (`sum_after` in linattn_lib/core/state.py). All terms have one
-    sign, so each sum is accurate relative to itself, and all are <= 0: exp never overflows.
-    The 2-d sums are scans along axis 1, which stays inside a warp on a GPU.
+    The 1-d decays are sums over their own tokens: gc_i = g_start + ... + g_i a scan from the
+    chunk start, a_j = g_{j+1} + ... + g_last a reversed scan from the end, g_last the total.
+    L_ij = P_i - P_j is a difference of the prefix sums P_i = g_start + ... + g_i, which in
+    plain fp32 fails after a reset (g = -1e5): both are ~ -1e5 and their difference keeps
+    ~1e-2 of absolute precision however close i and j are. So these prefix sums are
+    compensated: a scan of (hi, lo) pairs with TwoSum keeps what each addition rounds away,
+    P_i = hi_i + lo_i to ~1e-13 relative, and (hi_i - hi_j) + (lo_i - lo_j) is then as
+    accurate as a sum over exactly the tokens between i and j (what `segsum` in
+    linattn_lib/core/masks.py computes), for one 1-d scan of BT pairs and an elementwise
+    difference -- where a sum of each pair's own terms is a scan along every row of a BT x BT
+    matrix, about a third of the instructions of the parallel kernels with a decay. (The
+    sequential state kernel uses only the 1-d decays: the scan is not compiled there.) All
+    are <= 0 (L is clamped: its exact value is), so exp never overflows.
     """
+    if PER_HEAD:
+        return _head_log_decays(g, o_t, REVERSE)
     g_last = tl.sum(g, axis=0)
     gc = tl.cumsum(g, axis=0)                           # g_start + ... + g_i
     g_next = _shifted(g, o_t, BT)                       # g_next[j] = g_{j+1}, 0 at the end
     after = tl.cumsum(g_next, axis=0, reverse=True)     # g_{j+1} + ... + g_last
+    if ROW_SCANS:
+        if REVERSE:  # L[i, j] = g_{i+1} + ... + g_j for j > i: a running sum along the row
+            L = tl.cumsum(tl.where(o_t[None, :] > o_t[:, None], g[None, :], 0.0), axis=1)
+            return L, after, gc, g_last
+        else:  # L[i, j] = g_{j+1} + ... + g_i for i > j: the row's running sum from the right
+            L = tl.cumsum(tl.where(o_t[None, :] < o_t[:, None], g_next[None, :], 0.0), axis=1, reverse=True)
+            return L, gc, after, g_last
+    hi, lo = tl.associative_scan((g, tl.zeros_like(g)), 0, _two_sum)
     if REVERSE:
-        # L[i, j] = g_{i+1} + ... + g_j for j >= i: a running sum along the row
-        L = tl.cumsum(tl.where(o_t[None, :] > o_t[:, None], g[None, :], 0.0), axis=1)
+        # L[i, j] = g_{i+1} + ... + g_j = P_j - P_i for j > i
+        L = tl.where(o_t[None, :] > o_t[:, None], _gap(hi[None, :], lo[None, :], hi[:, None], lo[:, None]), 0.0)
         q_log = after                                   # a query reads the state from the chunk end
         k_log = gc                                      # a key is carried to the chunk start
     else:
-        # L[i, j] = g_{j+1} + ... + g_i for i >= j: the row's running sum from the right,
-        # over g_next so that it starts after j
-        L = tl.cumsum(tl.where(o_t[None, :] < o_t[:, None], g_next[None, :], 0.0), axis=1, reverse=True)
+        # L[i, j] = g_{j+1} + ... + g_i = P_i - P_j for i > j
+        L = tl.where(o_t[None, :] < o_t[:, None], _gap(hi[:, None], lo[:, None], hi[None, :], lo[None, :]), 0.0)
         q_log = gc
         k_log = after
     return L, q_log, k_log, g_last
@@ -198,7 +254,7 @@ def chunk_fwd_kernel(
                 g = tl.where(m_t, tl.load(g_ptr + i_bh % H).to(tl.float32), 0.0)
             else:
                 g = tl.load(g_ptr + i_bh * T + t, mask=m_t, other=0.0).to(tl.float32)
-            L, q_log, k_log, g_last = chunk_log_decays(g, o_t, BT, REVERSE)
+            L, q_log, k_log, g_last = chunk_log_decays(g, o_t, BT, REVERSE, DECAY == 1, True)
             A = A * tl.exp(L)                   # L <= 0 everywhere (0 outside the visible triangle)
         # Select, do not multiply: an invisible pair is 0 even when its score is inf or NaN
         # (a garbage future key), where inf * 0 would be NaN in an earlier row.

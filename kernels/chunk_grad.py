@@ -112,7 +112,7 @@ def _decays(g_ptr, i_h, row0, t, m_t, o_t, BT: tl.constexpr, DECAY: tl.constexpr
     visible = o_t[:, None] >= o_t[None, :]
     if DECAY > 0:
         g = load_log_decay(g_ptr, i_h, row0, t, m_t, DECAY)
-        L, q_log, k_log, _ = chunk_log_decays(g, o_t, BT, False)
+        L, q_log, k_log, _ = chunk_log_decays(g, o_t, BT, False, DECAY == 1)
         return tl.where(visible, tl.exp(L), 0.0), tl.exp(q_log), tl.exp(k_log)
     else:
         ones = tl.full([BT], 1.0, dtype=tl.float32)

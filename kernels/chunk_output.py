@@ -13,7 +13,8 @@ one another: one program per (value tile, chunk, batch * head) computes
 
 and stores o_i / (d_i + eps) and den_i = d_i + eps (fp32), exactly what `chunk_fwd_kernel`
 stores: the backward pass reads den. L_ij = g_{j+1} + ... + g_i and gc_i = g_start + ... + g_i
-come from `chunk_log_decays` (chunk_fwd.py), each summed from its own terms, all <= 0. The
+come from `chunk_log_decays` (chunk_fwd.py), each as precise as a sum of its own terms (a
+compensated difference of prefix sums; a product for a decay per head), all <= 0. The
 decay of the state's term is applied to the row after the product (exp(gc_i) (q_i S_n) rather
 than (exp(gc_i) q_i) S_n: a row scale commutes with the product).
 
@@ -105,7 +106,7 @@ def chunk_output_kernel(
     v = tl.load(v_ptr + (row0 + t)[:, None] * Dv + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
     if DECAY > 0:
         g = load_log_decay(g_ptr, i_h, row0, t, m_t, DECAY)
-        L, q_log, _, _ = chunk_log_decays(g, o_t, BT, False)
+        L, q_log, _, _ = chunk_log_decays(g, o_t, BT, False, DECAY == 1)
         A = A * tl.exp(L)                   # L <= 0 (0 outside the causal triangle)
         q_decay = tl.exp(q_log)
         o = o * q_decay[:, None]

@@ -81,11 +81,12 @@ def _chunk_inputs(k_ptr, v_ptr, g_ptr, r_ptr, w_ptr, row0, t, m_t, o_k, m_k, o_v
 @triton.jit
 def _decayed_keys(k, g, BT: tl.constexpr, DECAY: tl.constexpr, REVERSE: tl.constexpr):
     """exp(a_j) k_j in fp32 and exp(g_last): a_j from key j to the chunk end (to the chunk
-    start, reversed), both summed from their own terms (chunk_log_decays), both <= 0."""
+    start, reversed), both sums of their own terms (chunk_log_decays; products n g_h for a
+    decay per head), both <= 0."""
     k_s = k.to(tl.float32)
     decay = 1.0
     if DECAY > 0:
-        _, _, k_log, g_last = chunk_log_decays(g, tl.arange(0, BT), BT, REVERSE)
+        _, _, k_log, g_last = chunk_log_decays(g, tl.arange(0, BT), BT, REVERSE, DECAY == 1)
         k_s = k_s * tl.exp(k_log)[:, None]          # |exp(a_j) k_j| <= |k_j|: fits the input dtype
         decay = tl.exp(g_last)
     return k_s, decay

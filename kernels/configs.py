@@ -42,6 +42,7 @@ DIM_NAMES = {
 
 # Configs: kernel -> class -> {whole dim: (BT, tile, num_warps)}. The classes:
 #   "mma16"  fp16 / bf16 on sm_80 and newer: every tl.dot on tensor cores, loads double-buffered
+#   "sm90"   fp16 / bf16 on sm_90 (Hopper): mma16's configs but wider blocks in two kernels
 #   "fp32"   float32 on sm_80+: tl.dot in true fp32 (FMA loops, no tensor cores), one stage
 #   "sm75"   every dtype on sm_75 (the T4): 64 KiB of shared memory, tl.dot lowered to FMAs
 # Chosen without a GPU, from an ahead-of-time sweep (BT in {16, 32, 64}, tiles {16, 32, 64},
@@ -89,7 +90,7 @@ _TABLE: dict[str, dict[str, dict[int, tuple[int, ...]]]] = {
         "sm75": {64: (32, 32, 8), 128: (16, 16, 8), 256: (16, 16, 8)},
     },
 }
-NUM_STAGES = {"mma16": 2, "fp32": 1, "sm75": 1}
+NUM_STAGES = {"mma16": 2, "sm90": 2, "fp32": 1, "sm75": 1}
 
 # The two-phase forward (chunk_state.py, chunk_output.py): class -> (BT, BK, BV, num_warps),
 # the same at every head dim (both dims are walked in blocks), so one config per class. The
@@ -118,14 +119,28 @@ NUM_STAGES = {"mma16": 2, "fp32": 1, "sm75": 1}
 #   D = 64 / 128 (aligned) all their loop loads are async copies, 128-167 registers, 3-4 CTAs.
 #   sm75 dqk: 32 x 32 x 32 spilled 35 instructions in fp16; 32 x 16 (Dk x Dv blocks) none.
 #   fp32 / sm75: tl.dot is FMAs (or no tf32): 32-token chunks and 32 x 32 tiles, no spills.
+#   sm90: Hopper (H100 / H200, the benchmark GPUs) has the registers for wider blocks in the
+#   two parallel kernels that recompute a BT x BT matrix per block (the scores, or dO v^T and
+#   the decays): with fewer blocks per chunk that work is done fewer times. sm_90, bf16,
+#   D = 128, as the JIT compiles it: dqk 64 x 32 blocks on 8 warps 128 registers, 2 CTAs, 1,680
+#   SASS instructions for 2 blocks per chunk (16 x 16 on 4 warps: 1,712 for each of 8 blocks);
+#   output 32 x 64 on 8 warps 97 registers, 2 CTAs, 1,312 for 2 value tiles per chunk (16 x 32:
+#   1,616 for each of 4). Without divisibility both take 175-230 registers (1 CTA), no spills.
+#   The same blocks on sm_80 spill 56-86 instructions even aligned: Ampere keeps mma16.
 _TWO_PHASE: dict[str, dict[str, tuple[int, int, int, int]]] = {
     "chunk_state": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
-    "chunk_dqk": {"mma16": (64, 16, 16, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 16, 4)},
+    "chunk_dqk": {"mma16": (64, 16, 16, 4), "sm90": (64, 64, 32, 8), "fp32": (32, 32, 32, 4),
+                  "sm75": (32, 32, 16, 4)},
     "chunk_dv": {"mma16": (64, 32, 64, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
-    "chunk_output": {"mma16": (64, 16, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
+    "chunk_output": {"mma16": (64, 16, 32, 4), "sm90": (64, 32, 64, 8), "fp32": (32, 32, 32, 4),
+                     "sm75": (32, 32, 32, 4)},
 }
 for _kernel, _classes in _TWO_PHASE.items():
     _TABLE[_kernel] = {cls: dict.fromkeys(WHOLE_DIMS, entry) for cls, entry in _classes.items()}
+# Every other kernel (and the two-phase ones not listed) picks the same config on Hopper as on
+# Ampere.
+for _classes in _TABLE.values():
+    _classes.setdefault("sm90", _classes["mma16"])
 
 
 def _config(kernel: str, cls: str, whole: int) -> dict:
@@ -185,6 +200,8 @@ def select_config(kernel: str, d_whole: int, dtype: torch.dtype, device_or_capab
         cls = "sm75"
     elif dtype == torch.float32:
         cls = "fp32"
+    elif cap is not None and tuple(cap) >= (9, 0):
+        cls = "sm90"
     else:
         cls = "mma16"
     return _config(kernel, cls, whole_dim(d_whole))

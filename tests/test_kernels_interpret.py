@@ -45,6 +45,12 @@ from linattn_lib.experiments.kernel_selftest import DECAYS as SELFTEST_DECAYS  #
 if not triton_available():  # pragma: no cover - triton imports but the kernels do not
     pytest.skip("the Triton kernels do not import here", allow_module_level=True)
 
+import triton  # noqa: E402
+import triton.language as tl  # noqa: E402
+
+from linattn_lib.kernels.chunk_fwd import chunk_log_decays  # noqa: E402
+from linattn_lib.kernels.configs import launchable  # noqa: E402
+
 DEVICE = torch.device(os.environ.get("LINATTN_KERNEL_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"))
 DTYPES = [torch.float32, torch.float16] + ([torch.bfloat16] if DEVICE.type == "cuda" else [])
 
@@ -248,6 +254,58 @@ def test_causal_decay_reset_fp32(case):
 @pytest.mark.parametrize("dtype", DTYPES[1:], ids=str)
 def test_causal_decay_reset_half(dtype):
     check_against_reference(RESET_CASES[0], dtype, causal=True)
+
+
+@triton.jit
+def _log_decays_probe(g_ptr, L_ptr, out_ptr, BT: tl.constexpr, REVERSE: tl.constexpr, PER_HEAD: tl.constexpr,
+                      ROW_SCANS: tl.constexpr):
+    """Writes what chunk_log_decays returns for one chunk's log-decays g."""
+    o_t = tl.arange(0, BT)
+    L, q_log, k_log, g_last = chunk_log_decays(tl.load(g_ptr + o_t), o_t, BT, REVERSE, PER_HEAD, ROW_SCANS)
+    tl.store(L_ptr + o_t[:, None] * BT + o_t[None, :], L)
+    tl.store(out_ptr + o_t, q_log)
+    tl.store(out_ptr + BT + o_t, k_log)
+    tl.store(out_ptr + 2 * BT + o_t, g_last + tl.zeros_like(q_log))
+
+
+def _segsum64(g: torch.Tensor) -> torch.Tensor:
+    """float64 L[i, j] = g_{j+1} + ... + g_i (i > j), 0 elsewhere: summed term by term."""
+    n = g.numel()
+    L = torch.zeros(n, n, dtype=torch.float64)
+    for i in range(n):
+        for j in range(i):
+            L[i, j] = g[j + 1: i + 1].double().sum()
+    return L
+
+
+@pytest.mark.parametrize("row_scans", [False, True], ids=["compensated", "row-scans"])
+@pytest.mark.parametrize("decay", ["token-reset10", "token-reset-random", "token-strong", "head", "head-reset"])
+def test_chunk_log_decays_are_as_precise_as_their_own_terms(decay, row_scans):
+    """chunk_log_decays takes differences of compensated prefix sums (products for a decay per
+    head): after a reset each decay must still be accurate relative to itself (plain fp32
+    prefix sums leave ~1e-2 of absolute error there), every one <= 0, in both directions."""
+    BT, n = 64, 57  # the last 7 tokens are padding (g = 0), as at a sequence's end
+    g = torch.zeros(BT)
+    per_head = decay.startswith("head")
+    if per_head:  # one head's value, repeated
+        g[:n] = -1e5 if decay == "head-reset" else -0.37
+    else:
+        g[:n] = (RESETS[decay] if decay in RESETS else lambda *s: -1 - 3 * torch.rand(s))(1, 1, n).flatten()
+    L64 = _segsum64(g)
+    gc, total = g.double().cumsum(0), g.double().sum()
+    for reverse in (False, True):
+        L, out = torch.empty(BT, BT), torch.empty(3 * BT)
+        launchable(_log_decays_probe, "cpu")[(1,)](g, L, out, BT=BT, REVERSE=reverse, PER_HEAD=per_head,
+                                                   ROW_SCANS=row_scans)
+        want_L = L64.T if reverse else L64
+        q_want, k_want = (total - gc, gc) if reverse else (gc, total - gc)
+        for got, want in [(L, want_L), (out[:BT], q_want), (out[BT:2 * BT], k_want),
+                          (out[2 * BT:], total.expand(BT))]:
+            assert (got <= 0).all()
+            # the rounding of a few fp32 additions of the value's own size (plain prefix
+            # sums of ~1e5 would leave ~1e-2 here), and ~1e-7 from the compensation terms
+            assert ((got.double() - want).abs() <= 2e-6 * want.abs() + 1e-7).all(), \
+                (got.double() - want).abs().max()
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="patches the kernel module (the interpreter reads it per launch)")
@@ -510,6 +568,21 @@ def test_sm75_configs(monkeypatch, dtype):
     picked = configs.select_config("chunk_fwd", 200, dtype, torch.device("cpu"))
     assert picked["BT"] == 16 and picked in configs.CONFIGS["chunk_fwd"]
     check_against_reference((1, 1, 40, 200, 136, "token", True, True), dtype, causal=True)
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="fakes the GPU generation on CPU")
+def test_sm90_configs(monkeypatch):
+    """Hopper's wider blocks (dqk 64 x 32, output 32 x 64 on 8 warps) run in the interpreter
+    when told the GPU is an sm_90: head dims that leave a partial block in both, a decay, the
+    normaliser and a resumed state, forward and backward."""
+    from linattn_lib.core.triton_ops import load_kernels
+
+    configs = load_kernels().configs
+    monkeypatch.setattr(configs, "device_capability", lambda device: (9, 0))
+    for kernel in ("chunk_dqk", "chunk_output"):
+        picked = configs.select_config(kernel, 80, torch.float16, torch.device("cpu"))
+        assert picked == configs._config(kernel, "sm90", 128) != configs._config(kernel, "mma16", 128)
+    check_against_reference((1, 1, 70, 80, 72, "token", True, True), torch.float16, causal=True)
 
 
 # --------------------------------------------------------------------------------------

@@ -142,17 +142,25 @@ def _ops(calls):
     return [c.kernel for c in calls if c.kernel.startswith("torch:")]
 
 
-def test_census_of_the_forward_has_the_launchers_grids():
+@pytest.mark.parametrize("target", ["sm_90", "sm_80"])
+def test_census_of_the_forward_has_the_launchers_grids(target):
+    """The launches a GPU of `target` would make: select_config's configs for that target (the
+    census runs on meta tensors, which have no GPU generation of their own)."""
     B, H, T, D = 1, 2, 256, 64
-    cen = pm.census(B, H, T, D)
-    state = K.select_config("chunk_state", D, torch.bfloat16, None)
-    out = K.select_config("chunk_output", D, torch.bfloat16, None)
+    cen = pm.census(B, H, T, D, target=target)
+    state = K.select_config("chunk_state", D, torch.bfloat16, K.TARGETS[target])
+    out = K.select_config("chunk_output", D, torch.bfloat16, K.TARGETS[target])
     cdiv = lambda a, b: -(-a // b)
     assert [(c.kernel, c.grid) for c in cen["forward"]] == [
         ("chunk_state_kernel", (cdiv(D, state["BK"]), cdiv(D, state["BV"]) + 1, B * H)),  # + 1: z's programs
         ("chunk_output_kernel", (cdiv(D, out["BV"]), cdiv(T, out["BT"]), B * H))]
     assert [c.num_warps for c in cen["forward"]] == [state["num_warps"], out["num_warps"]]
     assert cen["forward"][0].args["BT"] == state["BT"] and cen["forward"][0].args["T"] == T
+    dqk = next(c for c in cen["backward"] if c.kernel == "chunk_dqk_kernel")
+    assert dqk.grid[0] == cdiv(D, K.select_config("chunk_dqk", D, torch.bfloat16, K.TARGETS[target])["BK"])
+    # the patch is undone: off CUDA select_config is back to the sm_80+ choice
+    assert K.select_config("chunk_output", D, torch.bfloat16, torch.device("meta")) == \
+        K.select_config("chunk_output", D, torch.bfloat16, K.TARGETS["sm_80"])
 
 
 @pytest.mark.parametrize("normalize,decay", [(True, None), (True, "head"), (False, "token")])

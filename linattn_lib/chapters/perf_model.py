@@ -156,20 +156,32 @@ def recording() -> Iterator[list[Call]]:
 DECAYS = (None, "head", "token")  # no decay, one log-decay per head (H,), one per token (B, H, T)
 
 
+@contextlib.contextmanager
+def _capability(target: str) -> Iterator[None]:
+    """Within the block `select_config` picks the configs of `target` ("sm_90") for any device."""
+    configs = sys.modules["linattn_lib.kernels.configs"]
+    original = configs.device_capability
+    configs.device_capability = lambda device: configs.TARGETS[target]
+    try:
+        yield
+    finally:
+        configs.device_capability = original
+
+
 def census(B: int, H: int, T: int, D: int, dtype: torch.dtype = torch.bfloat16, *,
-           normalize: bool = True, decay: str | None = None) -> dict[str, list[Call]]:
+           normalize: bool = True, decay: str | None = None, target: str = "sm_90") -> dict[str, list[Call]]:
     """{"forward": [...], "backward": [...]}: our causal op's launches at (B, H, T, D) from the real
     launchers (no initial state; gradients of q, k, v and of a per-token log-decay, a per-head one
-    being fixed) on meta tensors (no memory), with the configs they pick off CUDA: `select_config`'s
-    sm_80+ ones, those of an H100 for 16-bit inputs. decay: one of `DECAYS` (fp32)."""
+    being fixed) on meta tensors (no memory), with the configs `select_config` picks on `target`
+    (default sm_90: an H100 or H200). decay: one of `DECAYS` (fp32)."""
     if decay not in DECAYS:
         raise ValueError(f"census: decay must be one of {DECAYS}, not {decay!r}")
     q, k, v, do = (torch.empty(B, H, T, D, dtype=dtype, device="meta") for _ in range(4))
     g = None if decay is None else torch.empty(*((H,) if decay == "head" else (B, H, T)), device="meta")
-    with recording() as fwd:
+    with recording() as fwd, _capability(target):
         o, den, S_T, z_T = triton_ops.causal_forward(q=q, k=k, v=v, g=g, S0=None, z0=None, normalize=normalize,
                                                      eps=1e-6, return_state=False)
-    with recording() as bwd:
+    with recording() as bwd, _capability(target):
         triton_ops.causal_backward(q=q, k=k, v=v, g=g, S0=None, z0=None, o=o, den=den, S_T=S_T, z_T=z_T, do=do,
                                    dS_T=None, dz_T=None, normalize=normalize,
                                    needs=(True, True, True, decay == "token", False, False))
@@ -359,7 +371,7 @@ def analog_stats(call: Call, target: str = "sm_90") -> SassStats:
     loop structure (`perf_fla.ANALOGS`; unnormalised, with a per-token decay when the call has its
     USE_G) compiled at the call's BK, BV, warps and stages."""
     decay = "token" if call.args.get("USE_G") else None
-    ours = next(c for c in census(1, 1, 128, call.args["K"], normalize=False, decay=decay)["forward"]
+    ours = next(c for c in census(1, 1, 128, call.args["K"], normalize=False, decay=decay, target=target)["forward"]
                 if c.kernel == perf_fla.ANALOGS[call.kernel])
     return sass_stats_of(replace(ours, args={**ours.args, "BK": call.args["BK"], "BV": call.args["BV"]},
                                  num_warps=call.num_warps, num_stages=call.num_stages), target)
@@ -497,7 +509,7 @@ def compare(B: int, T: int, H: int, D: int, gpu: GPU | str = "H100 SXM", *, dtyp
         if only is not None and row.label not in only:
             continue
         if row.who == "ours":
-            calls = census(B, H, T, D, dtype, normalize=row.normalize, decay=row.decay)
+            calls = census(B, H, T, D, dtype, normalize=row.normalize, decay=row.decay, target=gpu.target)
             launches = {part: [launch_of(c, gpu, stats) for c in cs] for part, cs in calls.items()}
         else:
             make = lambda cfg, row=row: replay_calls(B, H, T, D, (row.normalize, row.decay), cfg, kernels, dtype)
@@ -523,7 +535,7 @@ def assumptions(gpu: GPU, fla_root: str | None = None) -> list[str]:
         "HBM bytes: each tensor a kernel touches once, re-reads by programs running together hit L2, "
         "others do not; nothing stays in L2 between launches; an eager torch op reads and writes once.",
         "Ours: the real launchers (causal_forward, causal_backward) recorded on meta tensors, with the "
-        "configs select_config gives an H100; gradients of q, k, v (and of a per-token log-decay).",
+        "configs select_config gives an sm_90 (H100, H200); gradients of q, k, v (and of a per-token log-decay).",
         *perf_fla.assumptions(fla_root),
         "Roofline: the fused op's tensors once each: q, k, v, o (+ g) forward; q, k, v, dO (+ o when "
         "normalised, + g) read and dq, dk, dv (+ dg) written backward.",
