@@ -83,11 +83,37 @@ _shifted = _shifted_gather if hasattr(tl, "gather") else _shifted_sum
 @triton.jit
 def _two_sum(a_hi, a_lo, b_hi, b_lo):
     """(a_hi + a_lo) + (b_hi + b_lo) as an unevaluated pair: hi the rounded sum of the two his,
-    lo the other parts plus what that rounding dropped (Knuth's TwoSum, exact in IEEE fp32)."""
+    lo the other parts plus what that rounding dropped (Knuth's TwoSum: with a_lo = b_lo = 0
+    exact in IEEE fp32)."""
     s = a_hi + b_hi
     b_virtual = s - a_hi
     dropped = (a_hi - (s - b_virtual)) + (b_hi - b_virtual)
     return s, a_lo + b_lo + dropped
+
+
+@triton.jit
+def _shifted_back_gather(x, o_t, BT: tl.constexpr):
+    """(0, x_0, ..., x_{BT-2}): the previous entry of each, in registers."""
+    return tl.where(o_t > 0, tl.gather(x, tl.maximum(o_t - 1, 0), 0), 0.0)
+
+
+@triton.jit
+def _shifted_back_sum(x, o_t, BT: tl.constexpr):
+    """The same shift where tl.gather does not exist (Triton < 3.2): a masked row sum."""
+    return tl.sum(tl.where(o_t[None, :] == o_t[:, None] - 1, x[None, :], 0.0), axis=1)
+
+
+_shifted_back = _shifted_back_gather if hasattr(tl, "gather") else _shifted_back_sum
+
+
+@triton.jit
+def _compensated_cumsum(hi, g, o_t, BT: tl.constexpr):
+    """(hi, lo) with hi + lo = g_start + ... + g_i to ~1e-13 relative, from hi = cumsum(g) in
+    fp32: lo is the cumsum of what each step of hi rounded away, d_i = hi_{i-1} + g_i - hi_i,
+    which TwoSum gives exactly (s - hi_i is exact: s and hi_i are two roundings of one sum, so
+    within a factor of 2 of each other). Two plain scans, however the compiler orders them."""
+    s, dropped = _two_sum(_shifted_back(hi, o_t, BT), 0.0, g, 0.0)
+    return hi, tl.cumsum((s - hi) + dropped, axis=0)
 
 
 @triton.jit
@@ -135,14 +161,14 @@ def chunk_log_decays(g, o_t, BT: tl.constexpr, REVERSE: tl.constexpr, PER_HEAD: 
     L_ij = P_i - P_j is a difference of the prefix sums P_i = g_start + ... + g_i, which in
     plain fp32 fails after a reset (g = -1e5): both are ~ -1e5 and their difference keeps
     ~1e-2 of absolute precision however close i and j are. So these prefix sums are
-    compensated: a scan of (hi, lo) pairs with TwoSum keeps what each addition rounds away,
+    compensated (`_compensated_cumsum`): lo keeps what each addition of hi rounded away,
     P_i = hi_i + lo_i to ~1e-13 relative, and (hi_i - hi_j) + (lo_i - lo_j) is then as
     accurate as a sum over exactly the tokens between i and j (what `segsum` in
-    linattn_lib/core/masks.py computes), for one 1-d scan of BT pairs and an elementwise
+    linattn_lib/core/masks.py computes), for two 1-d scans of BT terms and an elementwise
     difference -- where a sum of each pair's own terms is a scan along every row of a BT x BT
     matrix, about a third of the instructions of the parallel kernels with a decay. (The
-    sequential state kernel uses only the 1-d decays: the scan is not compiled there.) All
-    are <= 0 (L is clamped: its exact value is), so exp never overflows.
+    sequential state kernel uses only the 1-d decays: lo is not compiled there.) All are
+    <= 0 (L is clamped: its exact value is), so exp never overflows.
     """
     if PER_HEAD:
         return _head_log_decays(g, o_t, REVERSE)
@@ -157,7 +183,7 @@ def chunk_log_decays(g, o_t, BT: tl.constexpr, REVERSE: tl.constexpr, PER_HEAD: 
         else:  # L[i, j] = g_{j+1} + ... + g_i for i > j: the row's running sum from the right
             L = tl.cumsum(tl.where(o_t[None, :] < o_t[:, None], g_next[None, :], 0.0), axis=1, reverse=True)
             return L, gc, after, g_last
-    hi, lo = tl.associative_scan((g, tl.zeros_like(g)), 0, _two_sum)
+    hi, lo = _compensated_cumsum(gc, g, o_t, BT)
     if REVERSE:
         # L[i, j] = g_{i+1} + ... + g_j = P_j - P_i for j > i
         L = tl.where(o_t[None, :] > o_t[:, None], _gap(hi[None, :], lo[None, :], hi[:, None], lo[:, None]), 0.0)

@@ -12,7 +12,11 @@ parallel over T). The backward pass uses the same two kernels with other argumen
     dq = dnum S^T + dden z^T,  dk = v dS^T + 1 dz^T,  dv = k dS          (output kernel)
 
 where dnum = dO / den and dden = -(dO . o) / den come from the normaliser, and S^T is read
-through swapped strides rather than copied.
+through swapped strides rather than copied. dnum is never formed: 1 / den (r) and dden are
+fp32 (`chunk_bwd_prep` of chunk_grad.py), the state kernel scales the keys by r in fp32
+(dS = sum_t (r_t q_t) dO_t^T) and the output kernel its product's rows (dq = r (dO S^T) +
+dden z^T): dO / den, below fp16's range for a mean loss over a long sequence, never meets a
+16-bit number, so no loss scaling is needed.
 """
 from __future__ import annotations
 
@@ -27,11 +31,12 @@ from .configs import dot_precision, launchable, select_config
 def noncausal_state_kernel(
     k_ptr, v_ptr,            # (B, H, T, Dk), (B, H, T, Dv); contiguous
     w_ptr,                   # (B, H, T) fp32 weights of the keys in z (HAS_W), else 1
+    r_ptr,                   # (B, H, T) fp32 scales of the keys in S (HAS_R), else 1
     s0_ptr, z0_ptr,          # initial state (B, H, Dk, Dv), (B, H, Dk) fp32 (HAS_S0)
     st_ptr, zt_ptr,          # output state, same shapes, fp32
     T, Dk, Dv,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    HAS_Z: tl.constexpr, HAS_W: tl.constexpr, HAS_S0: tl.constexpr,
+    HAS_Z: tl.constexpr, HAS_W: tl.constexpr, HAS_R: tl.constexpr, HAS_S0: tl.constexpr,
     DOT_PREC: tl.constexpr,
 ):
     i_v = tl.program_id(0)
@@ -54,8 +59,11 @@ def noncausal_state_kernel(
         m_t = t < T
         k = tl.load(k_ptr + i_bh * T * Dk + t[:, None] * Dk + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
         v = tl.load(v_ptr + i_bh * T * Dv + t[:, None] * Dv + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-        # k^T v: products of two inputs, accumulated in fp32 (the accumulator is S itself).
-        S = tl.dot(tl.trans(k), v, acc=S, input_precision=DOT_PREC)
+        if HAS_R:  # (r k)^T v with r k in fp32 (r = 1 / den may take it below fp16's range)
+            kr = k.to(tl.float32) * tl.load(r_ptr + i_bh * T + t, mask=m_t, other=0.0)[:, None]
+            S = tl.dot(tl.trans(kr), v.to(tl.float32), acc=S, input_precision=DOT_PREC)
+        else:  # k^T v: products of two inputs, accumulated in fp32 (the accumulator is S itself)
+            S = tl.dot(tl.trans(k), v, acc=S, input_precision=DOT_PREC)
         if HAS_Z:
             if HAS_W:
                 w = tl.load(w_ptr + i_bh * T + t, mask=m_t, other=0.0)
@@ -73,12 +81,14 @@ def noncausal_output_kernel(
     s_ptr,                   # state, read as (Da x Dc) through strides: (B, H, ...) fp32
     z_ptr,                   # (B, H, Da) fp32 normaliser state (NORMALIZE)
     e_ptr, u_ptr,            # rank-one term e_t u^T: e (B, H, T) fp32 (EXTRA == 2, else e = 1), u (B, H, Dc) fp32
+    r_ptr,                   # (B, H, T) fp32 row scales of a S (HAS_R)
     out_ptr,                 # (B, H, T, Dc)
     den_ptr,                 # (B, H, T) fp32 d + eps (NORMALIZE)
     T, Da, Dc, stride_sa, stride_sc, eps,
     BT: tl.constexpr, BA: tl.constexpr, BC: tl.constexpr,
     NORMALIZE: tl.constexpr,  # out = a S / (a . z + eps)
     EXTRA: tl.constexpr,      # 0: none, 1: out += 1 u^T, 2: out += e u^T
+    HAS_R: tl.constexpr,      # out = r (a S) (+ the rank-one term)
     DOT_PREC: tl.constexpr,
 ):
     i_c = tl.program_id(0)
@@ -101,6 +111,8 @@ def noncausal_output_kernel(
         d = tl.sum(a * z[None, :], axis=1) + eps
         out = out / d[:, None]
         tl.store(den_ptr + i_bh * T + t, d, mask=m_t & (i_c == 0))
+    if HAS_R:
+        out = out * tl.load(r_ptr + i_bh * T + t, mask=m_t, other=0.0)[:, None]
     if EXTRA > 0:
         u = tl.load(u_ptr + i_bh * Dc + o_c, mask=m_c, other=0.0)
         if EXTRA == 2:
@@ -118,10 +130,13 @@ def noncausal_state(
     *,
     track_z: bool,
     weights: torch.Tensor | None = None,
+    key_scales: torch.Tensor | None = None,
     initial_state: tuple[torch.Tensor, torch.Tensor | None] | None = None,
     config: dict | None = None,
 ):
-    """S = S0 + k^T v and z = z0 + sum_t w_t k_t, both fp32. Returns (S, z or None)."""
+    """S = S0 + sum_t r_t k_t v_t^T and z = z0 + sum_t w_t k_t, both fp32 (r = key_scales,
+    w = weights, (B, H, T), 1 when None; with r the product is taken in fp32/tf32). Returns
+    (S, z or None)."""
     B, H, T, Dk = k.shape
     Dv = v.shape[-1]
     k, v = k.contiguous(), v.contiguous()
@@ -130,6 +145,7 @@ def noncausal_state(
     S = torch.empty(B, H, Dk, Dv, **f32)
     z = torch.empty(B, H, Dk, **f32) if track_z else None
     w = weights.to(torch.float32).contiguous() if weights is not None else None
+    r = key_scales.to(torch.float32).contiguous() if key_scales is not None else None
     S0 = z0 = None
     if initial_state is not None:
         S0 = initial_state[0].to(torch.float32).contiguous()
@@ -138,10 +154,10 @@ def noncausal_state(
     dummy = S
     grid = (triton.cdiv(Dv, cfg["BV"]), B * H)
     launchable(noncausal_state_kernel, k.device)[grid](
-        k, v, w if w is not None else dummy, S0 if S0 is not None else dummy,
+        k, v, w if w is not None else dummy, r if r is not None else dummy, S0 if S0 is not None else dummy,
         z0 if z0 is not None else dummy, S, z if z is not None else dummy,
         T, Dk, Dv, BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"],
-        HAS_Z=track_z, HAS_W=w is not None, HAS_S0=S0 is not None,
+        HAS_Z=track_z, HAS_W=w is not None, HAS_R=r is not None, HAS_S0=S0 is not None,
         DOT_PREC=dot_precision(k.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -156,10 +172,12 @@ def noncausal_output(
     eps: float = 0.0,
     u: torch.Tensor | None = None,
     e: torch.Tensor | None = None,
+    row_scales: torch.Tensor | None = None,
     out_dtype: torch.dtype | None = None,
     config: dict | None = None,
 ):
-    """out = a S [/ (a . z + eps)] [+ e u^T]. Returns (out, den or None).
+    """out = r (a S) [/ (a . z + eps)] [+ e u^T], r = row_scales (B, H, T) fp32 (1 when
+    None). Returns (out, den or None).
 
     a: (B, H, T, Da); S: (B, H, Da, Dc) fp32, any strides in its last two dims (pass
     `X.transpose(-1, -2)` to multiply by X^T without a copy); z: (B, H, Da) normaliser;
@@ -179,10 +197,11 @@ def noncausal_output(
         a, S, z.contiguous() if z is not None else dummy,
         e.to(torch.float32).contiguous() if e is not None else dummy,
         u.contiguous() if u is not None else dummy,
+        row_scales.to(torch.float32).contiguous() if row_scales is not None else dummy,
         out, den if den is not None else dummy,
         T, Da, Dc, S.stride(2), S.stride(3), float(eps),
         BT=cfg["BT"], BA=cfg["BA"], BC=cfg["BC"], NORMALIZE=z is not None,
-        EXTRA=0 if u is None else (2 if e is not None else 1),
+        EXTRA=0 if u is None else (2 if e is not None else 1), HAS_R=row_scales is not None,
         DOT_PREC=dot_precision(a.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
@@ -192,11 +211,11 @@ def noncausal_output(
 def compile_spec_state(cfg: dict, dtype: str) -> tuple[dict, dict]:
     """Signature and constexprs of `noncausal_state_kernel`'s heaviest variant."""
     signature = {
-        "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "w_ptr": "*fp32", "s0_ptr": "*fp32",
+        "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "w_ptr": "*fp32", "r_ptr": "*fp32", "s0_ptr": "*fp32",
         "z0_ptr": "*fp32", "st_ptr": "*fp32", "zt_ptr": "*fp32", "T": "i32", "Dk": "i32", "Dv": "i32",
     }
     constexprs = {"BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "HAS_Z": True, "HAS_W": True,
-                  "HAS_S0": True, "DOT_PREC": dot_precision(dtype)}
+                  "HAS_R": True, "HAS_S0": True, "DOT_PREC": dot_precision(dtype)}
     for name in constexprs:
         signature[name] = "constexpr"
     return signature, constexprs
@@ -205,12 +224,12 @@ def compile_spec_state(cfg: dict, dtype: str) -> tuple[dict, dict]:
 def compile_spec_output(cfg: dict, dtype: str) -> tuple[dict, dict]:
     """Signature and constexprs of `noncausal_output_kernel`'s heaviest variant."""
     signature = {
-        "a_ptr": f"*{dtype}", "s_ptr": "*fp32", "z_ptr": "*fp32", "e_ptr": "*fp32", "u_ptr": "*fp32",
+        "a_ptr": f"*{dtype}", "s_ptr": "*fp32", "z_ptr": "*fp32", "e_ptr": "*fp32", "u_ptr": "*fp32", "r_ptr": "*fp32",
         "out_ptr": f"*{dtype}", "den_ptr": "*fp32", "T": "i32", "Da": "i32", "Dc": "i32",
         "stride_sa": "i32", "stride_sc": "i32", "eps": "fp32",
     }
     constexprs = {"BT": cfg["BT"], "BA": cfg["BA"], "BC": cfg["BC"], "NORMALIZE": True, "EXTRA": 2,
-                  "DOT_PREC": dot_precision(dtype)}
+                  "HAS_R": True, "DOT_PREC": dot_precision(dtype)}
     for name in constexprs:
         signature[name] = "constexpr"
     return signature, constexprs

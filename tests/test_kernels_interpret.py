@@ -840,9 +840,10 @@ def test_gpu_check_puts_the_model_beside_the_measurement():
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "noncausal"])
 def test_fp16_gradients_do_not_underflow(causal):
     """A mean loss over 32k outputs and denominators in the thousands make dO / den ~ 1e-8,
-    below the smallest float16: unscaled, dv came out all zeros. The backward scales the
-    cotangents by a power of two (as loss scaling does), so the kernels' float16 gradients are
-    as accurate as the torch path's, measured against float64 on the same inputs."""
+    below the smallest float16: rounded to fp16, dv came out all zeros. The backward keeps
+    1 / den and dL/dden in fp32 and applies them in fp32 inside the kernels (no loss
+    scaling), so the kernels' float16 gradients are as accurate as the torch path's, measured
+    against float64 on the same inputs."""
     g = torch.Generator().manual_seed(0)
     q, k = (torch.nn.functional.elu(torch.randn(2, 4, 64, 64, generator=g)) + 1 for _ in range(2))
     v = torch.randn(2, 4, 64, 64, generator=g)

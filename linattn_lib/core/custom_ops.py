@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from .triton_ops import _output_cotangents, _state_grads, causal_backward, causal_forward, require_kernels
+from .triton_ops import _state_grads, causal_backward, causal_forward, require_kernels
 
 
 def _absent(like: Tensor) -> Tensor:
@@ -175,22 +175,20 @@ def noncausal_backward(q: Tensor, k: Tensor, v: Tensor, S0: Tensor | None, z0: T
     need_q, need_k, need_v, need_S0, need_z0 = needs
     if do is None:
         do = torch.zeros_like(o)
-    dnum, dden, scale = _output_cotangents(do, o, den if normalize else None, q.dtype)
+    # r = 1 / den and dden = -(dO . o) / den in fp32, from one read of dO and o (a zero
+    # cotangent selects 0); the kernels take dO as it is and apply r in fp32: no loss scaling
+    r = dden = None
+    if normalize:
+        r, dden, _ = K.chunk_bwd_prep(do, o, den)
     dS_T, dz_T = _state_grads(dS_T, dz_T, S, z)
-    end_state = None
-    if dS_T is not None:
-        end_state = (dS_T, dz_T) if scale is None else (dS_T * scale, None if dz_T is None else dz_T * scale)
-    # dS = dS_T + q^T dnum and dz = dz_T + q^T dden: the state kernel with (k, v) = (q, dnum).
-    # They come back in fp32, and are unscaled right away (see _output_cotangents).
-    dS, dz = K.noncausal_state(q, dnum, track_z=normalize, weights=dden, initial_state=end_state)
-    if scale is not None:
-        dS, dz = dS / scale, (None if dz is None else dz / scale)
+    end_state = (dS_T, dz_T) if dS_T is not None else None
+    # dS = dS_T + sum_t r_t q_t dO_t^T and dz = dz_T + sum_t dden_t q_t: the state kernel with
+    # (k, v) = (q, dO), keys scaled by r
+    dS, dz = K.noncausal_state(q, do, track_z=normalize, weights=dden, key_scales=r, initial_state=end_state)
     dq = dk = dv = None
-    if need_q:  # dq = dnum S^T + dden z^T
-        dq, _ = K.noncausal_output(dnum, S.transpose(-1, -2), u=z if normalize else None, e=dden,
-                                   out_dtype=q.dtype if scale is None else torch.float32)
-        if scale is not None:
-            dq = (dq / scale).to(q.dtype)
+    if need_q:  # dq = r (dO S^T) + dden z^T
+        dq, _ = K.noncausal_output(do, S.transpose(-1, -2), u=z if normalize else None, e=dden, row_scales=r,
+                                   out_dtype=q.dtype)
     if need_k:  # dk = v dS^T + 1 dz^T
         dk, _ = K.noncausal_output(v, dS.transpose(-1, -2), u=dz if normalize else None, out_dtype=k.dtype)
     if need_v:  # dv = k dS

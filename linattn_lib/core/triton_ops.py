@@ -135,37 +135,6 @@ def _check_inputs(fn: str, q: Tensor, v: Tensor) -> None:
             )
 
 
-def _output_cotangents(do: Tensor, o: Tensor, den: Tensor | None, dtype: torch.dtype):
-    """The gradient flowing into the kernels, ready for inputs of `dtype`.
-
-    Normalised, o = num / den gives dnum = dO / den and dden = -(dO . o) / den (fp32). A zero
-    cotangent selects zero rather than multiplying: an output no loss term depends on (a
-    right-padded position, one after a NaN) may itself be inf or NaN, and 0 * NaN would carry
-    it into the gradients of every earlier token.
-
-    The kernels read dnum in the inputs' dtype, and in float16 dO / den easily falls below the
-    smallest fp16 number (6e-8: a mean loss over a long sequence, a large denominator), where
-    it would silently become 0. So for 16-bit inputs every cotangent is multiplied by a power
-    of two `scale` (a 0-d fp32 tensor: no host sync) that brings max |dnum| to about 1, as
-    dynamic loss scaling does; every gradient is linear in them, and the caller divides the
-    results by `scale` in fp32. Returns (dnum, dden, scale or None).
-    """
-    do32 = do.float()
-    if den is None:
-        dnum32, dden = do32, None
-    else:
-        used = do32 != 0
-        dot = torch.where(used, do32 * o.float(), 0.0).sum(-1)
-        dden = torch.where(dot != 0, -dot / den, 0.0)
-        dnum32 = torch.where(used, do32 / den.unsqueeze(-1), 0.0)
-    if dtype == torch.float32:
-        return dnum32, dden, None
-    peak = dnum32.abs().amax()
-    scale = torch.where(peak > 0, torch.exp2(-torch.floor(torch.log2(peak))), torch.ones_like(peak))
-    dnum = (dnum32 * scale).to(dtype)
-    return dnum, None if dden is None else dden * scale, scale
-
-
 def _state_grads(dS: Tensor | None, dz: Tensor | None, S: Tensor, z: Tensor | None):
     """Gradients of the final state as a pair that is either (None, None) or two tensors."""
     if dS is None and dz is None:
