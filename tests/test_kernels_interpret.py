@@ -106,8 +106,10 @@ CAUSAL_CASES = [
     (1, 1, 130, 128, 128, "token-strong", False, True),
     (2, 1, 100, 16, 48, None, True, True),
 ]
-# cases also run in half precision (and bfloat16 on GPU)
-HALF_CASES = [0, 2, 3, 4, 7, 9, 10]
+# cases also run in half precision (and bfloat16 on GPU). T = 200 with 128 value columns (7)
+# only on a GPU: in the interpreter it is the slowest case (30 s), and the 16-bit rounding it
+# tests is that of cases 9 (T = 200) and 10 (D = 128).
+HALF_CASES = [0, 2, 3, 4, 9, 10] + ([7] if DEVICE.type == "cuda" else [])
 
 NONCAUSAL_CASES = [
     (1, 2, 1, 16, 48, True, True),
@@ -557,10 +559,12 @@ def test_unsupported_dtypes_raise_clear_errors():
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="fakes the GPU generation on CPU")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+@pytest.mark.parametrize("dtype", [torch.float16], ids=str)
 def test_sm75_configs(monkeypatch, dtype):
     """The configs a T4 (sm_75) would pick -- 16-token chunks for the forward at a head dim above
-    128 -- run in the interpreter when told the GPU is an sm_75."""
+    128 -- run in the interpreter when told the GPU is an sm_75. In float16, the T4's dtype:
+    float32 there picks the very same configs (one table for every dtype), and float32's
+    arithmetic is tested at the sm_80+ configs."""
     from linattn_lib.core.triton_ops import load_kernels
 
     configs = load_kernels().configs
