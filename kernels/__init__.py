@@ -5,7 +5,8 @@ kernels, a decoding step and the fused FAVOR+ feature map. Each module holds its
 that picks a config and starts them; nothing is launched at import time. The autograd
 wrappers live in `linattn_lib/core/triton_ops.py`.
 
-    chunk_state.py   chunk_state_kernel    causal forward, phase 1: every chunk's entry state
+    chunk_state.py   chunk_state_kernel    causal forward, phase 1: every chunk's entry state;
+                     chunk_state_merge_kernel  split-T: runs of chunks walked in parallel, merged
     chunk_output.py  chunk_output_kernel   phase 2: all chunks' outputs in parallel; chunk_fwd_two_phase
     chunk_grad.py    chunk_bwd_prep_kernel, chunk_dqk_kernel, chunk_dv_kernel
                                            the two-phase backward (phase 1 is chunk_state reversed);
@@ -38,8 +39,9 @@ from .chunk_grad import compile_spec_dv as _chunk_dv_spec
 from .chunk_grad import compile_spec_prep as _chunk_prep_spec
 from .chunk_output import chunk_fwd_two_phase, chunk_output, chunk_output_kernel
 from .chunk_output import compile_spec as _chunk_output_spec
-from .chunk_state import chunk_state_kernel, chunk_states
+from .chunk_state import chunk_state_kernel, chunk_state_merge_kernel, chunk_states, split_count
 from .chunk_state import compile_spec as _chunk_state_spec
+from .chunk_state import compile_spec_merge as _chunk_state_merge_spec
 from .configs import (
     CONFIGS,
     DIM_NAMES,
@@ -72,6 +74,7 @@ from .noncausal import (
 KERNELS = {
     "chunk_fwd": (chunk_fwd_kernel, _chunk_fwd_spec),
     "chunk_state": (chunk_state_kernel, _chunk_state_spec),
+    "chunk_state_merge": (chunk_state_merge_kernel, _chunk_state_merge_spec),
     "chunk_output": (chunk_output_kernel, _chunk_output_spec),
     "chunk_bwd_prep": (chunk_bwd_prep_kernel, _chunk_prep_spec),
     "chunk_dqk": (chunk_dqk_kernel, _chunk_dqk_spec),
@@ -108,5 +111,6 @@ __all__ = [
     "noncausal_state",
     "select_config",
     "selectable_configs",
+    "split_count",
     "whole_dim",
 ]

@@ -42,7 +42,7 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import chunk_log_decays
-from .configs import dot_precision, launchable, select_config
+from .configs import dot_precision, launchable, multiprocessor_count, select_config
 from .sequences import first_chunk, packed_layout, sequence_rows
 
 
@@ -80,76 +80,87 @@ def _chunk_inputs(k_ptr, v_ptr, g_ptr, r_ptr, w_ptr, row0, t, m_t, o_k, m_k, o_v
 
 @triton.jit
 def _decayed_keys(k, g, BT: tl.constexpr, DECAY: tl.constexpr, REVERSE: tl.constexpr):
-    """exp(a_j) k_j in fp32 and exp(g_last): a_j from key j to the chunk end (to the chunk
-    start, reversed), both sums of their own terms (chunk_log_decays; products n g_h for a
-    decay per head), both <= 0."""
+    """exp(a_j) k_j in fp32, exp(g_last) and g_last: a_j from key j to the chunk end (to the
+    chunk start, reversed), both sums of their own terms (chunk_log_decays; products n g_h for
+    a decay per head), both <= 0."""
     k_s = k.to(tl.float32)
     decay = 1.0
+    g_last = 0.0
     if DECAY > 0:
         _, _, k_log, g_last = chunk_log_decays(g, tl.arange(0, BT), BT, REVERSE, DECAY == 1)
         k_s = k_s * tl.exp(k_log)[:, None]          # |exp(a_j) k_j| <= |k_j|: fits the input dtype
         decay = tl.exp(g_last)
-    return k_s, decay
+    return k_s, decay, g_last
 
 
 @triton.jit
-def _walk_S(k_ptr, v_ptr, g_ptr, r_ptr, h_ptr, s0_ptr, st_ptr, i_nh, i_h, row0, T_seq, n_chunks, c0,
-            o_k, o_v, m_k, m_v, Dk, Dv, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-            DECAY: tl.constexpr, HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, REVERSE: tl.constexpr,
-            HAS_R: tl.constexpr, DOT_PREC: tl.constexpr):
-    """The (BK x BV) state tile across the chunks: S <- exp(g_last) S + (exp(a) k)^T v, stored
-    on entry to every chunk. Reversed (the state gradient) the keys are scaled by r (1 / den)
-    and the product is fp32 (tf32 for 16-bit inputs): dO / den may be below the smallest fp16."""
+def _walk_S(k_ptr, v_ptr, g_ptr, r_ptr, h_ptr, s0_ptr, st_ptr, lg_ptr, lr_ptr, i_nh, i_st, i_h, row0, T_seq,
+            n_lo, n_hi, c0, first, lead, o_k, o_v, m_k, m_v, Dk, Dv, BT: tl.constexpr, BK: tl.constexpr,
+            BV: tl.constexpr, DECAY: tl.constexpr, HAS_S0: tl.constexpr, STORE_ST: tl.constexpr,
+            REVERSE: tl.constexpr, HAS_R: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
+    """The (BK x BV) state tile across chunks n_lo ... n_hi - 1: S <- exp(g_last) S + (exp(a)
+    k)^T v, stored on entry to every chunk; it starts from S0 (HAS_S0, when `first`) or 0 and
+    ends in row i_st of st. Reversed (the state gradient) the keys are scaled by r (1 / den)
+    and the product is fp32 (tf32 for 16-bit inputs): dO / den may be below the smallest fp16.
+    Split (IS_SPLIT, with a decay), the `lead` program of the run also stores the log-decay
+    walked before each chunk (lg) and the run's total (row i_st of lr), for the merge."""
     m_kv = m_k[:, None] & m_v[None, :]
     kv_off = o_k[:, None] * Dv + o_v[None, :]
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_S0:
-        S = tl.load(s0_ptr + i_nh * Dk * Dv + kv_off, mask=m_kv, other=0.0).to(tl.float32)
+        S = tl.load(s0_ptr + i_nh * Dk * Dv + kv_off, mask=m_kv & first, other=0.0).to(tl.float32)
+    walked = 0.0                            # log-decay since the start of the walk (split)
     o_t = tl.arange(0, BT)
-    for i in range(0, n_chunks):
+    for i in range(0, n_hi - n_lo):
         if REVERSE:
-            n = n_chunks - 1 - i
+            n = n_hi - 1 - i
         else:
-            n = i
+            n = n_lo + i
         tl.store(h_ptr + (c0 + n) * Dk * Dv + kv_off, S.to(h_ptr.dtype.element_ty), mask=m_kv)
         t = n * BT + o_t
         k, v, g, r, _ = _chunk_inputs(k_ptr, v_ptr, g_ptr, r_ptr, r_ptr, row0, t, t < T_seq, o_k, m_k, o_v, m_v,
                                       i_h, Dk, Dv, BT, DECAY, HAS_R, False, True)
-        k_s, decay = _decayed_keys(k, g, BT, DECAY, REVERSE)
+        k_s, decay, g_last = _decayed_keys(k, g, BT, DECAY, REVERSE)
+        if IS_SPLIT and DECAY > 0:
+            tl.store(lg_ptr + c0 + n, walked, mask=lead)
+            walked += g_last
         S = S * decay
         if HAS_R:
             S = tl.dot(tl.trans(k_s * r[:, None]), v.to(tl.float32), acc=S, input_precision=DOT_PREC)
         else:
             S = tl.dot(tl.trans(k_s.to(k.dtype)), v, acc=S, input_precision=DOT_PREC)
     if STORE_ST:
-        tl.store(st_ptr + i_nh * Dk * Dv + kv_off, S, mask=m_kv)
+        tl.store(st_ptr + i_st * Dk * Dv + kv_off, S, mask=m_kv)
+    if IS_SPLIT and DECAY > 0:
+        tl.store(lr_ptr + i_st, walked, mask=lead)
 
 
 @triton.jit
-def _walk_z(k_ptr, g_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr, i_nh, i_h, row0, T_seq, n_chunks, c0,
-            o_k, m_k, Dk, BT: tl.constexpr, BK: tl.constexpr, DECAY: tl.constexpr, HAS_S0: tl.constexpr,
-            STORE_ST: tl.constexpr, REVERSE: tl.constexpr, HAS_W: tl.constexpr):
-    """The (BK,) normaliser state across the chunks, z <- exp(g_last) z + sum_j exp(a_j) w_j k_j
-    (w = 1 forward, dL/dden reversed), fp32, stored on entry to every chunk."""
+def _walk_z(k_ptr, g_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr, i_nh, i_st, i_h, row0, T_seq, n_lo, n_hi, c0,
+            first, o_k, m_k, Dk, BT: tl.constexpr, BK: tl.constexpr, DECAY: tl.constexpr,
+            HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, REVERSE: tl.constexpr, HAS_W: tl.constexpr):
+    """The (BK,) normaliser state across chunks n_lo ... n_hi - 1, z <- exp(g_last) z + sum_j
+    exp(a_j) w_j k_j (w = 1 forward, dL/dden reversed), fp32, stored on entry to every chunk;
+    started and ended as _walk_S's."""
     z = tl.zeros([BK], dtype=tl.float32)
     if HAS_S0:
-        z = tl.load(z0_ptr + i_nh * Dk + o_k, mask=m_k, other=0.0).to(tl.float32)
+        z = tl.load(z0_ptr + i_nh * Dk + o_k, mask=m_k & first, other=0.0).to(tl.float32)
     o_t = tl.arange(0, BT)
-    for i in range(0, n_chunks):
+    for i in range(0, n_hi - n_lo):
         if REVERSE:
-            n = n_chunks - 1 - i
+            n = n_hi - 1 - i
         else:
-            n = i
+            n = n_lo + i
         tl.store(hz_ptr + (c0 + n) * Dk + o_k, z, mask=m_k)
         t = n * BT + o_t
         k, _, g, _, w = _chunk_inputs(k_ptr, k_ptr, g_ptr, w_ptr, w_ptr, row0, t, t < T_seq, o_k, m_k, o_k, m_k,
                                       i_h, Dk, Dk, BT, DECAY, False, HAS_W, False)
-        k_s, decay = _decayed_keys(k, g, BT, DECAY, REVERSE)
+        k_s, decay, _ = _decayed_keys(k, g, BT, DECAY, REVERSE)
         if HAS_W:
             k_s = k_s * w[:, None]
         z = z * decay + tl.sum(k_s, axis=0)
     if STORE_ST:
-        tl.store(zt_ptr + i_nh * Dk + o_k, z, mask=m_k)
+        tl.store(zt_ptr + i_st * Dk + o_k, z, mask=m_k)
 
 
 @triton.jit
@@ -158,22 +169,37 @@ def chunk_state_kernel(
     r_ptr, w_ptr,             # (B, H, T) fp32 key scales (HAS_R) and z weights (HAS_W)
     h_ptr, hz_ptr,            # out: per-chunk states (B, H, NT, Dk, Dv) and (B, H, NT, Dk)
     s0_ptr, z0_ptr,           # initial state (B, H, Dk, Dv), (B, H, Dk) fp32 (HAS_S0)
-    st_ptr, zt_ptr,           # final state, same shapes, fp32 (STORE_ST)
+    st_ptr, zt_ptr,           # final state, same shapes, fp32 (STORE_ST); split: each run's end
+    lg_ptr, lr_ptr,           # split, with a decay: log-decay walked before each chunk, per run
     cu_ptr, co_ptr, len_ptr,  # packed sequences (IS_VARLEN, sequences.py); live lengths (HAS_LEN)
     T, H, Dk, Dv, NT,
+    NS, n_splits,             # split-T (IS_SPLIT): chunks per run, runs per sequence
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DECAY: tl.constexpr,      # 0: none, 1: one log-decay per head, 2: one per token
     HAS_Z: tl.constexpr, HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, REVERSE: tl.constexpr,
     HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_LEN: tl.constexpr, IS_VARLEN: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    IS_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_k = tl.program_id(0)
     i_v = tl.program_id(1)                  # value tile; with HAS_Z the last one is z's
-    i_nh = tl.program_id(2).to(tl.int64)    # int64: the offsets into h pass 2^31 quickly
+    i_st = tl.program_id(2).to(tl.int64)    # int64: the offsets into h pass 2^31 quickly
+    i_nh = i_st
+    if IS_SPLIT:  # program (b H + h) n_splits + s walks split s of the sequence
+        i_nh = i_st // n_splits
     i_seq, i_h = i_nh // H, i_nh % H
     row0, T_seq = sequence_rows(i_seq, i_h, cu_ptr, T, H, IS_VARLEN)
     c0 = first_chunk(i_seq, i_h, co_ptr, NT, H, IS_VARLEN)
-    n_chunks = tl.cdiv(T_seq, BT)
+    n_lo = 0
+    n_hi = tl.cdiv(T_seq, BT)
+    first = True                            # the walk starts from the initial state
+    if IS_SPLIT:
+        i_s = (i_st % n_splits).to(tl.int32)
+        n_lo = tl.minimum(i_s * NS, n_hi)
+        n_hi = tl.minimum(n_lo + NS, n_hi)
+        if REVERSE:
+            first = i_s == n_splits - 1
+        else:
+            first = i_s == 0
     if HAS_LEN:  # tokens from len on are read as 0 (the backward's dead tail)
         T_seq = tl.minimum(T_seq, tl.load(len_ptr + i_nh))
     o_k = i_k * BK + tl.arange(0, BK)
@@ -181,11 +207,74 @@ def chunk_state_kernel(
     m_k = o_k < Dk
     m_v = o_v < Dv
     if HAS_Z and i_v == tl.cdiv(Dv, BV):
-        _walk_z(k_ptr, g_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr, i_nh, i_h, row0, T_seq, n_chunks, c0,
-                o_k, m_k, Dk, BT, BK, DECAY, HAS_S0, STORE_ST, REVERSE, HAS_W)
+        _walk_z(k_ptr, g_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr, i_nh, i_st, i_h, row0, T_seq, n_lo, n_hi, c0,
+                first, o_k, m_k, Dk, BT, BK, DECAY, HAS_S0, STORE_ST, REVERSE, HAS_W)
     else:
-        _walk_S(k_ptr, v_ptr, g_ptr, r_ptr, h_ptr, s0_ptr, st_ptr, i_nh, i_h, row0, T_seq, n_chunks, c0,
-                o_k, o_v, m_k, m_v, Dk, Dv, BT, BK, BV, DECAY, HAS_S0, STORE_ST, REVERSE, HAS_R, DOT_PREC)
+        _walk_S(k_ptr, v_ptr, g_ptr, r_ptr, h_ptr, s0_ptr, st_ptr, lg_ptr, lr_ptr, i_nh, i_st, i_h, row0, T_seq,
+                n_lo, n_hi, c0, first, (i_k == 0) & (i_v == 0), o_k, o_v, m_k, m_v, Dk, Dv, BT, BK, BV, DECAY,
+                HAS_S0, STORE_ST, REVERSE, HAS_R, IS_SPLIT, DOT_PREC)
+
+
+@triton.jit
+def _merge_tile(h_ptr, e_ptr, lg_ptr, lr_ptr, st_ptr, i_nh, i_s, p, n_splits, NT, NS, Dk, Dv, o_k, o_v,
+                DECAY: tl.constexpr, STORE_ST: tl.constexpr, REVERSE: tl.constexpr):
+    """Run i_s (walked p-th) of one tile of a state (Dv = 1, one live column, for z)."""
+    m = (o_k < Dk)[:, None] & (o_v < Dv)[None, :]
+    off = o_k[:, None] * Dv + o_v[None, :]
+    row = i_nh * n_splits
+    E = tl.zeros([o_k.shape[0], o_v.shape[0]], dtype=tl.float32)
+    for j in range(0, p):                   # E_{j+1} = D_j E_j + L_j over the runs walked before
+        if REVERSE:
+            q = n_splits - 1 - j
+        else:
+            q = j
+        if DECAY > 0:
+            E = E * tl.exp(tl.load(lr_ptr + row + q))
+        E += tl.load(e_ptr + (row + q) * Dk * Dv + off, mask=m, other=0.0)
+    lo = i_s * NS
+    hi = tl.where(p > 0, tl.minimum(lo + NS, NT), lo)   # the run walked first is right already
+    for n in range(lo, hi):                 # independent steps: nothing is carried
+        c = i_nh * NT + n
+        a = 1.0
+        if DECAY > 0:
+            a = tl.exp(tl.load(lg_ptr + c))
+        x = tl.load(h_ptr + c * Dk * Dv + off, mask=m, other=0.0).to(tl.float32)
+        tl.store(h_ptr + c * Dk * Dv + off, (x + a * E).to(h_ptr.dtype.element_ty), mask=m)
+    if STORE_ST:                            # the last run walked ends in the final state
+        if DECAY > 0:
+            E = E * tl.exp(tl.load(lr_ptr + row + i_s))
+        E += tl.load(e_ptr + (row + i_s) * Dk * Dv + off, mask=m, other=0.0)
+        tl.store(st_ptr + i_nh * Dk * Dv + off, E, mask=m & (p == n_splits - 1))
+
+
+@triton.jit
+def chunk_state_merge_kernel(
+    h_ptr, hz_ptr,            # in/out: per-chunk states (B, H, NT, Dk, Dv), (B, H, NT, Dk), run-local
+    e_ptr, ez_ptr,            # each run's end state, (B H n_splits, Dk, Dv) and (.., Dk), fp32
+    lg_ptr, lr_ptr,           # log-decay walked before each chunk (B H NT), per run (B H n_splits)
+    st_ptr, zt_ptr,           # out: final state (B H, Dk, Dv), (B H, Dk), fp32 (STORE_ST)
+    H, Dk, Dv, NT, NS, n_splits,
+    BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr, HAS_Z: tl.constexpr,
+    STORE_ST: tl.constexpr, REVERSE: tl.constexpr,
+):
+    """Split-T's merge (chunk_states): program (Dk tile, Dv tile or z, (b H + h) n_splits + run)
+    forms the state carried into its run from the runs walked before (at most n_splits - 1
+    steps of a tile) and adds it to the run's stored states."""
+    i_k = tl.program_id(0)
+    i_v = tl.program_id(1)
+    i_r = tl.program_id(2).to(tl.int64)
+    i_nh, i_s = i_r // n_splits, (i_r % n_splits).to(tl.int32)
+    if REVERSE:
+        p = n_splits - 1 - i_s
+    else:
+        p = i_s
+    o_k = i_k * BK + tl.arange(0, BK)
+    if HAS_Z and i_v == tl.cdiv(Dv, BV):    # z as a state of one column
+        _merge_tile(hz_ptr, ez_ptr, lg_ptr, lr_ptr, zt_ptr, i_nh, i_s, p, n_splits, NT, NS, Dk, 1, o_k,
+                    tl.arange(0, 1), DECAY, STORE_ST, REVERSE)
+    else:
+        _merge_tile(h_ptr, e_ptr, lg_ptr, lr_ptr, st_ptr, i_nh, i_s, p, n_splits, NT, NS, Dk, Dv, o_k,
+                    i_v * BV + tl.arange(0, BV), DECAY, STORE_ST, REVERSE)
 
 
 def _f32(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -207,6 +296,7 @@ def chunk_states(
     lengths: torch.Tensor | None = None,
     cu_seqlens: torch.Tensor | None = None,
     state_dtype: torch.dtype = torch.float32,
+    splits: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Launch `chunk_state_kernel`. Returns (h, hz, S_final, z_final), fp32 but for h, which
     has `state_dtype` (the state itself is accumulated in fp32 either way).
@@ -224,7 +314,9 @@ def chunk_states(
     (B, H, T)) and (k, v) = (q, dO) this is the state gradient of the backward pass.
     lengths: (B, H) int32, tokens from lengths[b, h] on read as 0. cu_seqlens: packed
     sequences (sequences.py): B = 1, NT counts the chunks of all sequences, and the initial
-    and final states have one row per sequence, (N, H, ...).
+    and final states have one row per sequence, (N, H, ...). splits: walk the chunks in this
+    many runs in parallel and merge them (split-T, below; batched only); None: as many as
+    `split_count` says the GPU needs, 1 off a GPU.
     """
     B, H, T, Dk = k.shape
     Dv = v.shape[-1]
@@ -234,42 +326,116 @@ def chunk_states(
     f32 = dict(dtype=torch.float32, device=k.device)
     h = torch.empty(B, H, NT, Dk, Dv, dtype=state_dtype, device=k.device)
     hz = torch.empty(B, H, NT, Dk, **f32) if track_z else None
-    S_T = torch.empty(n_seq, H, Dk, Dv, **f32) if store_final_state else None
-    z_T = torch.empty(n_seq, H, Dk, **f32) if (store_final_state and track_z) else None
     S0 = z0 = None
     if initial_state is not None:
         S0 = _f32(initial_state[0])
         if track_z:
             z0 = _f32(initial_state[1]) if initial_state[1] is not None else torch.zeros(n_seq, H, Dk, **f32)
+    # one more column of programs for z: a program walks either a state tile or z
+    tiles = (triton.cdiv(Dk, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]) + int(track_z))
+    NS, splits = _runs(splits, cu is not None, tiles[0] * tiles[1] * n_seq * H, NT, k.device)
+    split = splits > 1
+    ends = store_final_state or split          # each run's end goes where the final state would
+    S_T = torch.empty(n_seq * splits, H, Dk, Dv, **f32) if ends else None
+    z_T = torch.empty(n_seq * splits, H, Dk, **f32) if (ends and track_z) else None
     if n_seq * H == 0:
         return h, hz, S_T, z_T
     g, r, w = _f32(log_decay), _f32(key_scale), _f32(z_weights)
-    ptrs = [g, r, w, h, hz, S0, z0, S_T, z_T, cu, offsets, lengths]
-    # one more column of programs for z: a program walks either a state tile or z
-    grid = (triton.cdiv(Dk, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]) + int(track_z), n_seq * H)
-    launchable(chunk_state_kernel, k.device)[grid](
+    walked = (torch.empty(B * H * NT, **f32), torch.empty(B * H * splits, **f32)) if split and g is not None \
+        else (None, None)
+    ptrs = [g, r, w, h, hz, S0, z0, S_T, z_T, *walked, cu, offsets, lengths]
+    decay = 0 if g is None else (1 if g.dim() == 1 else 2)
+    launchable(chunk_state_kernel, k.device)[(*tiles, n_seq * H * splits)](
         k, v, *(p if p is not None else h for p in ptrs),  # h stands in for pointers never touched
-        T, H, Dk, Dv, NT, BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"],
-        DECAY=0 if g is None else (1 if g.dim() == 1 else 2), HAS_Z=track_z, HAS_S0=S0 is not None,
-        STORE_ST=store_final_state, REVERSE=reverse, HAS_R=r is not None, HAS_W=w is not None,
-        HAS_LEN=lengths is not None, IS_VARLEN=cu is not None, DOT_PREC=dot_precision(k.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        T, H, Dk, Dv, NT, NS, splits, BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"], DECAY=decay, HAS_Z=track_z,
+        HAS_S0=S0 is not None, STORE_ST=ends, REVERSE=reverse, HAS_R=r is not None, HAS_W=w is not None,
+        HAS_LEN=lengths is not None, IS_VARLEN=cu is not None, IS_SPLIT=split,
+        DOT_PREC=dot_precision(k.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
-    return h, hz, S_T, z_T
+    if not split:
+        return h, hz, S_T, z_T
+    return (h, hz, *_merge_runs(h, hz, (S_T, z_T), walked, tiles, NS, splits, cfg, decay, store_final_state,
+                                reverse))
+
+
+def _runs(splits: int | None, packed: bool, programs: int, NT: int, device) -> tuple[int, int]:
+    """(chunks per run, runs) of a state pass asked for `splits` runs (None: `split_count`)."""
+    if splits is None:
+        splits = 1 if packed else split_count(programs, NT, multiprocessor_count(device))
+    if packed and splits != 1:
+        raise ValueError("chunk_states: split-T needs sequences of one length (no cu_seqlens)")
+    NS = triton.cdiv(NT, max(1, min(splits, NT)))
+    return NS, (triton.cdiv(NT, NS) if NT else 1)
+
+
+def _merge_runs(h, hz, ends, walked, tiles, NS, splits, cfg, decay, store_final_state, reverse):
+    """Launch `chunk_state_merge_kernel` on the runs' states (in place); the final states."""
+    B, H, NT, Dk, Dv = h.shape
+    f32 = dict(dtype=torch.float32, device=h.device)
+    final = (torch.empty(B, H, Dk, Dv, **f32) if store_final_state else None,
+             torch.empty(B, H, Dk, **f32) if store_final_state and hz is not None else None)
+    ptrs = [hz, *ends, *walked, *final]
+    launchable(chunk_state_merge_kernel, h.device)[(*tiles, B * H * splits)](
+        h, *(p if p is not None else h for p in ptrs), H, Dk, Dv, NT, NS, splits, BK=cfg["BK"], BV=cfg["BV"],
+        DECAY=decay, HAS_Z=hz is not None, STORE_ST=store_final_state, REVERSE=reverse,
+        num_warps=cfg["num_warps"], num_stages=1,
+    )
+    return final
+
+
+# Split-T. The state pass is sequential over the chunks; with few programs (B * H small) most
+# SMs idle while each program walks its long chain. Split the chunks into `splits` runs of NS:
+# every run is walked in parallel from a zero state (the first from the initial state), which
+# gives each chunk's entry state up to the part carried in from earlier runs, and each run's
+# end state L_s. The carried part is linear: with E_s the true state on entry to run s and
+# D_s = exp(sum of the run's log-decays),
+#
+#     E_0 = 0 (the initial state is in run 0's walk),  E_{s+1} = D_s E_s + L_s,
+#     h_n += exp(sum of the log-decays of run s's chunks before n) E_s    for n in run s,
+#
+# and the final state is E_splits: `chunk_state_merge_kernel`, one program per run (and tile),
+# forms E_s from the ends of the runs before (s steps of a tile) and adds it to the run's
+# stored states, chunk after chunk (independent steps: the loads can be in flight together).
+# That is about twice the stored states' bytes more traffic, paid only when the parallelism
+# it buys is missing. Reversed (the state gradient) the runs are walked from the last. Every exponent is
+# a sum of log-decays <= 0, summed by the state kernel as it walks.
+
+
+def split_count(programs: int, n_chunks: int, sms: int | None, min_chunks: int = 16) -> int:
+    """Runs to split the state pass into: 1 when its `programs` already occupy the GPU's
+    `sms` (None: not a GPU, e.g. the interpreter), else enough for about two per SM (a state
+    program has 4 warps: up to 4 per SM issue at their full rate), with runs of at least
+    `min_chunks` chunks."""
+    if sms is None or programs >= sms:
+        return 1
+    return max(1, min(-(-2 * sms // programs), n_chunks // min_chunks))
 
 
 def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:
     """Signature and constexprs of `chunk_state_kernel`'s heaviest variant: the state gradient
-    (reversed, scaled keys, weighted z) with per-token decay, initial and final state."""
+    (reversed, scaled keys, weighted z) with per-token decay, initial and final state, split."""
     signature = {
         "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "g_ptr": "*fp32", "r_ptr": "*fp32", "w_ptr": "*fp32",
         "h_ptr": "*fp32", "hz_ptr": "*fp32", "s0_ptr": "*fp32", "z0_ptr": "*fp32", "st_ptr": "*fp32",
-        "zt_ptr": "*fp32", "cu_ptr": "*i32", "co_ptr": "*i32", "len_ptr": "*i32",
-        "T": "i32", "H": "i32", "Dk": "i32", "Dv": "i32", "NT": "i32",
+        "zt_ptr": "*fp32", "lg_ptr": "*fp32", "lr_ptr": "*fp32", "cu_ptr": "*i32", "co_ptr": "*i32",
+        "len_ptr": "*i32", "T": "i32", "H": "i32", "Dk": "i32", "Dv": "i32", "NT": "i32", "NS": "i32",
+        "n_splits": "i32",
     }
     constexprs = {"BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2, "HAS_Z": True,
                   "HAS_S0": True, "STORE_ST": True, "REVERSE": True, "HAS_R": True, "HAS_W": True,
-                  "HAS_LEN": False, "IS_VARLEN": False, "DOT_PREC": dot_precision(dtype)}
+                  "HAS_LEN": False, "IS_VARLEN": False, "IS_SPLIT": True, "DOT_PREC": dot_precision(dtype)}
     for name in constexprs:
         signature[name] = "constexpr"
+    return signature, constexprs
+
+
+def compile_spec_merge(cfg: dict, dtype: str) -> tuple[dict, dict]:
+    """Signature and constexprs of `chunk_state_merge_kernel`'s heaviest variant (decay, z,
+    final state; the states stored as `chunk_fwd_two_phase` stores them for `dtype`)."""
+    signature = {"h_ptr": "*bf16" if dtype == "bf16" else "*fp32", "hz_ptr": "*fp32", "e_ptr": "*fp32",
+                 "ez_ptr": "*fp32", "lg_ptr": "*fp32", "lr_ptr": "*fp32", "st_ptr": "*fp32", "zt_ptr": "*fp32",
+                 "H": "i32", "Dk": "i32", "Dv": "i32", "NT": "i32", "NS": "i32", "n_splits": "i32"}
+    constexprs = {"BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2, "HAS_Z": True, "STORE_ST": True,
+                  "REVERSE": False}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
     return signature, constexprs

@@ -34,6 +34,7 @@ DIM_NAMES = {
     "favor": ("BD", "BM"),            # input dim whole, random features tiled (looped)
     # the two-phase forward tiles both head dims: blocks of BK, whatever the head dim
     "chunk_state": ("BK", "BV"),      # one Dk block per program, Dv tiled
+    "chunk_state_merge": ("BK", "BV"),  # split-T's merge: chunk_state's tiles (it gets its config)
     "chunk_output": ("BK", "BV"),     # Dk looped in blocks of BK, Dv tiled
     "chunk_dqk": ("BK", "BV"),        # two-phase backward: Dk tiled, Dv looped in blocks of BV
     "chunk_dv": ("BK", "BV"),         # Dv tiled, Dk looped in blocks of BK
@@ -129,6 +130,7 @@ NUM_STAGES = {"mma16": 2, "sm90": 2, "fp32": 1, "sm75": 1}
 #   The same blocks on sm_80 spill 56-86 instructions even aligned: Ampere keeps mma16.
 _TWO_PHASE: dict[str, dict[str, tuple[int, int, int, int]]] = {
     "chunk_state": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
+    "chunk_state_merge": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
     "chunk_dqk": {"mma16": (64, 16, 16, 4), "sm90": (64, 64, 32, 8), "fp32": (32, 32, 32, 4),
                   "sm75": (32, 32, 16, 4)},
     "chunk_dv": {"mma16": (64, 32, 64, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
@@ -183,6 +185,14 @@ def device_capability(device: torch.device | str | None) -> Capability:
     if device.type != "cuda":
         return None
     return tuple(torch.cuda.get_device_capability(device))
+
+
+def multiprocessor_count(device: torch.device | str | None) -> int | None:
+    """SMs of a CUDA device; None for CPU (the interpreter) and meta tensors."""
+    device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cuda":
+        return None
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def select_config(kernel: str, d_whole: int, dtype: torch.dtype, device_or_capability=None) -> dict:

@@ -810,6 +810,9 @@ def test_gpu_check_config_sweep_runs_every_candidate_on_cpu():
         mine = [r for r in rows if r["kernel"] == kernel]
         assert len(mine) > 1 and sum(r["chosen"] for r in mine) == 1 and mine[0]["chosen"]
         assert len({str(r["config"]) for r in mine}) == len(mine)
+    split = [r for r in rows if r["kernel"].startswith("chunk_state split-T")]
+    # two chunks: split_count keeps one run, the sweep also times two
+    assert [r["config"]["splits"] for r in split] == [1, 2] and [r["chosen"] for r in split] == [1, 0]
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA run is gpu_check itself")

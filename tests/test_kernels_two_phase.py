@@ -380,3 +380,72 @@ def test_packed_sequences_equal_each_sequence_alone(case):
                 assert rel(mine, ref) < _tol(name, dtype), (i, name, rel(mine, ref))
     if x["g"] is not None and x["g"].dim() == 1:
         assert rel(got["g"], dg_head) < _tol("g", dtype)
+
+
+# ------------------------------------------------------------------ split-T
+
+
+SPLIT_CASES = [  # B, H, T, Dk, Dv, decay, reverse, initial state, dtype; chunks of 16
+    (2, 1, 100, 16, 24, "token", False, True, torch.float32),
+    (1, 2, 100, 48, 16, "head", True, True, torch.float32),
+    (1, 1, 150, 16, 16, "reset", False, False, torch.float32),
+    (1, 1, 130, 16, 16, "strong", True, False, torch.float32),
+    (1, 2, 77, 16, 16, None, False, True, torch.float16),
+]
+SMALL = dict(BT=16, BK=16, BV=16, num_warps=4, num_stages=1)
+
+
+@pytest.mark.parametrize("case", SPLIT_CASES, ids=lambda c: "-".join(map(str, c[:7])) + f"-{c[8]}".replace("torch.", ""))
+def test_split_state_pass_equals_one_walk(case):
+    """Split-T: the chunks walked in 2, 3 and 7 runs in parallel and merged give the entry
+    states and final states of one walk (and, forward, of the float64 recurrence); forward and
+    reversed (the state gradient, with key scales and z weights), through decays that
+    underflow between runs and a reset."""
+    B, H, T, Dk, Dv, decay, reverse, resume, dtype = case
+    x = make_inputs(B, H, T, Dk, Dv, decay, True, resume, dtype, seed=8)
+    d = _on_device(x)
+    kw = dict(log_decay=d["g"], initial_state=(d["S0"], d["z0"]) if resume else None, store_final_state=True,
+              config=SMALL, reverse=reverse)
+    if reverse:
+        gen = torch.Generator().manual_seed(9)
+        kw.update(key_scale=(torch.rand(B, H, T, generator=gen) + 0.5).to(DEVICE),
+                  z_weights=torch.randn(B, H, T, generator=gen).to(DEVICE))
+    one = K.chunk_states(d["k"], d["v"], splits=1, **kw)
+    if not reverse:
+        S_all, z_all = recurrence(x)
+        h_ref, hz_ref = entry_states(x, S_all, z_all, SMALL["BT"])
+        assert rel(one[0], h_ref) < TOL[dtype] and rel(one[1], hz_ref) < TOL[dtype]
+    for splits in (2, 3, 7):
+        got = K.chunk_states(d["k"], d["v"], splits=splits, **kw)
+        for name, a, b in zip(("h", "hz", "S_T", "z_T"), got, one):
+            assert a.shape == b.shape and a.dtype == b.dtype, (splits, name)
+            assert rel(a, b) < 1e-6, (splits, name, rel(a, b))
+
+
+def test_split_count_fills_the_gpu_only_when_the_grid_does_not():
+    """One run off a GPU or when the programs occupy every SM; else about two programs per
+    SM, runs of at least 16 chunks; packed sequences are not split."""
+    split = K.split_count
+    assert split(80, 256, None) == 1 and split(320, 256, 132) == 1 and split(132, 256, 132) == 1
+    assert split(131, 256, 132) == 3
+    assert split(80, 256, 132) == 4 and split(20, 256, 132) == 14 and split(20, 64, 132) == 4
+    assert split(4, 8, 132) == 1
+    q = torch.rand(1, 1, 40, 16, device=DEVICE)
+    with pytest.raises(ValueError, match="split-T"):
+        K.chunk_states(q, q, splits=2, cu_seqlens=torch.tensor([0, 40], device=DEVICE))
+
+
+def test_split_engine_forward_and_backward(monkeypatch):
+    """When `split_count` asks for runs the launchers split every state pass (forward, the
+    backward's recompute and its reversed state gradient): outputs, final states and every
+    gradient equal the unsplit run's."""
+    case = (1, 2, 200, 48, 24, "token", True, True, torch.float32)
+    x = make_inputs(*case, seed=12)
+    w, wS, wz = _cotangents(x, 1, True)
+    o1, st1, g1 = _kernel_grads(x, True, w, wS, wz)
+    monkeypatch.setattr(K.chunk_state, "split_count", lambda p, n, sms: 3)
+    o3, st3, g3 = _kernel_grads(x, True, w, wS, wz)
+    assert rel(o3, o1) < 1e-6 and rel(st3[0], st1[0]) < 1e-6 and rel(st3[1], st1[1]) < 1e-6
+    assert sorted(g3) == sorted(g1)
+    for name in g1:
+        assert rel(g3[name], g1[name]) < 1e-5, (name, rel(g3[name], g1[name]))

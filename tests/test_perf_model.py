@@ -308,6 +308,27 @@ def test_compare_runs_on_the_kernels_with_stub_instructions(monkeypatch):
     assert sum(label in " ".join(lines) for label in r["times"]) == len(pm.ROWS)
 
 
+def test_split_gain_splits_small_grids_only():
+    """At B = 1, H = 2 the state pass's 40 programs leave most of 132 SMs idle: the launcher
+    splits it into runs (forward and backward), the chain of each program shortens by that
+    factor and the predicted time falls; at H = 16 (320 programs) nothing is split."""
+    from linattn_lib.experiments.perf_predictions import split_gain
+
+    small = split_gain(1, 16384, 2, 128, "H100 SXM", stats=_stub)
+    assert small["runs"] == 7
+    assert small["split"]["forward"] < 0.6 * small["one walk"]["forward"]
+    assert small["split"]["total"] < small["one walk"]["total"]
+    cen = pm.census(1, 2, 16384, 128, sms=132)
+    states = [c for part in cen.values() for c in part if c.kernel == "chunk_state_kernel"]
+    assert len(states) == 3 and all(c.grid[2] == 2 * 7 and c.args["NS"] == 256 // 7 + 1 for c in states)
+    merge = next(c for c in cen["forward"] if c.kernel == "chunk_state_merge_kernel")
+    assert merge.grid == states[0].grid  # a program per run and tile
+    assert [c.kernel for c in cen["forward"]] == ["chunk_state_kernel", "chunk_state_merge_kernel",
+                                                 "chunk_output_kernel"]
+    big = split_gain(1, 16384, 16, 128, "H100 SXM", stats=_stub)
+    assert big["runs"] == 1 and big["split"] == big["one walk"]
+
+
 @needs_compiler
 def test_compare_compiles_the_kernels(monkeypatch):
     """Real instruction counts: ours from the launchers' variants, fla's from its source (when

@@ -111,7 +111,6 @@ class _Recorder:
         return launch
 
 
-
 _FREE_OPS = ("aten.empty", "aten.scalar_tensor", "aten.lift_fresh", "aten.detach", "aten._local_scalar_dense")
 
 
@@ -157,31 +156,33 @@ DECAYS = (None, "head", "token")  # no decay, one log-decay per head (H,), one p
 
 
 @contextlib.contextmanager
-def _capability(target: str) -> Iterator[None]:
-    """Within the block `select_config` picks the configs of `target` ("sm_90") for any device."""
+def _capability(target: str, sms: int | None = None) -> Iterator[None]:
+    """Within the block `select_config` picks `target`'s configs, split-T splits as on `sms` SMs (None: never)."""
     configs = sys.modules["linattn_lib.kernels.configs"]
-    original = configs.device_capability
-    configs.device_capability = lambda device: configs.TARGETS[target]
+    state = sys.modules["linattn_lib.kernels.chunk_state"]
+    originals = configs.device_capability, state.multiprocessor_count
+    configs.device_capability, state.multiprocessor_count = lambda d: configs.TARGETS[target], lambda d: sms
     try:
         yield
     finally:
-        configs.device_capability = original
+        configs.device_capability, state.multiprocessor_count = originals
 
 
-def census(B: int, H: int, T: int, D: int, dtype: torch.dtype = torch.bfloat16, *,
-           normalize: bool = True, decay: str | None = None, target: str = "sm_90") -> dict[str, list[Call]]:
+def census(B: int, H: int, T: int, D: int, dtype: torch.dtype = torch.bfloat16, *, normalize: bool = True,
+           decay: str | None = None, target: str = "sm_90", sms: int | None = None) -> dict[str, list[Call]]:
     """{"forward": [...], "backward": [...]}: our causal op's launches at (B, H, T, D) from the real
     launchers (no initial state; gradients of q, k, v and of a per-token log-decay, a per-head one
     being fixed) on meta tensors (no memory), with the configs `select_config` picks on `target`
-    (default sm_90: an H100 or H200). decay: one of `DECAYS` (fp32)."""
+    (default sm_90: an H100 or H200) and the state passes split (split-T) as on a GPU of `sms`
+    SMs (None: not split). decay: one of `DECAYS` (fp32)."""
     if decay not in DECAYS:
         raise ValueError(f"census: decay must be one of {DECAYS}, not {decay!r}")
     q, k, v, do = (torch.empty(B, H, T, D, dtype=dtype, device="meta") for _ in range(4))
     g = None if decay is None else torch.empty(*((H,) if decay == "head" else (B, H, T)), device="meta")
-    with recording() as fwd, _capability(target):
+    with recording() as fwd, _capability(target, sms):
         o, den, S_T, z_T = triton_ops.causal_forward(q=q, k=k, v=v, g=g, S0=None, z0=None, normalize=normalize,
                                                      eps=1e-6, return_state=False)
-    with recording() as bwd, _capability(target):
+    with recording() as bwd, _capability(target, sms):
         triton_ops.causal_backward(q=q, k=k, v=v, g=g, S0=None, z0=None, o=o, den=den, S_T=S_T, z_T=z_T, do=do,
                                    dS_T=None, dz_T=None, normalize=normalize,
                                    needs=(True, True, True, decay == "token", False, False))
@@ -293,13 +294,11 @@ def sass_stats_of(call: Call, target: str = "sm_90") -> SassStats:
 
 # kernel -> {argument: grid axes whose programs all read the same elements of it}; any other
 # tensor argument is touched once (one program per element). Every kernel the census meets
-
-# kernel -> {argument: grid axes whose programs all read the same elements of it}; any other
-# tensor argument is touched once (one program per element). Every kernel the census meets
 # should be listed (tests/test_perf_model.py checks), if only to say that it re-reads nothing;
 # fla's come from perf_fla.
 REREAD: dict[str, dict[str, tuple[int, ...]]] = {
     "chunk_state_kernel": {"k_ptr": (1,), "v_ptr": (0,), "g_ptr": (0, 1), "r_ptr": (0, 1), "w_ptr": (0, 1)},
+    "chunk_state_merge_kernel": {"e_ptr": (2,), "lg_ptr": (0, 1), "lr_ptr": (0, 1, 2)},
     "chunk_output_kernel": {"q_ptr": (0,), "k_ptr": (0,), "hz_ptr": (0,), "g_ptr": (0,)},
     "chunk_dqk_kernel": {"v_ptr": (0,), "do_ptr": (0,), "r_ptr": (0,), "e_ptr": (0,), "g_ptr": (0,)},
     "chunk_dv_kernel": {"q_ptr": (0,), "k_ptr": (0,), "r_ptr": (0,), "g_ptr": (0,)}, "chunk_bwd_prep_kernel": {},
@@ -308,8 +307,9 @@ REREAD: dict[str, dict[str, tuple[int, ...]]] = {
 
 # kernel -> sequential steps of one program (trips of its main loop), from its arguments
 STEPS: dict[str, Callable[[dict], int]] = {
-    "chunk_state_kernel": lambda a: _cdiv(a["T"], a["BT"]), "chunk_output_kernel": lambda a: _cdiv(a["Dk"], a["BK"]),
-    "chunk_dqk_kernel": lambda a: _cdiv(a["Dv"], a["BV"]), "chunk_dv_kernel": lambda a: _cdiv(a["Dk"], a["BK"]),
+    "chunk_state_kernel": lambda a: a["NS"], "chunk_state_merge_kernel": lambda a: a["NS"],  # chunks per run
+    "chunk_output_kernel": lambda a: _cdiv(a["Dk"], a["BK"]), "chunk_dqk_kernel": lambda a: _cdiv(a["Dv"], a["BV"]),
+    "chunk_dv_kernel": lambda a: _cdiv(a["Dk"], a["BK"]),
     **perf_fla.STEPS,
 }
 
@@ -509,7 +509,7 @@ def compare(B: int, T: int, H: int, D: int, gpu: GPU | str = "H100 SXM", *, dtyp
         if only is not None and row.label not in only:
             continue
         if row.who == "ours":
-            calls = census(B, H, T, D, dtype, normalize=row.normalize, decay=row.decay, target=gpu.target)
+            calls = census(B, H, T, D, dtype, normalize=row.normalize, decay=row.decay, target=gpu.target, sms=gpu.sms)
             launches = {part: [launch_of(c, gpu, stats) for c in cs] for part, cs in calls.items()}
         else:
             make = lambda cfg, row=row: replay_calls(B, H, T, D, (row.normalize, row.decay), cfg, kernels, dtype)
@@ -534,8 +534,8 @@ def assumptions(gpu: GPU, fla_root: str | None = None) -> list[str]:
         "loop being the longest backward branch; CTAs/SM from its registers and shared memory.",
         "HBM bytes: each tensor a kernel touches once, re-reads by programs running together hit L2, "
         "others do not; nothing stays in L2 between launches; an eager torch op reads and writes once.",
-        "Ours: the real launchers (causal_forward, causal_backward) recorded on meta tensors, with the "
-        "configs select_config gives an sm_90 (H100, H200); gradients of q, k, v (and of a per-token log-decay).",
+        "Ours: the real launchers (causal_forward, causal_backward) recorded on meta tensors, with the configs "
+        "select_config gives an sm_90 and split-T as on its SMs; gradients of q, k, v (and a per-token log-decay).",
         *perf_fla.assumptions(fla_root),
         "Roofline: the fused op's tensors once each: q, k, v, o (+ g) forward; q, k, v, dO (+ o when "
         "normalised, + g) read and dq, dk, dv (+ dg) written backward.",

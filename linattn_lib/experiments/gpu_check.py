@@ -332,6 +332,37 @@ def run_config_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, d
             except Exception as e:  # e.g. out of shared memory on this GPU
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             rows.append(row)
+    return rows + run_split_sweep(1, max(1, H // 8), T, D, dtype=dtype, do_bench=do_bench, device=device)
+
+
+def run_split_sweep(B: int, H: int, T: int, D: int, *, dtype: torch.dtype, do_bench: Callable,
+                    device: str = "cuda") -> list[dict]:
+    """The state pass (normalised, per-token decay) where its grid is small (B * H = 2 at the
+    benchmark shape): walked whole, in the runs the launcher picks (split-T), and in twice as
+    many; the model's predictions are in book/results/perf_model.json ("split_T")."""
+    import torch
+
+    from .. import kernels as K
+
+    torch.manual_seed(0)
+    k = torch.rand(B, H, T, D, device=device, dtype=dtype)
+    v = torch.randn(B, H, T, D, device=device, dtype=dtype)
+    g = -torch.rand(B, H, T, device=device) * 0.1
+    cfg = K.select_config("chunk_state", D, dtype, None if device == "cpu" else torch.device(device))
+    programs = -(-D // cfg["BK"]) * (-(-D // cfg["BV"]) + 1) * B * H
+    NT = -(-T // cfg["BT"])
+    sms = K.configs.multiprocessor_count(device) or 132
+    chosen = K.split_count(programs, NT, sms)
+    rows = []
+    for splits in dict.fromkeys((1, chosen, 2 * chosen)):
+        row = {"kernel": f"chunk_state split-T, B={B} H={H}", "config": {"splits": splits}, "chosen": splits == chosen,
+               "shape": f"B={B} H={H} T={T} D={D}", "dtype": str(dtype).replace("torch.", "")}
+        call = lambda splits=splits: K.chunk_states(k, v, log_decay=g, splits=splits)
+        try:
+            row["ms"] = round(float(do_bench(call, warmup=10, rep=50)), 4)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        rows.append(row)
     return rows
 
 
