@@ -13,6 +13,7 @@ The package, by folder (the arrows run one way: experiments and chapters use cor
 * `kernels` (the top-level `kernels/` folder): the Triton kernels.
 """
 from .core.decode import KVCacheDecoder, RecurrentDecoder, linear_attention_decode_step
+from .core.delta import delta_rule_attention, delta_rule_decode_step
 from .core.features import (
     RandomFeatureMap,
     clipped_trig_features,
@@ -27,6 +28,8 @@ from .core.features import (
     relu,
     rff_features,
     softmax_kernel,
+    taylor_features,
+    taylor_kernel,
     trig_softmax_features,
 )
 from .core.linear import linear_attention
@@ -42,11 +45,13 @@ from .core.positional import (
     key_normalized_attention_matrix,
     sinusoidal_positions,
 )
+from .core.rotary import rotary_angles, rotary_embedding, rotary_linear_attention, rotary_linear_attention_matrix
 from .core.softmax import softmax_attention, softmax_attention_weights
 from .core.ssm import (
     gla_attention,
     retnet_log_decay,
     rwkv4_wkv,
+    rwkv6_attention,
     selective_scan_reference,
     semiseparable_matrix,
     ssd,
@@ -77,6 +82,8 @@ __all__ = [
     "relu",
     "rff_features",
     "softmax_kernel",
+    "taylor_features",
+    "taylor_kernel",
     "trig_softmax_features",
     "performer_attention",
     "band_bias_attention",
@@ -87,13 +94,20 @@ __all__ = [
     "key_normalized_attention",
     "key_normalized_attention_matrix",
     "sinusoidal_positions",
+    "rotary_angles",
+    "rotary_embedding",
+    "rotary_linear_attention",
+    "rotary_linear_attention_matrix",
     "gla_attention",
     "retnet_log_decay",
     "rwkv4_wkv",
+    "rwkv6_attention",
     "selective_scan_reference",
     "semiseparable_matrix",
     "ssd",
     "zoh_discretize",
+    "delta_rule_attention",
+    "delta_rule_decode_step",
     "KVCacheDecoder",
     "RecurrentDecoder",
     "LinearAttention",

@@ -306,6 +306,29 @@ ROWS = [
     row("ring_attention", lambda: L.ring_attention(q4()[0], q4(), q4(), seq_len=4), ValueError, "ring_attention", "q",
         r"\(B, H, T, D\)", id="3d-q"),
     row("launch", lambda: L.launch(print, 0), ValueError, "launch", "world_size", id="world_size-0"),
+    # --- core/features.py: Based's Taylor map
+    row("taylor_features", lambda: L.taylor_features(torch.rand(3, 4), scale=0.0), ValueError, "taylor_features",
+        "scale", id="scale-0"),
+    row("taylor_kernel", lambda: L.taylor_kernel(torch.rand(3, 4), torch.rand(2, 5)), ValueError, "taylor_kernel", "k",
+        id="d-mismatch"),
+    # --- core/rotary.py
+    row("rotary_angles", lambda: L.rotary_angles(4, 5), ValueError, "rotary_angles", "dim", id="odd-dim"),
+    row("rotary_embedding", lambda: L.rotary_embedding(torch.rand(1, 2, 4, 5)), ValueError, "rotary_embedding", "x",
+        id="odd-D"),
+    row("rotary_linear_attention", lambda: L.rotary_linear_attention(-q4(), q4(), q4()), ValueError,
+        "rotary_linear_attention", "q", id="negative-features"),
+    row("rotary_linear_attention_matrix", lambda: L.rotary_linear_attention_matrix(q4(), q4(), base=-1.0), ValueError,
+        "rotary_linear_attention_matrix", "base", id="base-negative"),
+    # --- core/ssm.py: RWKV-5/6
+    row("rwkv6_attention", lambda: L.rwkv6_attention(*qkv(), torch.rand(1, 2, 4, 8), torch.zeros(2, 8)), ValueError,
+        "rwkv6_attention", "log_w", id="log_w-positive"),
+    # --- core/delta.py
+    row("delta_rule_attention", lambda: L.delta_rule_attention(*qkv(), torch.full((1, 2, 4), 2.5)), ValueError,
+        "delta_rule_attention", "beta", id="beta-above-2"),
+    row("delta_rule_attention", lambda: L.delta_rule_attention(*qkv(), torch.rand(1, 2, 4), check_unit_keys=True),
+        ValueError, "delta_rule_attention", "k", id="keys-not-unit"),
+    row("delta_rule_decode_step", lambda: L.delta_rule_decode_step(token(), token(), token(), torch.rand(3), None),
+        ValueError, "delta_rule_decode_step", "beta", id="beta-shape"),
     # --- core/masks.py
     row("segsum", lambda: L.segsum(torch.tensor(1.0)), ValueError, "segsum", "g", id="0d-g"),
     row("decay_mask", lambda: L.decay_mask(torch.tensor([0.5, -0.1])), ValueError, "decay_mask", "log_decay",

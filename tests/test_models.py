@@ -76,6 +76,20 @@ def reference_linear_layer(layer, x):
             A = (F.relu(q) @ F.relu(k).transpose(-1, -2)) * torch.cos(math.pi / 2 * (pos[:, None] - pos[None, :]) / layer.max_len)
         A = A.masked_fill(~causal, 0.0)
         o = (A @ v) / (A.sum(-1, keepdim=True) + 1e-6)
+    elif layer.kind in ("deltanet", "gated_deltanet"):  # the delta rule, token by token
+        qn, kn = F.normalize(q, dim=-1), F.normalize(k, dim=-1)
+        beta = torch.sigmoid(x @ layer.beta_proj.weight.T + layer.beta_proj.bias).transpose(1, 2)
+        log_a = torch.zeros_like(beta)
+        if layer.kind == "gated_deltanet":
+            log_a = -F.softplus(x @ layer.decay_proj.weight.T + layer.decay_proj.bias).transpose(1, 2)
+        S, outs = torch.zeros(B, H, dh, dh, dtype=x.dtype), []
+        for t in range(T):
+            S = log_a[..., t, None, None].exp() * S
+            kt, bt = kn[:, :, t, :, None], beta[..., t, None, None]
+            S = S - bt * kt * (kt.transpose(-1, -2) @ S - v[:, :, t, None, :])
+            outs.append((qn[:, :, t, None, :] @ S).squeeze(-2))
+        o = torch.stack(outs, 2)
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * layer.out_norm
     else:
         if layer.kind == "retnet":  # fixed per-head decay gamma_h = 1 - 2^(-5-h), stored in float32
             gamma = 1 - 2.0 ** (-5.0 - torch.arange(H, dtype=torch.float64))

@@ -12,8 +12,11 @@
     varlen.py         packed variable-length sequences (cu_seqlens): checks, the definition
                       (each sequence alone) and the torch paths' padded batches
     decode.py         one token at a time: decoders and the functional decode step
-    features.py       feature maps (ELU+1, random features, FAVOR+ and its relatives)
+    features.py       feature maps (ELU+1, random features, FAVOR+ and its relatives, Based's
+                      Taylor map)
     performer.py      Performer attention
     positional.py     cosFormer, relative-position band bias, key normalisation
-    ssm.py            state-space models: SSD, RetNet, GLA, RWKV-4, selective scan
+    rotary.py         rotary position embedding (RoPE) and RoFormer's linear attention with it
+    ssm.py            state-space models: SSD, RetNet, GLA, RWKV-4, RWKV-5/6, selective scan
+    delta.py          the delta rule (DeltaNet, Gated DeltaNet): recurrent, chunked (WY/UT), quadratic
 """

@@ -460,3 +460,58 @@ class RandomFeatureMap(nn.Module):
 
     def extra_repr(self) -> str:
         return f"d={self.d}, m={self.m}, kind={self.kind!r}, orthogonal={self.orthogonal}"
+
+
+# ---------------------------------------------------------------------------------------
+# Based's second-order Taylor map (deterministic, exact for its polynomial kernel)
+# ---------------------------------------------------------------------------------------
+
+
+def _taylor_scale(fn: str, scale: float | None, d: int) -> float:
+    """The temperature of s = scale * q . k: 1/sqrt(d) by default, else a finite number > 0."""
+    return d**-0.5 if scale is None else V.check_finite_number(fn, "scale", scale, positive=True)
+
+
+def taylor_features(x: Tensor, *, scale: float | None = None) -> Tensor:
+    """Based's Taylor feature map (Arora et al. 2024): (..., d) -> (..., 1 + d + d^2).
+
+        phi(x) = [1, sqrt(scale) x, scale vec(x x^T) / sqrt(2)],  scale = 1/sqrt(d) by default,
+
+    built so that phi(q) . phi(k) = 1 + s + s^2/2 with s = scale * q . k, the Taylor polynomial
+    of exp(s) to second order (for the default scale, the kernel of softmax(q k^T / sqrt(d))).
+    The HazyResearch/based `TaylorExp` map is the same: x / d^(1/4) and x x^T / (sqrt(2) sqrt(d)).
+
+    * Deterministic: no random draw, so nothing to redraw and no estimator variance.
+    * Exact for its own kernel, and that kernel is positive: 1 + s + s^2/2 = ((1 + s)^2 + 1) / 2
+      has its minimum 1/2 at s = -1, so normalised attention never divides by ~0.
+    * Only an approximation of exp(s): the error is the Taylor remainder, about s^3/6, so it is
+      good for small |s| and poor for large ones (Based keeps d small, e.g. 16, and normalises
+      q, k). The feature count grows as d^2 (273 for d = 16).
+
+    Only the full d^2 quadratic block is produced (x_i x_j and x_j x_i both appear); the
+    symmetric d(d+1)/2 form would give the same kernel with fewer features.
+    """
+    fn = "taylor_features"
+    V.check_tensor(fn, "x", x)
+    if x.dim() == 0 or x.shape[-1] == 0:
+        raise ValueError(f"{fn}: `x` must be laid out as (..., d) with d >= 1, got {V.describe(x)}")
+    scale = _taylor_scale(fn, scale, x.shape[-1])
+    quad = (x.unsqueeze(-1) * x.unsqueeze(-2)).flatten(-2) * (scale / math.sqrt(2.0))
+    return torch.cat([torch.ones_like(x[..., :1]), x * math.sqrt(scale), quad], dim=-1)
+
+
+def taylor_kernel(q: Tensor, k: Tensor, *, scale: float | None = None) -> Tensor:
+    """The kernel `taylor_features` computes, in closed form: 1 + s + s^2/2, s = scale q_i . k_j.
+
+    q: (..., n, d), k: (..., p, d) -> (..., n, p); scale = 1/sqrt(d) by default. Always >= 1/2.
+    """
+    fn = "taylor_kernel"
+    for name, t in (("q", q), ("k", k)):
+        V.check_tensor(fn, name, t)
+        if t.dim() < 2:
+            raise ValueError(f"{fn}: `{name}` must be laid out as (..., n, d), at least 2-d, got {V.describe(t)}")
+    V.check_same(fn, [("q", q), ("k", k)])
+    if q.shape[-1] != k.shape[-1]:
+        raise ValueError(f"{fn}: `k` has d={k.shape[-1]} but `q` has d={q.shape[-1]}; expected one feature size d")
+    s = (q @ k.transpose(-1, -2)) * _taylor_scale(fn, scale, q.shape[-1])
+    return 1 + s + 0.5 * s * s

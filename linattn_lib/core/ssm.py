@@ -471,3 +471,108 @@ def rwkv4_wkv(w: Tensor, u: Tensor, k: Tensor, v: Tensor, *, form: str = "recurr
     V.check_choice(fn, "form", form, WKV_FORMS)
     impl = {"recurrent": _wkv_recurrent, "quadratic": _wkv_quadratic, "naive": _wkv_naive}[form]
     return impl(w, u, k, v)
+
+
+# --------------------------------------------------------------------------------------
+# RWKV-5/6 (Eagle/Finch): a matrix state read by the receptance as a query
+# --------------------------------------------------------------------------------------
+
+RWKV6_FORMS = ("recurrent", "parallel")
+
+
+def _check_rwkv6_inputs(fn: str, r: Tensor, k: Tensor, v: Tensor, log_w: Tensor, u: Tensor) -> None:
+    V.check_layout(fn, "r", r, ("B", "H", "T", "Dk"))
+    batch, H, T, Dk = r.shape
+    if T == 0:
+        raise ValueError(f"{fn}: sequence length T must be at least 1, got `r` with {V.describe(r)}")
+    V.check_shape(fn, "k", k, tuple(r.shape), ("B", "H", "T", "Dk"))
+    V.check_layout(fn, "v", v, ("B", "H", "T", "Dv"))
+    V.check_shape(fn, "v", v, (batch, H, T, v.shape[-1]), ("B", "H", "T", "Dv"))
+    V.check_tensor(fn, "log_w", log_w)
+    if tuple(log_w.shape) not in ((batch, H, T, Dk), (H, Dk)):
+        raise ValueError(
+            f"{fn}: `log_w` has shape {tuple(log_w.shape)}; expected (B, H, T, Dk) = {(batch, H, T, Dk)} "
+            f"per token (RWKV-6) or (H, Dk) = {(H, Dk)} constant (RWKV-5)"
+        )
+    V.check_shape(fn, "u", u, (H, Dk), ("H", "Dk"))
+    V.check_same(fn, [("r", r), ("k", k), ("v", v), ("log_w", log_w), ("u", u)])
+    V.check_all_finite(fn, (("r", r), ("k", k), ("v", v)))
+    V.check_values(fn, "log_w", log_w, high=0.0, why="the log of a decay w in (0, 1]")
+    V.check_values(fn, "u", u)
+
+
+def _rwkv6_recurrent(r, k, v, g, u, S):
+    outs = []
+    for t in range(r.shape[2]):
+        kv = k[:, :, t, :, None] * v[:, :, t, None, :]  # (B, H, Dk, Dv)
+        outs.append((r[:, :, t, :, None] * (S + u[..., None] * kv)).sum(-2))  # reads S_{t-1}
+        S = torch.exp(g[:, :, t]).unsqueeze(-1) * S + kv
+    return torch.stack(outs, dim=2), S
+
+
+def _rwkv6_parallel(r, k, v, g, u, S):
+    """o_i = sum_{j<i} sum_c r_ic k_jc exp(g_{j+1,c} + ... + g_{i-1,c}) v_j + (r_i o u) . k_i v_i + decayed S_0.
+
+    segsum(g)[i, j] sums g_{j+1..i}; the read at step i needs g_{j+1..i-1} = segsum(g)[i-1, j],
+    so the per-channel (T, T) masks are shifted down one row (row 0 is all -inf: no past yet).
+    Every exponent is an interval sum of terms <= 0 (the numerics rule of core/state.py).
+    """
+    gt = g.transpose(-1, -2)  # (B, H, Dk, T)
+    D = torch.nn.functional.pad(segsum(gt)[..., :-1, :], (0, 0, 1, 0), value=float("-inf"))
+    A = torch.einsum("bhic,bhjc,bhcij->bhij", r, k, torch.exp(D))
+    bonus = (r * u.unsqueeze(1) * k).sum(-1, keepdim=True) * v
+    before = torch.nn.functional.pad(torch.cumsum(g[:, :, :-1], dim=2), (0, 0, 1, 0))  # g_0 + ... + g_{i-1}
+    out = A @ v + bonus + (r * torch.exp(before)) @ S
+    k_to_end = k * torch.exp(sum_after(gt)).transpose(-1, -2)  # g_{j+1} + ... + g_{T-1}
+    S = torch.exp(gt.sum(-1)).unsqueeze(-1) * S + k_to_end.transpose(-1, -2) @ v
+    return out, S
+
+
+def rwkv6_attention(
+    r: Tensor,
+    k: Tensor,
+    v: Tensor,
+    log_w: Tensor,
+    u: Tensor,
+    *,
+    initial_state: LinearAttentionState | None = None,
+    return_state: bool = False,
+    form: str = "recurrent",
+) -> Tensor | tuple[Tensor, LinearAttentionState]:
+    """The WKV of RWKV-5 "Eagle" and RWKV-6 "Finch" (Peng et al. 2024): a matrix state per head.
+
+        o_t = r_t^T (diag(u) k_t v_t^T + S_{t-1}),    S_t = diag(w_t) S_{t-1} + k_t v_t^T
+
+    The receptance r_t reads the state as a query does (RWKV-4's WKV, `rwkv4_wkv`, is a ratio
+    with no query). Two differences from GLA (`gla_attention`): the read happens *before* the
+    current token enters (S_{t-1}, not S_t), and the current token comes in through its own
+    bonus u instead. So the decay between tokens j < i is w_{j+1} ... w_{i-1}.
+
+    Against `linear_attention(q, k, v, causal=True, normalize=False, log_decay=g)`, which reads
+    S_t: with u = 0 and one decay for all channels (log_w[..., c] = g), both carry the same
+    state S_t, so RWKV's o_t is linear attention's output at t - 1 with the query r_t moved to
+    t - 1 (and o_0 = r_0 S_init); equivalently, shift k, v and g one token later.
+
+    Args:
+        r, k: (B, H, T, Dk); v: (B, H, T, Dv).
+        log_w: log of the decay, <= 0: (B, H, T, Dk) per token (Finch: log w_t = -exp(d_t)),
+            or (H, Dk) constant (Eagle).
+        u: (H, Dk), the bonus of the current token ("time_first").
+        initial_state / return_state: LinearAttentionState(S of shape (B, H, Dk, Dv), z=None).
+        form: "recurrent" (the token loop) or "parallel" (quadratic, per-channel masks).
+
+    No scaling of r (fla's default Dk^-0.5 is the caller's choice), no gate, no GroupNorm.
+    """
+    fn = "rwkv6_attention"
+    _check_rwkv6_inputs(fn, r, k, v, log_w, u)
+    V.check_choice(fn, "form", form, RWKV6_FORMS)
+    return_state = V.check_flag(fn, "return_state", return_state)
+    batch, H, T, Dk = r.shape
+    g = log_w.view(1, H, 1, Dk).expand(batch, H, T, Dk) if log_w.dim() == 2 else log_w
+    S = r.new_zeros(batch, H, Dk, v.shape[-1])
+    if initial_state is not None:
+        _check_unnormalized_state(fn, initial_state, B=batch, H=H, Dk=Dk, Dv=v.shape[-1], device=r.device)
+        S = initial_state[0].to(r.dtype)
+    impl = _rwkv6_recurrent if form == "recurrent" else _rwkv6_parallel
+    o, S = impl(r, k, v, g, u, S)
+    return (o, LinearAttentionState(S, None)) if return_state else o

@@ -12,9 +12,14 @@ cache. Attention kinds:
 | "cosformer" | relu, times cos/sin(pi i/2M) | none (the cos re-weighting)         | yes        |
 | "retnet"    | identity                   | fixed per head: log(1 - 2^(-5-h))     | no (+ norm)|
 | "ssd"       | identity                   | data-dependent: -softplus(w . x_t + b)| no (+ norm)|
+| "deltanet"  | L2-normalised q, k         | none; the delta rule, beta_t = sigmoid(w . x_t) | no (+ norm)|
+| "gated_deltanet" | L2-normalised q, k    | as "ssd", on the delta rule           | no (+ norm)|
 
-Unnormalised variants (RetNet, Mamba-2 / SSD style) normalise each head's output instead
-(a per-head RMS norm, as RetNet's GroupNorm does).
+Unnormalised variants (RetNet, Mamba-2 / SSD style, the delta rule) normalise each head's
+output instead (a per-head RMS norm, as RetNet's GroupNorm does). The two delta-rule kinds
+run `delta_rule_attention` (core/delta.py) instead of `linear_attention`: the state is
+corrected towards v_t for the key k_t (S <- S - beta_t k_t (k_t^T S - v_t^T)) instead of
+only added to, which needs unit keys and beta in (0, 2] to stay bounded.
 """
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate as V
+from ..core.delta import delta_rule_attention
 from ..core.features import RandomFeatureMap, elu_plus_one
 from ..core.linear import linear_attention
 from ..core.ssm import retnet_log_decay
@@ -36,7 +42,8 @@ from ..core.state import LinearAttentionState
 # what one layer carries between calls: a linear layer's state, a softmax layer's KV cache
 LayerState = LinearAttentionState | tuple[Tensor, Tensor] | None
 
-ATTENTION_KINDS = ("softmax", "performer", "linear", "cosformer", "retnet", "ssd")
+ATTENTION_KINDS = ("softmax", "performer", "linear", "cosformer", "retnet", "ssd", "deltanet", "gated_deltanet")
+DELTA_KINDS = ("deltanet", "gated_deltanet")
 LINEAR_KINDS = ATTENTION_KINDS[1:]
 
 
@@ -84,7 +91,8 @@ class LinearAttention(nn.Module):
 
     Args:
         d_model, n_heads: model width and number of heads (d_model % n_heads == 0).
-        kind: one of "performer", "linear", "cosformer", "retnet", "ssd" (see the module doc).
+        kind: one of "performer", "linear", "cosformer", "retnet", "ssd", "deltanet",
+            "gated_deltanet" (see the module doc).
         num_features: random features per head for "performer" (default floor(d ln d)).
         max_len: cosFormer's M, the longest sequence the re-weighting is defined for.
         seed: seed of the Performer projection.
@@ -122,7 +130,9 @@ class LinearAttention(nn.Module):
             self.feature_map = RandomFeatureMap(self.d_head, num_features, kind="positive", seed=seed)
         if kind == "retnet":
             self.register_buffer("log_decay", retnet_log_decay(n_heads).float())
-        if kind == "ssd":
+        if kind in DELTA_KINDS:
+            self.beta_proj = nn.Linear(d_model, n_heads)  # beta_t = sigmoid(.) in (0, 1)
+        if kind in ("ssd", "gated_deltanet"):
             self.decay_proj = nn.Linear(d_model, n_heads)
             # softplus(b) = -log(0.95): tokens start out remembering ~20 steps back
             nn.init.zeros_(self.decay_proj.weight)
@@ -148,12 +158,14 @@ class LinearAttention(nn.Module):
             rq, rk = F.relu(q), F.relu(k)
             # cos(a_i - a_j) = cos a_i cos a_j + sin a_i sin a_j: one linear attention on [cos, sin] features
             return torch.cat([rq * ang.cos(), rq * ang.sin()], -1), torch.cat([rk * ang.cos(), rk * ang.sin()], -1)
+        if self.kind in DELTA_KINDS:  # unit keys keep the delta rule's transitions contracting
+            return F.normalize(q, dim=-1), F.normalize(k, dim=-1)
         return q * self.d_head**-0.5, k  # retnet / ssd: no feature map, scaled like softmax
 
     def _decay(self, x: Tensor) -> Tensor | None:
         if self.kind == "retnet":
             return self.log_decay.to(x.dtype)
-        if self.kind == "ssd":
+        if self.kind in ("ssd", "gated_deltanet"):
             return -F.softplus(self.decay_proj(x)).transpose(1, 2)  # (B, H, T), data-dependent
         return None
 
@@ -199,10 +211,17 @@ class LinearAttention(nn.Module):
         """`forward` without the input checks (for callers that checked already)."""
         q, k, v = (_split_heads(t, self.n_heads) for t in self.qkv(x).chunk(3, dim=-1))
         phi_q, phi_k = self._features(q, k, pos_offset)
-        o, new_state = linear_attention(
-            phi_q, phi_k, v, causal=True, normalize=self.normalize, log_decay=self._decay(x),
-            chunk_size=self.chunk_size, initial_state=state, return_state=True,
-        )
+        if self.kind in DELTA_KINDS:
+            beta = torch.sigmoid(self.beta_proj(x)).transpose(1, 2)  # (B, H, T)
+            o, new_state = delta_rule_attention(
+                phi_q, phi_k, v, beta, log_decay=self._decay(x), chunk_size=self.chunk_size,
+                initial_state=state, return_state=True,
+            )
+        else:
+            o, new_state = linear_attention(
+                phi_q, phi_k, v, causal=True, normalize=self.normalize, log_decay=self._decay(x),
+                chunk_size=self.chunk_size, initial_state=state, return_state=True,
+            )
         if not self.normalize:
             o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * self.out_norm
         y = self.proj(_merge_heads(o))

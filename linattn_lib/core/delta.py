@@ -1,0 +1,338 @@
+"""The delta rule (DeltaNet) and its gated form (Gated DeltaNet): a state that overwrites.
+
+Plain linear attention only ever *adds* to its state, S_t = S_{t-1} + k_t v_t^T: a key that
+comes back with a new value retrieves the sum of everything stored under it. The delta rule
+first asks the state what it currently predicts for the key, S_{t-1}^T k_t, and writes only
+the correction towards the new value v_t (S is Dk x Dv, beta_t the write strength, g_t <= 0
+the log of the gate alpha_t = exp(g_t), 0 for plain DeltaNet):
+
+    S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T
+        = A - beta_t k_t (k_t^T A - v_t^T)        with A = exp(g_t) S_{t-1}
+    o_t = S_t^T q_t                               (no normaliser)
+
+The second line is one step of gradient descent, step size beta_t, on the regression loss
+||S^T k_t - v_t||^2 / 2 of the (decayed) state: the state is a fast-weight memory trained
+online to map keys to values (Schlag, Irie & Schmidhuber 2021, "Linear Transformers Are
+Secretly Fast Weight Programmers"). With beta_t = 1 and a unit key the correction is
+complete: afterwards S_t^T k_t = v_t exactly, the old value under k_t is replaced. Gated
+DeltaNet (Yang, Kautz & Hatamizadeh, "Gated Delta Networks: Improving Mamba2 with Delta
+Rule", ICLR 2025) multiplies the old state by the gate first, so a head can also forget
+everything at once (g_t -> -inf resets it). In their (Dv x Dk) convention the update reads
+S_t = S_{t-1} (alpha_t (I - beta_t k_t k_t^T)) + beta_t v_t k_t^T; the state here is its
+transpose, as in the rest of the library (read as o_t = q_t^T S_t).
+
+Three forms, agreeing to rounding in float64:
+
+* ``"recurrent"``: the definition, one rank-one correction per token.
+* ``"chunked"``: the WY representation with the UT transform (Yang, Wang, Zhang, Shen & Kim,
+  "Parallelizing Linear Transformers with the Delta Rule over Sequence Length", NeurIPS
+  2024). Inside a chunk the products of the C transitions are never formed: one unit lower
+  triangular solve per chunk gives the pseudo-values U = U~ - W S of all its tokens at once
+  (see `_ut_transform`), and only the state passes from chunk to chunk.
+* ``"quadratic"``: the same algebra over the whole sequence as one chunk, a T x T system; for
+  teaching and tests.
+
+Decays follow the numerics rule of `state.py`: a decay between positions j < i is
+exp(g_{j+1} + ... + g_i), summed over the interval (`segsum`, `sum_after`, cumulative sums
+from a chunk's start), never a difference of prefix sums, so every exponent is <= 0.
+"""
+from __future__ import annotations
+
+from typing import Literal, overload
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from .. import _validate as V
+from .masks import segsum
+from .state import LinearAttentionState, compute_dtype, expand_log_decay, sum_after
+
+FORMS = ("recurrent", "chunked", "quadratic")
+
+# How far ||k_t|| may stray from 1 under check_unit_keys=True: a few roundings of the dtype in
+# which the keys were normalised (half precision keeps about 3 significant digits).
+UNIT_KEY_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-5}
+UNIT_KEY_TOLERANCE_LOW_PRECISION = 1e-2
+
+_BETA_WHY = "a write strength in (0, 2]: the transition's eigenvalue 1 - beta ||k||^2 stays in [-1, 1) for unit keys"
+
+
+# --- checks ------------------------------------------------------------------------------
+
+
+def _check_beta(fn: str, beta: object, q: Tensor, expected: tuple[int, ...], layout: tuple[str, ...]) -> None:
+    """beta has the shape `expected` (named by `layout`), q's dtype and device, values in (0, 2]."""
+    V.check_shape(fn, "beta", beta, expected, layout)
+    V.check_same(fn, [("q", q), ("beta", beta)])
+    V.check_values(fn, "beta", beta, low=0.0, strict=True, why=_BETA_WHY)
+    V.check_values(fn, "beta", beta, high=2.0, why=_BETA_WHY)
+
+
+def _check_unit_keys(fn: str, k: Tensor) -> None:
+    """Every key has norm 1 within UNIT_KEY_TOLERANCE; names the worst one (eager mode only)."""
+    if not V.values_checked():
+        return
+    tol = UNIT_KEY_TOLERANCE.get(k.dtype, UNIT_KEY_TOLERANCE_LOW_PRECISION)
+    norms = torch.linalg.vector_norm(k.detach().to(compute_dtype(k)), dim=-1)
+    err = (norms - 1.0).abs()
+    if bool((err > tol).any()):
+        where = tuple(int(i) for i in torch.unravel_index(err.argmax(), err.shape))
+        raise ValueError(
+            f"{fn}: check_unit_keys=True but `k` has a key of norm {float(norms[where]):.6g} at index {where} "
+            f"({V.describe(k)}); expected ||k|| = 1 within {tol:g} for every key: normalise them first, "
+            "k = F.normalize(k, dim=-1)"
+        )
+
+
+def _check_state(fn: str, name: str, state: object, *, B: int, H: int, Dk: int, Dv: int, device) -> Tensor:
+    """A (B, H, Dk, Dv) tensor or a LinearAttentionState(S, None); returns S."""
+    if isinstance(state, Tensor):
+        state = LinearAttentionState(state, None)
+    V.check_state(fn, name, state, B=B, H=H, Dk=Dk, Dv=Dv, device=device, normalize=False)
+    S, z = state
+    if z is not None:
+        got = V.describe(z) if isinstance(z, Tensor) else type(z).__name__
+        raise ValueError(f"{fn}: `{name}.z` must be None: the delta rule has no normaliser state, got {got}")
+    return S
+
+
+def _check_inputs(fn, q, k, v, beta, log_decay, form, chunk_size, initial_state, return_state, check_unit_keys):
+    """All the checks of `delta_rule_attention`; returns the initial S (or None)."""
+    V.check_qkv(fn, q, k, v)
+    V.check_choice(fn, "form", form, FORMS)
+    V.check_positive_int(fn, "chunk_size", chunk_size)
+    V.check_flag(fn, "return_state", return_state)
+    unit = V.check_flag(fn, "check_unit_keys", check_unit_keys)
+    V.check_all_finite(fn, (("q", q), ("k", k), ("v", v)))
+    B, H, T, Dk = q.shape
+    _check_beta(fn, beta, q, (B, H, T), ("B", "H", "T"))
+    if log_decay is not None:
+        V.check_log_decay(fn, log_decay, q, causal=True)
+    if unit:
+        _check_unit_keys(fn, k)
+    if initial_state is None:
+        return None
+    return _check_state(fn, "initial_state", initial_state, B=B, H=H, Dk=Dk, Dv=v.shape[-1], device=q.device)
+
+
+# --- the three forms (inputs already checked and cast to the compute dtype) ----------------
+
+
+def _delta_step(S: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor) -> Tensor:
+    """One token: S <- A - beta k (k^T A - v^T) with A = exp(g) S.
+
+    S: (B, H, Dk, Dv), k: (B, H, Dk), v: (B, H, Dv), beta and g: (B, H).
+    """
+    A = torch.exp(g)[..., None, None] * S
+    error = (k.unsqueeze(-1) * A).sum(-2) - v  # the decayed state's prediction minus the target
+    return A - beta[..., None, None] * k.unsqueeze(-1) * error.unsqueeze(-2)
+
+
+def _recurrent(q, k, v, beta, g, S):
+    """The definition: one correction and one readout per token."""
+    outs = []
+    for t in range(q.shape[2]):
+        S = _delta_step(S, k[:, :, t], v[:, :, t], beta[:, :, t], g[:, :, t])
+        outs.append((q[:, :, t, :, None] * S).sum(-2))
+    return torch.stack(outs, dim=2), S
+
+
+def _ut_transform(k: Tensor, v: Tensor, beta: Tensor, g: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """W and U~ of the WY representation of one block of tokens, and its decay mask.
+
+    Over a block of C tokens entered with state S_0, write every update as an addition,
+    S_i = a_i S_{i-1} + k_i u_i^T, with the pseudo-value u_i = beta_i (v_i - a_i S_{i-1}^T k_i).
+    Unrolling S_{i-1} and writing L[i, j] = exp(g_{j+1} + ... + g_i), gam_i = exp(g_1 + ... + g_i):
+
+        u_i + beta_i sum_{j<i} L[i, j] (k_i . k_j) u_j = beta_i (v_i - gam_i S_0^T k_i)
+
+    a unit lower triangular system (I + tril(diag(beta) (K K^T * L), -1)) U = diag(beta) (V - gam K S_0).
+    With T_c = (I + tril(...))^{-1} diag(beta), U = U~ - W S_0 where U~ = T_c V and W = T_c (gam K):
+    both come from one triangular solve (no inverse formed) and need no S_0, so every chunk
+    computes them in parallel. Leading axes are batch axes; returns (W, U~, L).
+    """
+    C = k.shape[-2]
+    L = torch.exp(segsum(g))  # (..., C, C), 1 on the diagonal, 0 above it
+    strict = torch.ones(C, C, dtype=torch.bool, device=k.device).tril(-1)
+    eye = torch.eye(C, dtype=k.dtype, device=k.device)
+    system = eye + torch.where(strict, beta.unsqueeze(-1) * (k @ k.transpose(-1, -2)) * L, 0.0)
+    gam = torch.exp(torch.cumsum(g, dim=-1)).unsqueeze(-1)  # decay from the block's start, <= 1
+    rhs = beta.unsqueeze(-1) * torch.cat([gam * k, v], dim=-1)
+    sol = torch.linalg.solve_triangular(system, rhs, upper=False, unitriangular=True)
+    return sol[..., : k.shape[-1]], sol[..., k.shape[-1]:], L
+
+
+def _block_pieces(q, k, v, beta, g):
+    """Everything a block needs that does not depend on its entry state S_0."""
+    W, U_tilde, L = _ut_transform(k, v, beta, g)
+    C = q.shape[-2]
+    causal = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
+    scores = torch.where(causal, (q @ k.transpose(-1, -2)) * L, 0.0)  # (q_i . k_j) L[i, j], j <= i
+    q_in = q * torch.exp(torch.cumsum(g, dim=-1)).unsqueeze(-1)  # reads S_0 decayed to position i
+    k_out = k * torch.exp(sum_after(g)).unsqueeze(-1)  # writes decayed to the block's end
+    total = torch.exp(g.sum(-1))  # decay across the whole block
+    return W, U_tilde, scores, q_in, k_out, total
+
+
+def _block_apply(S, W, U_tilde, scores, q_in, k_out, total):
+    """One block with entry state S: pseudo-values, outputs and the exit state."""
+    U = U_tilde - W @ S
+    o = q_in @ S + scores @ U
+    S = total[..., None, None] * S + k_out.transpose(-1, -2) @ U
+    return o, S
+
+
+def _quadratic(q, k, v, beta, g, S):
+    """The parallel form: the whole sequence as one block, a T x T triangular system.
+
+    O = (Q K^T * M)(I + tril(diag(beta) K K^T * M, -1))^{-1} diag(beta) V with the decay mask M,
+    plus, with an initial state S_0, the terms that read it (gam Q S_0) and correct for it (-W S_0).
+    """
+    return _block_apply(S, *_block_pieces(q, k, v, beta, g))
+
+
+def _chunked(q, k, v, beta, g, S, chunk_size):
+    """WY / UT form: every chunk's W, U~ and masks at once, then the state from chunk to chunk."""
+    B, H, T, _ = q.shape
+    C = chunk_size
+    pad = (-T) % C
+    if pad:  # zero keys and values with beta = 0, g = 0 leave the state as it is
+        q, k, v = (F.pad(x, (0, 0, 0, pad)) for x in (q, k, v))
+        beta, g = F.pad(beta, (0, pad)), F.pad(g, (0, pad))
+    N = q.shape[2] // C
+    qc, kc, vc = (x.reshape(B, H, N, C, x.shape[-1]) for x in (q, k, v))
+    pieces = _block_pieces(qc, kc, vc, beta.reshape(B, H, N, C), g.reshape(B, H, N, C))
+    outs = []
+    for n in range(N):
+        o, S = _block_apply(S, *(p[:, :, n] for p in pieces))
+        outs.append(o)
+    return torch.cat(outs, dim=2)[:, :, :T], S
+
+
+# --- public API ----------------------------------------------------------------------------
+
+
+@overload
+def delta_rule_attention(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, log_decay: Tensor | None = ..., form: str = ...,
+    chunk_size: int = ..., initial_state: Tensor | LinearAttentionState | None = ...,
+    return_state: Literal[False] = ..., check_unit_keys: bool = ...,
+) -> Tensor: ...
+
+
+@overload
+def delta_rule_attention(
+    q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, log_decay: Tensor | None = ..., form: str = ...,
+    chunk_size: int = ..., initial_state: Tensor | LinearAttentionState | None = ...,
+    return_state: Literal[True], check_unit_keys: bool = ...,
+) -> tuple[Tensor, LinearAttentionState]: ...
+
+
+def delta_rule_attention(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    *,
+    log_decay: Tensor | None = None,
+    form: str = "chunked",
+    chunk_size: int = 64,
+    initial_state: Tensor | LinearAttentionState | None = None,
+    return_state: bool = False,
+    check_unit_keys: bool = False,
+) -> Tensor | tuple[Tensor, LinearAttentionState]:
+    """Causal delta-rule attention (DeltaNet; Gated DeltaNet with `log_decay`).
+
+        S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T q_t
+
+    Args:
+        q, k: (B, H, T, Dk). DeltaNet L2-normalises the keys (and usually the queries):
+            pass ``k = F.normalize(k, dim=-1)``; the stability argument below needs ||k_t|| = 1.
+        v: (B, H, T, Dv).
+        beta: (B, H, T) write strengths in (0, 2], same dtype and device as q (DeltaNet uses
+            a sigmoid, in (0, 1); 2 * sigmoid reaches the reflections). The transition
+            I - beta k k^T leaves the directions orthogonal to k alone (eigenvalue 1) and
+            scales the component along k by 1 - beta ||k||^2. For a unit key and beta in (0, 2]
+            that is in [-1, 1): every transition is non-expansive (spectral norm 1, so the state
+            stays bounded over any length); beta = 2 is a Householder reflection, and beta > 2
+            (or beta <= 0) would amplify the component along k, exponentially over time.
+        log_decay: None (DeltaNet) or the log of the gate alpha_t, <= 0 (Gated DeltaNet):
+            (H,) per head or (B, H, T) per token.
+        form: "recurrent" (token loop), "chunked" (WY representation / UT transform) or
+            "quadratic" (one T x T triangular system). All three agree.
+        chunk_size: chunk length of the chunked form; T need not be a multiple of it.
+        initial_state: S_0, a (B, H, Dk, Dv) tensor or a LinearAttentionState(S, None) (e.g. the
+            state returned by a previous call on the preceding piece of the sequence).
+        return_state: also return the final state as LinearAttentionState(S, None).
+        check_unit_keys: refuse keys whose norm is not 1 (within UNIT_KEY_TOLERANCE).
+
+    Returns:
+        o (B, H, T, Dv) in the dtype of v, or (o, state) when return_state=True. Sums are kept in
+        float64 for float64 inputs and in float32 otherwise; the state is returned in that dtype.
+
+    Raises:
+        ValueError (or TypeError for a wrong type) naming the argument, with its shape, dtype and
+        what was expected.
+    """
+    fn = "delta_rule_attention"
+    S0 = _check_inputs(fn, q, k, v, beta, log_decay, form, chunk_size, initial_state, return_state, check_unit_keys)
+    B, H, T, Dk = q.shape
+    dtype = compute_dtype(q)
+    qq, kk, vv, bb = (x.to(dtype) for x in (q, k, v, beta))
+    g = expand_log_decay(log_decay, B, H, T, dtype=dtype, device=q.device)
+    S = q.new_zeros(B, H, Dk, v.shape[-1], dtype=dtype) if S0 is None else S0.to(dtype)
+    if form == "recurrent":
+        o, S = _recurrent(qq, kk, vv, bb, g, S)
+    elif form == "quadratic":
+        o, S = _quadratic(qq, kk, vv, bb, g, S)
+    else:
+        o, S = _chunked(qq, kk, vv, bb, g, S, int(chunk_size))
+    o = o.to(v.dtype)
+    return (o, LinearAttentionState(S, None)) if return_state else o
+
+
+def delta_rule_decode_step(
+    q: Tensor,
+    k: Tensor,
+    v: Tensor,
+    beta: Tensor,
+    state: Tensor | LinearAttentionState | None,
+    *,
+    log_decay: Tensor | None = None,
+) -> tuple[Tensor, LinearAttentionState]:
+    """One generation step of the delta rule: absorb token t, read it out.
+
+    Args:
+        q, k: (B, H, Dk) this token's query and key (unit keys, as for `delta_rule_attention`).
+        v: (B, H, Dv).
+        beta: (B, H) write strengths in (0, 2], same dtype and device as q.
+        state: S_{t-1}, a (B, H, Dk, Dv) tensor or LinearAttentionState(S, None); None starts
+            from zeros.
+        log_decay: None, (H,) per head or (B, H) for this token, <= 0 (Gated DeltaNet).
+
+    Returns:
+        (o, new_state): o (B, H, Dv) in the dtype of v, new_state = LinearAttentionState(S_t, None)
+        with S_t in float64 if q or the state is float64, else float32. Stepping through a
+        sequence gives the outputs and final state of ``delta_rule_attention(form="recurrent")``.
+    """
+    fn = "delta_rule_decode_step"
+    V.check_layout(fn, "q", q, ("B", "H", "Dk"))
+    B, H, Dk = q.shape
+    V.check_shape(fn, "k", k, (B, H, Dk), ("B", "H", "Dk"))
+    V.check_layout(fn, "v", v, ("B", "H", "Dv"))
+    V.check_shape(fn, "v", v, (B, H, v.shape[-1]), ("B", "H", "Dv"))
+    V.check_same(fn, [("q", q), ("k", k), ("v", v)])
+    V.check_all_finite(fn, (("q", q), ("k", k), ("v", v)))
+    _check_beta(fn, beta, q, (B, H), ("B", "H"))
+    if log_decay is not None:
+        V.check_step_log_decay(fn, "log_decay", log_decay, B=B, H=H, device=q.device)
+    Dv = v.shape[-1]
+    S = None if state is None else _check_state(fn, "state", state, B=B, H=H, Dk=Dk, Dv=Dv, device=q.device)
+    dtype = compute_dtype(q) if S is None else torch.promote_types(compute_dtype(q), compute_dtype(S))
+    S = q.new_zeros(B, H, Dk, Dv, dtype=dtype) if S is None else S.to(dtype)
+    g = q.new_zeros(B, H, dtype=dtype) if log_decay is None else log_decay.to(dtype).expand(B, H)
+    qq, kk, vv, bb = (x.to(dtype) for x in (q, k, v, beta))
+    S = _delta_step(S, kk, vv, bb, g)
+    o = (qq.unsqueeze(-1) * S).sum(-2)
+    return o.to(v.dtype), LinearAttentionState(S, None)
