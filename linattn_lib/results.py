@@ -39,6 +39,8 @@ DISTRIBUTION = "linattn-lib"
 # the command that (re)creates each committed result, run from the repository root
 COMMANDS = {
     "mqar.json": "python -m linattn_lib.experiments.mqar --out book/results/mqar.json",
+    "mqar_delta.json": "python -m linattn_lib.experiments.mqar --kinds deltanet gated_deltanet --state-kinds deltanet"
+                       " --d-models 32 --out book/results/mqar_delta.json",
     "charlm.json": "python -m linattn_lib.experiments.charlm --out book/results/charlm.json",
     "complexity_cpu.json": "python -m linattn_lib.experiments.complexity --out book/results/complexity_cpu.json",
     "complexity_cuda.json": "python -m linattn_lib.experiments.complexity --out book/results/complexity_cuda.json"

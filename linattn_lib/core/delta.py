@@ -254,8 +254,9 @@ def delta_rule_attention(
             a sigmoid, in (0, 1); 2 * sigmoid reaches the reflections). The transition
             I - beta k k^T leaves the directions orthogonal to k alone (eigenvalue 1) and
             scales the component along k by 1 - beta ||k||^2. For a unit key and beta in (0, 2]
-            that is in [-1, 1): every transition is non-expansive (spectral norm 1, so the state
-            stays bounded over any length); beta = 2 is a Householder reflection, and beta > 2
+            that is in [-1, 1): every transition is non-expansive (spectral norm 1: the old state
+            never grows, only the writes add; chapter 10 measures the norm staying flat for beta
+            below 2 and growing like sqrt(t) at beta = 2, a Householder reflection); beta > 2
             (or beta <= 0) would amplify the component along k, exponentially over time.
         log_decay: None (DeltaNet) or the log of the gate alpha_t, <= 0 (Gated DeltaNet):
             (H,) per head or (B, H, T) per token.

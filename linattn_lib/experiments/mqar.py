@@ -19,7 +19,8 @@ previous-token head, which on a CPU budget it does not (see `MQARConfig.token_sh
 
 CLI: `python -m linattn_lib.experiments.mqar --out book/results/mqar.json` (the full sweep:
 11 runs, about 27 CPU-minutes of training, i.e. ~15 min on two idle cores) or `--quick` (a smoke run
-in seconds).
+in seconds). Chapter 10's delta-rule sweep (book/results/mqar_delta.json) names its kinds:
+`--kinds deltanet gated_deltanet ...` (see the chapter for the exact command).
 """
 from __future__ import annotations
 
@@ -45,7 +46,12 @@ from .common import (
 )
 
 IGNORE = -100
+# The kinds of chapter 7's sweep (book/results/mqar.json; the chapter loops over this tuple,
+# so it lists exactly the kinds that file holds), then the delta-rule kinds of chapter 10
+# (book/results/mqar_delta.json). Every function and the CLI accept ALL_KINDS.
 KINDS = ("softmax", "performer", "linear", "cosformer", "retnet", "ssd", "hybrid")
+DELTA_KINDS = ("deltanet", "gated_deltanet")
+ALL_KINDS = KINDS + DELTA_KINDS
 
 
 @dataclass
@@ -193,7 +199,8 @@ def layer_state_numbers(cfg: MQARConfig, kind: str) -> int:
 
     Softmax: its KV cache, 2 * T * d_model. Linear kinds: the recurrent state of all heads,
     S (m x d_head) and, when normalised, z (m): Performer uses floor(d_head ln d_head) random
-    features per head, cosFormer 2 d_head (the cos and sin halves), the others d_head.
+    features per head, cosFormer 2 d_head (the cos and sin halves), the others d_head. The
+    delta-rule kinds keep S (d_head x d_head) and no z, like retnet and ssd.
     """
     d_head = cfg.d_model // cfg.n_head
     if kind == "softmax":
@@ -252,8 +259,8 @@ def run(
     thread count. eval_every > 0 also records the accuracy every that many steps
     ("accuracy_curve"). With return_model=True, returns (result, model).
     """
-    if cfg.kind not in KINDS:
-        raise ValueError(f"run: kind={cfg.kind!r} is not one of {KINDS}")
+    if cfg.kind not in ALL_KINDS:
+        raise ValueError(f"run: kind={cfg.kind!r} is not one of {ALL_KINDS}")
     gen = seed_everything(cfg.seed)
     model = build_model(cfg)
     batches = lambda step: make_mixed_batch(cfg.batch_size, cfg.train_pairs, cfg.seq_len, cfg.vocab_size, generator=gen)
@@ -296,9 +303,9 @@ def run(
 
 
 def config_for(kind: str, **kw: object) -> MQARConfig:
-    """MQARConfig of one of KINDS ("hybrid": linear attention with its first layer softmax)."""
-    if kind not in KINDS:
-        raise ValueError(f"config_for: kind={kind!r} is not one of {KINDS}")
+    """MQARConfig of one of ALL_KINDS ("hybrid": linear attention with its first layer softmax)."""
+    if kind not in ALL_KINDS:
+        raise ValueError(f"config_for: kind={kind!r} is not one of {ALL_KINDS}")
     return MQARConfig(kind=kind, **kw)
 
 
@@ -331,11 +338,12 @@ def _run_one(job: tuple) -> dict:
 def main(argv: list[str] | None = None) -> dict:
     """Run the sweep and write JSON: {"meta": command, versions, hardware, runtime, "results": [...]}."""
     p = argparse.ArgumentParser(prog="python -m linattn_lib.experiments.mqar", description=__doc__.split("\n\n")[0])
-    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=KINDS)
+    p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=ALL_KINDS,
+                   help="default: chapter 7's kinds (KINDS); add deltanet gated_deltanet for chapter 10")
     p.add_argument("--pairs", nargs="+", type=int, default=list(MQARConfig.train_pairs), help="pair counts (trained on as a mixture, evaluated one by one)")
     p.add_argument("--d-model", type=int, default=MQARConfig.d_model, help="width of every kind")
     p.add_argument("--d-models", nargs="+", type=int, default=[32, 64, 128], help="widths of the state-size axis")
-    p.add_argument("--state-kinds", nargs="*", default=["linear", "retnet"], choices=KINDS, help="kinds swept over --d-models")
+    p.add_argument("--state-kinds", nargs="*", default=["linear", "retnet"], choices=ALL_KINDS, help="kinds swept over --d-models")
     p.add_argument("--seeds", nargs="+", type=int, default=[0])
     p.add_argument("--seq-len", type=int, default=MQARConfig.seq_len)
     p.add_argument("--vocab-size", type=int, default=MQARConfig.vocab_size)

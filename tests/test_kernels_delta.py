@@ -1,0 +1,295 @@
+"""The chunked delta-rule forward (kernels/delta_rule.py) against the float64 recurrence.
+
+    test_forward_matches_recurrence   o and the final state against `delta_rule_attention(...,
+                                      form="recurrent")` in float64 on the very inputs the kernels
+                                      saw (fp16 rounded first): relative RMS < 1e-5 (fp32), 3e-3 (fp16)
+    test_stored_pieces                the entry state of every chunk (delta_state_kernel's h) and the
+                                      pseudo-values V_new against a float64 token loop
+    test_chunk_size                   the same forward with 16-token chunks
+    test_bad_shapes                   the launcher's messages
+    test_compile_no_spills            every kernel compiled ahead of time for sm_80 and sm_90 (bf16 and
+                                      fp32, D = 64 and 128, as the JIT specialises them), in a
+                                      subprocess without TRITON_INTERPRET: it fits shared memory and
+                                      spills no register (cuobjdump's STL / LDL)
+
+The interpreter runs the kernels on CPU tensors (`launchable`). The cases are a hand-picked
+cover of T in {1, 65, 130} (around chunks of 32 and 64; T = 65 leaves a one-token chunk),
+Dk in {16, 48} and Dv in {16, 24} (padded head dims), B and H > 1, no decay, a decay per head,
+per token, strong (exp(g BT) underflows) and a reset (g = -1e4 mid-chunk), with and without an
+initial state; keys are unit (F.normalize), beta in (0, 2). The backward is not written yet.
+
+`python tests/test_kernels_delta.py --table` prints the compile statistics of every kernel.
+"""
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+HERE = Path(__file__).resolve()
+ROOT = HERE.parent.parent
+COMPILE_TARGETS = {"sm_80": 80, "sm_90": 90}
+COMPILE_DTYPES = ("bf16", "fp32")
+COMPILE_DIMS = (64, 128)
+
+
+def _delta_module():
+    """linattn_lib.kernels.delta_rule, installed or from this checkout."""
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from linattn_lib.core.triton_ops import load_kernels
+
+    if load_kernels() is None:
+        return None
+    return importlib.import_module("linattn_lib.kernels.delta_rule")
+
+
+def compile_jobs() -> list[dict]:
+    """One job per (kernel, target, dtype, head dim); distinct configs only."""
+    import torch
+
+    D = _delta_module()
+    torch_dtypes = {"bf16": torch.bfloat16, "fp32": torch.float32}
+    jobs: list[dict] = []
+    for kernel in D.DELTA_KERNELS:
+        for target in COMPILE_TARGETS:
+            for dtype in COMPILE_DTYPES:
+                for d in COMPILE_DIMS:
+                    cfg = D.delta_config(kernel, d, torch_dtypes[dtype])
+                    job = {"kernel": kernel, "target": target, "dtype": dtype, "config": cfg}
+                    if job not in jobs:
+                        jobs.append(dict(job, d=d))
+    return jobs
+
+
+def compile_one(job: dict) -> dict:
+    """Compile one job to cubin with the alignment the JIT sees at head dims that are multiples
+    of 16 (`kernel_anatomy.jit_alignment`); shared memory, registers, spills."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from linattn_lib.chapters.kernel_anatomy import jit_alignment, sass_stats
+
+    fn, spec = _delta_module().DELTA_KERNELS[job["kernel"]]
+    cfg = job["config"]
+    signature, constexprs = spec(cfg, job["dtype"])
+    try:
+        compiled = triton.compile(
+            ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=jit_alignment(fn.arg_names, signature)),
+            target=GPUTarget("cuda", COMPILE_TARGETS[job["target"]], 32),
+            options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
+        )
+    except Exception as e:  # reported by the test, with the message
+        return dict(job, ok=False, error=f"{type(e).__name__}: {e}"[:2000])
+    return dict(job, ok=True, shared=int(compiled.metadata.shared), sass=sass_stats(compiled.asm["cubin"]))
+
+
+def run_compile_jobs(jobs: list[dict], timeout: float = 900) -> list[dict]:
+    """Compile `jobs` in a fresh Python process without TRITON_INTERPRET (two at a time)."""
+    env = dict(os.environ)
+    env.pop("TRITON_INTERPRET", None)
+    proc = subprocess.run([sys.executable, str(HERE), "--worker"], input=json.dumps(jobs), capture_output=True,
+                          text=True, env=env, cwd=str(ROOT), timeout=timeout)
+    if proc.returncode != 0:
+        raise RuntimeError(f"the compile worker failed (exit {proc.returncode}):\n{proc.stderr[-4000:]}")
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
+def _worker(jobs: list[dict]) -> list[dict]:
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    workers = max(1, min(2, len(jobs)))
+    with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
+        return list(pool.map(compile_one, jobs))
+
+
+def compile_table(results: list[dict]) -> str:
+    """Markdown table of the compile results."""
+    lines = ["| kernel | target | dtype | D | config | regs | stack | spills | smem KiB |", "|" + " --- |" * 9]
+    for r in results:
+        conf = " ".join(f"{k}={v}" for k, v in r["config"].items())
+        if not r["ok"]:
+            lines.append(f"| {r['kernel']} | {r['target']} | {r['dtype']} | {r['d']} | {conf} | FAIL |  |  |  |")
+            continue
+        s = r["sass"] or {}
+        lines.append(f"| {r['kernel']} | {r['target']} | {r['dtype']} | {r['d']} | {conf} | {s.get('registers')} "
+                     f"| {s.get('stack_bytes')} | {s.get('spill_instructions')} | {r['shared'] / 1024:.1f} |")
+    return "\n".join(lines)
+
+
+if __name__ != "__main__" and __name__ != "__mp_main__":
+    import pytest
+    import torch
+    import torch.nn.functional as F
+
+    pytest.importorskip("triton")
+    D = _delta_module()
+    if D is None:  # pragma: no cover - triton imports but the kernels do not
+        pytest.skip("the Triton kernels do not import here", allow_module_level=True)
+
+    from linattn_lib.core.delta import _delta_step, delta_rule_attention
+
+    DEVICE = torch.device(os.environ.get("LINATTN_KERNEL_TEST_DEVICE")
+                          or ("cuda" if torch.cuda.is_available() else "cpu"))
+    TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
+
+    def _log_decay(kind: str | None, B: int, H: int, T: int, gen: torch.Generator) -> torch.Tensor | None:
+        if kind is None:
+            return None
+        if kind == "head":
+            return -torch.rand(H, generator=gen)
+        if kind == "token":
+            return -torch.rand(B, H, T, generator=gen)
+        if kind == "strong":  # exp(g * 32) <= exp(-64): a state two chunks back is (nearly) gone
+            return -(2.0 + 2.0 * torch.rand(B, H, T, generator=gen))
+        assert kind == "reset"  # weak decay and one reset, mid-chunk
+        g = -0.05 * torch.rand(B, H, T, generator=gen)
+        g[..., min(T - 1, 37)] = -1e4
+        return g
+
+    def make_inputs(B, H, T, Dk, Dv, decay, resume, dtype, seed=0) -> dict:
+        """q, k (unit), v, beta in (0, 2) in `dtype`; g and S0 fp32."""
+        gen = torch.Generator().manual_seed(seed)
+        k = F.normalize(torch.randn(B, H, T, Dk, generator=gen), dim=-1)
+        x = {"q": torch.randn(B, H, T, Dk, generator=gen).to(dtype), "k": k.to(dtype),
+             "v": torch.randn(B, H, T, Dv, generator=gen).to(dtype),
+             "beta": (0.02 + 1.96 * torch.rand(B, H, T, generator=gen)).to(dtype),
+             "g": _log_decay(decay, B, H, T, gen), "S0": None}
+        if resume:
+            x["S0"] = torch.randn(B, H, Dk, Dv, generator=gen)
+        return x
+
+    def _double(x: dict) -> dict:
+        return {n: (t.double() if t is not None else None) for n, t in x.items()}
+
+    def _on_device(x: dict) -> dict:
+        return {n: (t.to(DEVICE) if t is not None else None) for n, t in x.items()}
+
+    def rel(a: torch.Tensor, b: torch.Tensor) -> float:
+        """Relative RMS error ||a - b|| / ||b|| (float64)."""
+        a, b = a.detach().double().cpu(), b.detach().double().cpu()
+        return float((a - b).norm() / b.norm().clamp_min(1e-300))
+
+    def run_kernels(x: dict, chunk_size: int | None = None, pieces: bool = False):
+        d = _on_device(x)
+        fwd = D.delta_rule_fwd_pieces if pieces else D.delta_rule_fwd
+        return fwd(d["q"], d["k"], d["v"], d["beta"], log_decay=d["g"], initial_state=d["S0"],
+                   store_final_state=True, chunk_size=chunk_size)
+
+    def reference(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        d = _double(x)
+        o, st = delta_rule_attention(d["q"], d["k"], d["v"], d["beta"], log_decay=d["g"], form="recurrent",
+                                     initial_state=d["S0"], return_state=True)
+        return o, st.S
+
+    def token_loop(x: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        """Float64 states before every token (B, H, T, Dk, Dv) and the pseudo-values
+        u_t = beta_t (v_t - exp(g_t) S_{t-1}^T k_t) (B, H, T, Dv)."""
+        d = _double(x)
+        B, H, T, Dk = d["k"].shape
+        g = torch.zeros(B, H, T, dtype=torch.float64)
+        if d["g"] is not None:
+            g = g + (d["g"] if d["g"].dim() == 3 else d["g"].view(1, H, 1))
+        S = torch.zeros(B, H, Dk, d["v"].shape[-1], dtype=torch.float64) if d["S0"] is None else d["S0"]
+        before, pseudo = [], []
+        for t in range(T):
+            k_t, b_t = d["k"][:, :, t], d["beta"][:, :, t]
+            before.append(S)
+            pred = (k_t.unsqueeze(-1) * S).sum(-2) * torch.exp(g[:, :, t])[..., None]
+            pseudo.append(b_t[..., None] * (d["v"][:, :, t] - pred))
+            S = _delta_step(S, k_t, d["v"][:, :, t], b_t, g[:, :, t])
+        return torch.stack(before, 2), torch.stack(pseudo, 2)
+
+    # B, H, T, Dk, Dv, decay, initial state, dtype
+    CASES = [
+        (2, 2, 1, 16, 16, None, False, torch.float32),
+        (2, 2, 65, 48, 24, "token", True, torch.float32),
+        (1, 3, 130, 16, 24, "head", True, torch.float32),
+        (2, 2, 130, 48, 16, "reset", False, torch.float32),
+        (2, 1, 65, 16, 16, None, True, torch.float32),
+        (1, 2, 130, 48, 24, "strong", True, torch.float32),
+        (2, 2, 1, 48, 24, "token", True, torch.float16),
+        (2, 2, 65, 16, 16, "head", False, torch.float16),
+        (1, 2, 130, 48, 24, "token", True, torch.float16),
+        (2, 1, 130, 16, 24, "reset", True, torch.float16),
+        (2, 2, 65, 48, 16, None, True, torch.float16),
+    ]
+
+    def _case_id(c) -> str:
+        B, H, T, Dk, Dv, decay, resume, dtype = c
+        return f"{str(dtype)[6:]}-B{B}H{H}T{T}-Dk{Dk}Dv{Dv}-{decay or 'nodecay'}{'-S0' if resume else ''}"
+
+    @pytest.mark.parametrize("case", CASES, ids=_case_id)
+    def test_forward_matches_recurrence(case):
+        *shape, decay, resume, dtype = case
+        x = make_inputs(*shape, decay, resume, dtype)
+        o, S_T = run_kernels(x)
+        o_ref, S_ref = reference(x)
+        assert o.dtype == dtype and o.shape == o_ref.shape
+        assert S_T.dtype == torch.float32 and S_T.shape == S_ref.shape
+        assert rel(o, o_ref) < TOL[dtype], rel(o, o_ref)
+        assert rel(S_T, S_ref) < TOL[dtype], rel(S_T, S_ref)
+
+    @pytest.mark.parametrize("case", [CASES[1], CASES[3], CASES[8], CASES[9]], ids=_case_id)
+    def test_stored_pieces(case):
+        *shape, decay, resume, dtype = case
+        x = make_inputs(*shape, decay, resume, dtype, seed=1)
+        p = run_kernels(x, pieces=True)
+        before, pseudo = token_loop(x)
+        BT, T = p["BT"], shape[2]
+        h_ref = before[:, :, torch.arange(0, T, BT)]       # the state before each chunk's first token
+        assert p["h"].shape == h_ref.shape
+        assert rel(p["h"], h_ref) < TOL[dtype], rel(p["h"], h_ref)
+        assert rel(p["V_new"], pseudo) < TOL[dtype], rel(p["V_new"], pseudo)
+
+    @pytest.mark.parametrize("dtype", [torch.float32, torch.float16], ids=str)
+    def test_chunk_size(dtype):
+        x = make_inputs(2, 2, 65, 48, 24, "token", True, dtype, seed=2)
+        o, S_T = run_kernels(x, chunk_size=16)
+        o_ref, S_ref = reference(x)
+        assert rel(o, o_ref) < TOL[dtype] and rel(S_T, S_ref) < TOL[dtype]
+
+    def test_bad_shapes():
+        x = _on_device(make_inputs(1, 2, 5, 16, 16, None, False, torch.float32))
+        with pytest.raises(ValueError, match="beta"):
+            D.delta_rule_fwd(x["q"], x["k"], x["v"], x["beta"][..., :4])
+        with pytest.raises(ValueError, match="log_decay"):
+            D.delta_rule_fwd(x["q"], x["k"], x["v"], x["beta"], log_decay=-torch.rand(3, device=DEVICE))
+        with pytest.raises(ValueError, match="chunk_size"):
+            D.delta_rule_fwd(x["q"], x["k"], x["v"], x["beta"], chunk_size=24)
+        with pytest.raises(ValueError, match="initial_state"):
+            D.delta_rule_fwd(x["q"], x["k"], x["v"], x["beta"], initial_state=torch.zeros(1, 2, 16, 8, device=DEVICE))
+
+    @pytest.fixture(scope="module")
+    def compiled():
+        try:
+            results = run_compile_jobs(compile_jobs())
+        except RuntimeError as e:
+            if "ptxas" in str(e).lower() or "cuda" in str(e).lower():
+                pytest.skip(f"cannot compile for CUDA here: {str(e)[-300:]}")
+            raise
+        print("\n" + compile_table(results))
+        return results
+
+    def test_compile_no_spills(compiled):
+        from linattn_lib.kernels import SMEM_LIMITS
+
+        failed = [f"{r['kernel']} {r['target']} {r['dtype']}: {r['error']}" for r in compiled if not r["ok"]]
+        assert not failed, "\n".join(failed)
+        if any(r["sass"] is None for r in compiled):
+            pytest.skip("cuobjdump is missing: registers and spills unknown")
+        too_big = [r for r in compiled if r["shared"] > SMEM_LIMITS[r["target"]]]
+        spills = [r for r in compiled if r["sass"]["spill_instructions"] or r["sass"]["stack_bytes"]]
+        assert not too_big and not spills, compile_table(too_big + spills)
+
+
+if __name__ == "__main__":
+    if len(sys.argv) >= 2 and sys.argv[1] == "--worker":
+        print(json.dumps(_worker(json.loads(sys.stdin.read()))))
+    elif len(sys.argv) >= 2 and sys.argv[1] == "--table":
+        print(compile_table(run_compile_jobs(compile_jobs())))
