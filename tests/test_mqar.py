@@ -177,3 +177,68 @@ def test_tiny_softmax_run_learns_the_lookup():
     # guessing one of the 8 values scores 1/8; guessing among the listed ones 1/2 or 1/4
     assert r["accuracy"]["4"] > 0.6, r["accuracy"]
     assert r["final_loss"] < 0.5 * r["first_loss"]
+
+
+# ---------------------------------------------------------------- Zoology's task
+
+
+def test_zoology_batch_queries_every_key_once_and_never_feeds_the_answer():
+    """Zoology's multiquery_ar: distinct keys and values, every key queried exactly once in the
+    query region, the target at a query is its key's value, and the token after a query is
+    filler, not the answer; the share of answers visible before their query is about 0 there,
+    while chapter 7's legacy generator shows most answers before they are asked for."""
+    from linattn_lib.experiments.mqar import answer_visible_share, make_mqar_batch, make_zoology_batch
+
+    gen = torch.Generator().manual_seed(0)
+    n, L, V = 8, 128, 4096
+    x, y = make_zoology_batch(64, n, L, V, generator=gen)
+    assert x.shape == y.shape == (64, L)
+    for row in range(64):
+        keys, values = x[row, 0:2 * n:2], x[row, 1:2 * n:2]
+        assert len(set(keys.tolist())) == n and len(set(values.tolist())) == n
+        assert ((1 <= keys) & (keys < V // 2)).all() and (values >= V // 2).all()
+        scored = (y[row] != -100).nonzero().flatten()
+        assert len(scored) == n and (scored >= 2 * n).all() and ((scored - 2 * n) % 2 == 0).all()
+        asked = x[row, scored]
+        assert sorted(asked.tolist()) == sorted(keys.tolist())  # each key once
+        lookup = dict(zip(keys.tolist(), values.tolist()))
+        assert y[row, scored].tolist() == [lookup[k] for k in asked.tolist()]
+    assert answer_visible_share(x, y, n) < 0.05
+    legacy = make_mqar_batch(64, n, L, 128, generator=gen)
+    assert answer_visible_share(*legacy, n) > 0.5
+
+
+def test_zoology_gaps_follow_the_power_law():
+    """With power_a = 0.01 most queries come right after the pairs; power_a = 1 spreads them
+    uniformly over the query region."""
+    from linattn_lib.experiments.mqar import make_zoology_batch
+
+    def median_gap(a):
+        x, y = make_zoology_batch(256, 4, 256, 4096, generator=torch.Generator().manual_seed(1), power_a=a)
+        pos = (y != -100).nonzero()[:, 1].float()
+        return ((pos - 8) / 2).median().item()
+
+    # 124 slots: uniform gaps have a median near 61.5, the power law's is a few slots
+    steep, uniform = median_gap(0.01), median_gap(1.0)
+    assert steep < 20 and abs(uniform - 61.5) < 10
+
+
+def test_zoology_batch_refuses_what_zoology_refuses():
+    from linattn_lib.experiments.mqar import make_zoology_batch
+
+    gen = torch.Generator().manual_seed(0)
+    with pytest.raises(ValueError, match="vocab_size"):
+        make_zoology_batch(2, 4, 128, 128, generator=gen)          # vocab_size must exceed seq_len
+    with pytest.raises(ValueError, match="num_pairs"):
+        make_zoology_batch(2, 40, 128, 4096, generator=gen)        # 4 n > seq_len
+    with pytest.raises(ValueError, match="power_a"):
+        make_zoology_batch(2, 4, 128, 4096, generator=gen, power_a=0.0)
+
+
+def test_a_zoology_run_trains_and_evaluates_on_its_own_task():
+    from linattn_lib.experiments.mqar import MQARConfig, run
+
+    cfg = MQARConfig(kind="linear", task="zoology", train_pairs=(2, 4), eval_pairs=(2, 4), seq_len=32,
+                     vocab_size=64, d_model=16, steps=3, batch_size=4, eval_batches=1, eval_batch_size=8)
+    result = run(cfg)
+    assert result["config"]["task"] == "zoology" and set(result["accuracy"]) == {"2", "4"}

@@ -17,6 +17,13 @@ H3, Mamba and Based use short convolutions for the same purpose). A value token 
 its key, so one attention layer can bind the pair; without it a model first has to learn a
 previous-token head, which on a CPU budget it does not (see `MQARConfig.token_shift`).
 
+Two generators. `make_mqar_batch` ("legacy", chapter 7's committed sweep) fills the tail with
+consecutive queries drawn with replacement, each followed by its answer, in a vocabulary of 128:
+most answers are visible before they are asked for (`answer_visible_share`), so its curve mixes
+recall with short-range copying. `make_zoology_batch` ("zoology", `--task zoology`) is Zoology's
+`multiquery_ar`: each key queried once at power-law gaps among random filler, answers never fed
+as inputs, a vocabulary larger than the sequence.
+
 CLI: `python -m linattn_lib.experiments.mqar --out book/results/mqar.json` (the full sweep:
 11 runs, about 27 CPU-minutes of training, i.e. ~15 min on two idle cores) or `--quick` (a smoke run
 in seconds). Chapter 10's delta-rule sweep (book/results/mqar_delta.json) names its kinds:
@@ -64,7 +71,8 @@ class MQARConfig:
     token_shift adds a learned mix of the previous token's embedding to every token's (see
     `ShiftedEmbedding`); without it, no model learned the task within a CPU budget in our trials.
     Each training batch mixes the pair counts in `train_pairs`; accuracy is reported for each
-    count in `eval_pairs`.
+    count in `eval_pairs`. `task` picks the generator: "legacy" (`make_mqar_batch`, the task of
+    chapter 7's committed sweep) or "zoology" (`make_zoology_batch`, Zoology's own task).
     """
 
     kind: str = "linear"
@@ -84,6 +92,8 @@ class MQARConfig:
     seed: int = 0
     eval_batches: int = 4
     eval_batch_size: int = 128
+    task: str = "legacy"        # "legacy" (make_mqar_batch) or "zoology" (make_zoology_batch)
+    power_a: float = 0.01       # zoology: the power law of the query gaps
 
     @property
     def attention(self) -> str:
@@ -106,8 +116,24 @@ def num_queries(num_pairs: int, seq_len: int) -> int:
     return (seq_len - 2 * num_pairs) // 2
 
 
+TASKS = ("legacy", "zoology")
+
+
+def make_task_batch(
+    task: str, batch: int, num_pairs: int, seq_len: int, vocab_size: int, *, generator: torch.Generator,
+    power_a: float = 0.01,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One batch of `task` ("legacy": `make_mqar_batch`, "zoology": `make_zoology_batch`)."""
+    if task == "zoology":
+        return make_zoology_batch(batch, num_pairs, seq_len, vocab_size, power_a=power_a, generator=generator)
+    if task != "legacy":
+        raise ValueError(f"make_task_batch: `task`={task!r} must be one of {TASKS}")
+    return make_mqar_batch(batch, num_pairs, seq_len, vocab_size, generator=generator)
+
+
 def make_mixed_batch(
     batch: int, pairs: Sequence[int], seq_len: int, vocab_size: int, *, generator: torch.Generator,
+    task: str = "legacy", power_a: float = 0.01,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """A batch whose rows are split evenly over the pair counts in `pairs` (in that order).
 
@@ -116,7 +142,8 @@ def make_mixed_batch(
     """
     if batch % len(pairs):
         raise ValueError(f"make_mixed_batch: batch={batch} must be a multiple of len(pairs)={len(pairs)}")
-    parts = [make_mqar_batch(batch // len(pairs), n, seq_len, vocab_size, generator=generator) for n in pairs]
+    parts = [make_task_batch(task, batch // len(pairs), n, seq_len, vocab_size, generator=generator, power_a=power_a)
+             for n in pairs]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
 
@@ -153,6 +180,55 @@ def make_mqar_batch(
     answer[:, 2 * num_pairs : 2 * num_pairs + 2 * n_q : 2] = True  # input = queried key, target = its value
     targets[~answer] = IGNORE
     return inputs, targets
+
+
+def make_zoology_batch(
+    batch: int, num_pairs: int, seq_len: int, vocab_size: int, *, generator: torch.Generator,
+    power_a: float = 0.01,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Zoology's MQAR (`multiquery_ar` of HazyResearch/zoology): (inputs, targets), (batch, seq_len).
+
+    The sequence lists `num_pairs` keys, distinct and drawn from [1, vocab_size/2), each followed
+    by its value, distinct and drawn from [vocab_size/2, vocab_size). The rest is the query
+    region: every key is queried exactly once, at an even offset 2 g after the pairs, where the
+    gaps g are drawn without replacement from the (seq_len - 2 n) / 2 slots with probabilities
+    proportional to g^(power_a - 1) (a power law: most queries come soon after the pairs, some
+    far). The token after a query is *not* its value: every position that is not a pair or a
+    query holds a random token of the whole vocabulary, so an answer is never fed as an input
+    (except by the chance of a random token). The target is the queried key's value at the
+    query's position, -100 elsewhere. Zoology asserts vocab_size > seq_len and room for the
+    queries (4 n <= seq_len); so does this.
+    """
+    fn = "make_zoology_batch"
+    half, context = vocab_size // 2, 2 * num_pairs
+    if seq_len % 2 or vocab_size <= seq_len:
+        raise ValueError(f"{fn}: `seq_len`={seq_len} must be even and below `vocab_size`={vocab_size}")
+    if num_pairs < 1 or 4 * num_pairs > seq_len or num_pairs > half - 1:
+        raise ValueError(f"{fn}: `num_pairs`={num_pairs} must be in [1, min(seq_len / 4, vocab_size / 2 - 1)]")
+    if not 0 < power_a <= 1:
+        raise ValueError(f"{fn}: `power_a`={power_a} must be in (0, 1] (1: uniform gaps)")
+    pick = lambda n, size: torch.argsort(torch.rand(batch, n, generator=generator), dim=1)[:, :size]
+    keys, values = pick(half - 1, num_pairs) + 1, pick(vocab_size - half, num_pairs) + half
+    space = (seq_len - context) // 2
+    p = power_a * torch.arange(1, space + 1, dtype=torch.float64) ** (power_a - 1)
+    gaps = torch.multinomial((p / p.sum()).expand(batch, space), num_pairs, replacement=False, generator=generator)
+    seq = torch.randint(vocab_size, (batch, seq_len), generator=generator)   # the filler
+    seq[:, 0:context:2], seq[:, 1:context:2] = keys, values
+    where = context + 2 * gaps
+    seq.scatter_(1, where, keys)
+    targets = torch.full_like(seq, IGNORE).scatter_(1, where, values)
+    return seq, targets
+
+
+def answer_visible_share(inputs: Tensor, targets: Tensor, num_pairs: int) -> float:
+    """Share of the scored queries whose answer already appears as an input token in the query
+    region before them: a query that can be answered by copying a nearby token instead of
+    recalling the pair (inputs, targets as the generators return them; the first 2 n tokens
+    are the pairs)."""
+    context = 2 * num_pairs
+    rows, cols = (targets != IGNORE).nonzero(as_tuple=True)
+    seen = [bool((inputs[r, context:c] == targets[r, c]).any()) for r, c in zip(rows.tolist(), cols.tolist())]
+    return sum(seen) / max(len(seen), 1)
 
 
 # --------------------------------------------------------------------------------------
@@ -243,7 +319,8 @@ def evaluate(model: nn.Module, cfg: MQARConfig, pairs: Sequence[int] | None = No
     for n in pairs:
         gen = torch.Generator().manual_seed(10_000 + 100 * cfg.seed + n)
         accs = [
-            recall_accuracy(model, *make_mqar_batch(cfg.eval_batch_size, n, cfg.seq_len, cfg.vocab_size, generator=gen))
+            recall_accuracy(model, *make_task_batch(cfg.task, cfg.eval_batch_size, n, cfg.seq_len, cfg.vocab_size,
+                                                    generator=gen, power_a=cfg.power_a))
             for _ in range(cfg.eval_batches)
         ]
         out[n] = sum(accs) / len(accs)
@@ -263,7 +340,8 @@ def run(
         raise ValueError(f"run: kind={cfg.kind!r} is not one of {ALL_KINDS}")
     gen = seed_everything(cfg.seed)
     model = build_model(cfg)
-    batches = lambda step: make_mixed_batch(cfg.batch_size, cfg.train_pairs, cfg.seq_len, cfg.vocab_size, generator=gen)
+    batches = lambda step: make_mixed_batch(cfg.batch_size, cfg.train_pairs, cfg.seq_len, cfg.vocab_size, generator=gen,
+                                            task=cfg.task, power_a=cfg.power_a)
     bar = progress_bar(range(cfg.steps), desc=f"{cfg.kind} d={cfg.d_model}", enabled=progress)
     it = iter(bar)
     curve = []
@@ -350,6 +428,9 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=MQARConfig.steps)
     p.add_argument("--batch-size", type=int, default=MQARConfig.batch_size)
     p.add_argument("--lr", type=float, default=MQARConfig.lr)
+    p.add_argument("--task", default=MQARConfig.task, choices=TASKS,
+                   help="legacy: chapter 7's generator; zoology: Zoology's multiquery_ar (needs --vocab-size > --seq-len)")
+    p.add_argument("--power-a", type=float, default=MQARConfig.power_a, help="zoology: power law of the query gaps")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel, one thread each")
     p.add_argument("--no-progress", action="store_true")
     args = parse_cli(p, argv, "book/results/mqar.json")
@@ -358,7 +439,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.d_model, args.steps, args.seq_len, args.vocab_size, args.batch_size, args.jobs = 16, 5, 16, 16, 8, 1
     common = dict(
         train_pairs=tuple(args.pairs), eval_pairs=tuple(args.pairs), seq_len=args.seq_len, vocab_size=args.vocab_size,
-        steps=args.steps, batch_size=args.batch_size, lr=args.lr,
+        steps=args.steps, batch_size=args.batch_size, lr=args.lr, task=args.task, power_a=args.power_a,
     )
     grid = sweep_grid(args.kinds, args.d_models, args.state_kinds, args.seeds, args.d_model)
     # the widest (slowest) runs first, so parallel workers finish together; results keep grid order
