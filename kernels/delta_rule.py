@@ -1,39 +1,44 @@
-"""The chunked delta rule (DeltaNet, Gated DeltaNet): forward in three kernels.
+"""The chunked delta rule (DeltaNet, Gated DeltaNet): forward in three kernels, backward in three.
 
-The float64 reference is `delta_rule_attention` in linattn_lib/core/delta.py (read its module
-docstring and `_ut_transform`); the tests are tests/test_kernels_delta.py (outputs, final
-state, the stored entry states and pseudo-values against the float64 recurrence in the
-interpreter, and every kernel compiled ahead of time for sm_80 / sm_90).
+Reference: `delta_rule_attention` (linattn_lib/core/delta.py, `_ut_transform`); autograd and
+the backward's launcher: core/delta_triton.py; tests: tests/test_kernels_delta.py.
 
     S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,    o_t = S_t^T q_t
 
 S is Dk x Dv (fp32 throughout), g_t <= 0 the log-gate (none, one per head or one per token).
-Inside a chunk of BT tokens entered with state S_n the updates are additions,
-S_i = a_i S_{i-1} + k_i u_i^T, of pseudo-values u_i that solve one unit lower triangular system
-(`_ut_transform` of delta.py). The three kernels, as flash-linear-attention splits the work:
+In a chunk of BT tokens entered with state S_n the updates are additions of pseudo-values that
+solve one unit lower triangular system. With gc_i = g_start + ... + g_i, gam = exp(gc),
+Gam[i, j] = exp(gc_i - gc_j), a_j = g_{j+1} + ... + g_last, as flash-linear-attention splits it:
 
-    delta_wy_kernel      parallel, one program per (chunk, batch * head): the UT transform.
-                         A = I + tril(diag(beta) (K K^T * Gam), -1), Gam[i, j] = exp(g_{j+1} +
-                         ... + g_i), inverted by forward substitution in registers (fp32), then
-                         W = A^-1 diag(beta) (gam * K), U = A^-1 diag(beta) V, gam_i = exp(g_start
-                         + ... + g_i); W and U stored fp32. Needs no state.
-    delta_state_kernel   sequential over the chunks, one program per (value tile, batch * head),
-                         Dk whole: on entry to chunk n it stores S_n, forms the pseudo-values
-                         V_new = U - W S_n (stored, fp32) and steps
-                         S_{n+1} = exp(g_last) S_n + (exp(a) * K)^T V_new, a_j = g_{j+1} + ...
-                         + g_last. Initial state in, final state out.
-    delta_output_kernel  parallel, one program per (value tile, chunk, batch * head):
-                         o = (gam * Q) S_n + (Q K^T * Gam)_causal V_new.
+    delta_wy_kernel      parallel (chunk, batch * head): A = I + tril(diag(beta) (K K^T * Gam), -1)
+                         inverted by forward substitution (fp32, registers), W = A^-1 diag(beta)
+                         (gam * K), U = A^-1 diag(beta) V, stored fp32. Needs no state.
+    delta_state_kernel   sequential over chunks, per (value tile, batch * head), Dk whole: stores
+                         S_n, V_new = U - W S_n, steps S_{n+1} = exp(g_last) S_n + (exp(a) K)^T V_new.
+    delta_output_kernel  parallel: o = (gam * Q) S_n + (Q K^T * Gam)_causal V_new.
 
-Every log-decay comes from `chunk_log_decays` (chunk_fwd.py): sums of their own terms or
-compensated differences, all <= 0, so no exp overflows (a reset, g = -1e4, gives exp = 0).
-Products of two input tiles (K K^T, Q K^T) run in the input dtype with an fp32 accumulator
-(tensor cores for fp16 / bf16); products with an fp32 operand (A^-1, W, the state, V_new) use
-`dot_precision` (tf32 for 16-bit inputs, ieee for fp32). Padded tokens (t >= T) and padded head
-dims are read as 0: a padded token has beta = 0 and g = 0, so its row of A is the identity's
-and its W, U, V_new rows are 0.
+The backward (dO, dS_final given; W, U, h = S_n, V_new recomputed by the first two), with
+dS = dL/dS_{n+1}, the gradient of the state leaving chunk n:
 
-The backward pass is not written yet (see `delta_rule_fwd`).
+    delta_bwd_state_kernel  sequential, from the last chunk back (dS = dS_final first), stores
+                         dS per chunk, dV_new = (Q K^T * Gam)_causal^T dO + exp(a) K dS, steps
+                         dS_n = exp(g_last) dS + (gam Q)^T dO - W^T dV_new; dS_0 out.
+    delta_bwd_dqk_kernel parallel (key block, chunk, batch * head), ds = (dO V_new^T * Gam)_causal:
+                         dq = gam dO S_n^T + ds K, dk0 = ds^T Q + exp(a) V_new dS^T, dW = -dV_new S_n^T.
+    delta_bwd_wy_kernel  parallel, the UT transform backward with dU = dV_new: dv = beta A^-T dU,
+                         dK~ = A^-T dW; dA^-1 = dU (beta V)^T + dW (beta gam K)^T, dN = -(A^-T dA^-1
+                         A^-T)_strict for N = diag(beta) (K K^T * Gam); dk = dk0 + beta gam dK~ +
+                         (dN beta * Gam + its transpose) K, dbeta from all three.
+
+dL/dg: every term sees g through gc (Gam, gam, a = gc_last - gc), so dL/dg_t = sum over i >= t
+in its chunk of dL/dgc_i (reversed cumsum in the kernels): q . dq - k . dk0 plus the chunk
+total's terms (dqk), W's gam and N's Gam (wy); the partials are summed in torch.
+
+Log-decays come from `chunk_log_decays` (chunk_fwd.py): all <= 0, no exp overflows (a reset,
+g = -1e4, gives exp = 0). Products of two input tiles (K K^T, Q K^T) run in the input dtype
+with an fp32 accumulator; those with an fp32 operand use `dot_precision` (tf32 for 16-bit
+inputs, ieee for fp32). Padded tokens (t >= T) and head dims are read as 0: a padded token has
+beta = 0 and g = 0, its row of A the identity's, its W, U, V_new rows 0.
 """
 from __future__ import annotations
 
@@ -45,44 +50,42 @@ from .chunk_fwd import chunk_log_decays
 from .chunk_state import load_log_decay
 from .configs import dot_precision, launchable, whole_dim
 
-# --------------------------------------------------------------------------------------
-# configs
-# --------------------------------------------------------------------------------------
+# --- configs ---
 
-# class -> (BT, BK, BV, num_warps). The three kernels share the chunk length BT. BK is the Dk
-# block of the loops of delta_wy_kernel / delta_output_kernel; the state kernel holds Dk whole
-# (padded to `whole_dim`: 64, 128 or 256) and its entry's BK is the Dk block of its product
-# W S_n (0: Dk whole, from registers; a block re-reads S_n as stored, see `_w_times_state`).
-# BV: value columns per program (delta_wy_kernel: the Dv block of its U loop).
+# class -> (BT, BK, BV, num_warps). All kernels share the chunk length BT. BK: the Dk block of
+# the loops; the two state kernels hold Dk whole (padded to `whole_dim`) and their BK is the Dk
+# block of W S_n / K dS (0: whole, from registers; see `_w_times_state`). BV: value columns per
+# program (delta_wy / delta_bwd_wy: the Dv block of their loops; delta_bwd_dqk: of its loop).
 #   mma16: fp16 / bf16 on sm_80+ (tensor cores): 64-token chunks, 2 stages.
-#   fp32:  float32 inputs (true fp32 products: FMA loops, every reduction blocked by 32):
-#          32-token chunks, 1 stage.
-# Not tuned on a GPU: picked from the ahead-of-time compile of the heaviest variants (bf16 and
-# fp32, sm_80 and sm_90, D = 64 / 128, tests/test_kernels_delta.py): no spill instructions.
-# The state kernel's 64 x 128 W tile and 128 x 32 state spilled 26 instructions (bf16, sm_80)
-# on 4 warps: 8 warps (244 / 254 registers on sm_80 / sm_90); with Dk = 128 whole in its W S_n
-# product the fp32 variant spilled ~1,000, blocked by 32 none (168 / 152).
+#   fp32:  float32 inputs (true fp32 products, FMA loops): 32-token chunks, 1 stage.
+# Not tuned on a GPU: from the ahead-of-time compile of the heaviest variants (bf16 and fp32,
+# sm_80 / sm_90, D = 64 / 128, tests/test_kernels_delta.py): no spill instructions.
+# The state kernel (64 x 128 W, 128 x 32 S) spilled 26 (bf16, sm_80) on 4 warps, none on 8; fp32
+# with Dk = 128 whole in W S_n ~1,000, blocked by 32 none. Backward: tests/test_kernels_delta.py.
 DELTA_CONFIGS: dict[str, dict[str, tuple[int, int, int, int]]] = {
     "delta_wy": {"mma16": (64, 64, 64, 4), "fp32": (32, 32, 32, 4)},
     "delta_state": {"mma16": (64, 0, 32, 8), "fp32": (32, 32, 32, 4)},
     "delta_output": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4)},
+    "delta_bwd_state": {"mma16": (64, 64, 32, 8), "fp32": (32, 32, 32, 8)},   # bf16 D=64 sm_90: ~108 spills
+    "delta_bwd_dqk": {"mma16": (64, 16, 32, 4), "fp32": (32, 32, 32, 8)},
+    "delta_bwd_wy": {"mma16": (64, 16, 32, 8), "fp32": (32, 32, 32, 8)},
 }
-# The state kernel at Dk = 256: the whole-Dk product spilled 62-186 instructions in bf16 at
-# every BV; blocks of 64 with 16 value columns on 8 warps none (190 registers).
-_STATE_256 = {"mma16": (64, 64, 16, 8), "fp32": (32, 32, 32, 8)}
+_STATE_256 = {"mma16": (64, 64, 16, 8), "fp32": (32, 32, 32, 8)}  # Dk = 256: whole-Dk W S_n spilled 62-186 (bf16)
 
 
 def delta_config(kernel: str, Dk: int, dtype: torch.dtype, chunk_size: int | None = None) -> dict:
-    """The launch config of `kernel` ("delta_wy", "delta_state", "delta_output") for key dim Dk
-    and inputs of `dtype`; `chunk_size` (a power of two >= 16) overrides BT."""
+    """The launch config of `kernel` (a key of DELTA_CONFIGS) for key dim Dk, inputs of `dtype`;
+    `chunk_size` (a power of two >= 16) overrides BT."""
     cls = "fp32" if dtype == torch.float32 else "mma16"
     BT, BK, BV, num_warps = DELTA_CONFIGS[kernel][cls]
     stages = 1 if cls == "fp32" else 2
     extra = {}
-    if kernel == "delta_state":
+    if kernel in ("delta_state", "delta_bwd_state"):
         whole = whole_dim(Dk)
         if whole == 256:
             BT, BK, BV, num_warps = _STATE_256[cls]
+        if kernel == "delta_bwd_state" and whole == 64 and cls == "fp32":
+            num_warps = 4                                   # 8 warps spilled 8 on sm_90 at Dk = 64
         extra = {"BKW": BK or whole}
         BK = whole
         if extra["BKW"] < BK:  # S_n is read back after its store: no loads pipelined across it
@@ -94,9 +97,7 @@ def delta_config(kernel: str, Dk: int, dtype: torch.dtype, chunk_size: int | Non
     return {"BT": BT, "BK": BK, **extra, "BV": BV, "num_warps": num_warps, "num_stages": stages}
 
 
-# --------------------------------------------------------------------------------------
-# helpers
-# --------------------------------------------------------------------------------------
+# --- helpers ---
 
 @triton.jit
 def _chunk_decays(g_ptr, i_h, row0, t, m_t, o_t, BT: tl.constexpr, DECAY: tl.constexpr):
@@ -143,6 +144,21 @@ def _unit_lower_inverse(N, o_t, BT: tl.constexpr):
 
 
 @triton.jit
+def _wy_inverse(k_ptr, beta_ptr, g_ptr, i_h, row0, t, m_t, o_t, Dk, BT: tl.constexpr, BK: tl.constexpr,
+                DECAY: tl.constexpr, DOT_PREC: tl.constexpr):
+    """(beta, gam, (K K^T * Gam)_strict, A^-1) of a chunk, fp32; A = I + diag(beta) (K K^T * Gam)_strict."""
+    beta = tl.load(beta_ptr + row0 + t, mask=m_t, other=0.0).to(tl.float32)
+    kk = _gram(k_ptr, k_ptr, row0, t, m_t, Dk, BT, BK, DOT_PREC)            # k_i . k_j
+    gam = tl.full([BT], 1.0, dtype=tl.float32)
+    if DECAY > 0:
+        L, gc, _, _ = _chunk_decays(g_ptr, i_h, row0, t, m_t, o_t, BT, DECAY)
+        kk = kk * tl.exp(L)                                                  # L <= 0
+        gam = tl.exp(gc)
+    kk = tl.where(o_t[:, None] > o_t[None, :], kk, 0.0)
+    return beta, gam, kk, _unit_lower_inverse(kk * beta[:, None], o_t, BT)
+
+
+@triton.jit
 def _solve_columns(Ai, src_ptr, dst_ptr, row0, t, m_t, scale, D, BT: tl.constexpr, BD: tl.constexpr,
                    DOT_PREC: tl.constexpr):
     """dst = Ai @ (scale * src) over one chunk's rows, D walked in blocks of BD; fp32 out."""
@@ -154,37 +170,22 @@ def _solve_columns(Ai, src_ptr, dst_ptr, row0, t, m_t, scale, D, BT: tl.constexp
         tl.store(dst_ptr + (row0 + t)[:, None] * D + o_d[None, :], y, mask=m_t[:, None] & m_d[None, :])
 
 
-# --------------------------------------------------------------------------------------
-# the kernels
-# --------------------------------------------------------------------------------------
+# --- the kernels ---
 
 @triton.jit
 def delta_wy_kernel(
-    k_ptr, v_ptr,             # (B, H, T, Dk), (B, H, T, Dv) contiguous, input dtype
-    beta_ptr,                 # (B, H, T) write strengths, input dtype
+    k_ptr, v_ptr, beta_ptr,   # (B, H, T, Dk), (B, H, T, Dv), (B, H, T) contiguous, input dtype
     g_ptr,                    # log-decay: (H,) if DECAY == 1, (B, H, T) if DECAY == 2 (fp32)
     w_ptr, u_ptr,             # out: W (B, H, T, Dk), U (B, H, T, Dv), fp32
-    T, H, Dk, Dv,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    T, H, Dk, Dv, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DECAY: tl.constexpr,      # 0: none, 1: one log-decay per head, 2: one per token
     DOT_PREC: tl.constexpr,
 ):
-    i_n = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
-    i_h = i_bh % H
-    row0 = i_bh * T
-    o_t = tl.arange(0, BT)
+    i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    row0, o_t = i_bh * T, tl.arange(0, BT)
     t = i_n * BT + o_t
     m_t = t < T
-    beta = tl.load(beta_ptr + row0 + t, mask=m_t, other=0.0).to(tl.float32)
-    kk = _gram(k_ptr, k_ptr, row0, t, m_t, Dk, BT, BK, DOT_PREC)            # k_i . k_j
-    gam = tl.full([BT], 1.0, dtype=tl.float32)
-    if DECAY > 0:
-        L, gc, _, _ = _chunk_decays(g_ptr, i_h, row0, t, m_t, o_t, BT, DECAY)
-        kk = kk * tl.exp(L)                                                  # L <= 0
-        gam = tl.exp(gc)
-    strict = o_t[:, None] > o_t[None, :]
-    Ai = _unit_lower_inverse(tl.where(strict, kk * beta[:, None], 0.0), o_t, BT)
+    beta, gam, _, Ai = _wy_inverse(k_ptr, beta_ptr, g_ptr, i_bh % H, row0, t, m_t, o_t, Dk, BT, BK, DECAY, DOT_PREC)
     _solve_columns(Ai, k_ptr, w_ptr, row0, t, m_t, beta * gam, Dk, BT, BK, DOT_PREC)   # W
     _solve_columns(Ai, v_ptr, u_ptr, row0, t, m_t, beta, Dv, BT, BV, DOT_PREC)         # U
 
@@ -192,15 +193,13 @@ def delta_wy_kernel(
 @triton.jit
 def _w_times_state(w_ptr, hn_ptr, S, row0, t, m_t, o_k, m_k, o_v, m_v, Dk, Dv, BT: tl.constexpr, BK: tl.constexpr,
                    BKW: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr):
-    """W S_n (BT x BV, fp32) for one chunk; S_n is in registers and was just stored at hn_ptr.
-
-    BKW == BK: one product over the whole Dk. BKW < BK: Dk in blocks of BKW, each block of S_n
-    read back from hn_ptr (after a barrier: other threads of the program stored it). That is for
-    fp32 inputs, whose true-fp32 tl.dot is a loop of FMAs that holds each thread's rows and
-    columns of both operands over the whole reduction: over Dk = 128 it spills hundreds of
-    registers, over blocks of 32 none."""
+    """W S_n (BT x BV, fp32) for one chunk (W any float dtype; also the backward's K dS_{n+1}); S_n
+    is in registers and was just stored at hn_ptr. BKW == BK: one product over the whole Dk.
+    BKW < BK: Dk in blocks of BKW, each block of S_n read back from hn_ptr (after a barrier:
+    other threads stored it). That is for fp32 inputs, whose true-fp32 tl.dot (FMA loops) over
+    Dk = 128 spills hundreds of registers, over blocks of 32 none."""
     if BKW == BK:
-        w = _tile(w_ptr, row0, t, m_t, o_k, m_k, Dk)
+        w = _tile(w_ptr, row0, t, m_t, o_k, m_k, Dk).to(tl.float32)
         ws = tl.dot(w, S, input_precision=DOT_PREC)
     else:
         tl.debug_barrier()
@@ -208,7 +207,7 @@ def _w_times_state(w_ptr, hn_ptr, S, row0, t, m_t, o_k, m_k, o_v, m_v, Dk, Dv, B
         for i_k in tl.static_range(0, BK // BKW):
             o_b = i_k * BKW + tl.arange(0, BKW)
             m_b = o_b < Dk
-            w = _tile(w_ptr, row0, t, m_t, o_b, m_b, Dk)
+            w = _tile(w_ptr, row0, t, m_t, o_b, m_b, Dk).to(tl.float32)
             s = tl.load(hn_ptr + o_b[:, None] * Dv + o_v[None, :], mask=m_b[:, None] & m_v[None, :], other=0.0)
             ws = tl.dot(w, s, acc=ws, input_precision=DOT_PREC)
     return ws
@@ -216,28 +215,19 @@ def _w_times_state(w_ptr, hn_ptr, S, row0, t, m_t, o_k, m_k, o_v, m_v, Dk, Dv, B
 
 @triton.jit
 def delta_state_kernel(
-    k_ptr,                    # (B, H, T, Dk) contiguous, input dtype
-    w_ptr, u_ptr,             # W (B, H, T, Dk), U (B, H, T, Dv) fp32 (delta_wy_kernel)
+    k_ptr, w_ptr, u_ptr,      # K (B, H, T, Dk) input dtype; W, U (delta_wy_kernel) fp32
     g_ptr,                    # log-decay: (H,) if DECAY == 1, (B, H, T) if DECAY == 2 (fp32)
-    h_ptr,                    # out: entry states (B, H, NT, Dk, Dv) fp32
-    vn_ptr,                   # out: pseudo-values V_new (B, H, T, Dv) fp32
+    h_ptr, vn_ptr,            # out: entry states (B, H, NT, Dk, Dv), pseudo-values V_new (B, H, T, Dv) fp32
     s0_ptr, st_ptr,           # initial (HAS_S0), final (STORE_ST) state (B, H, Dk, Dv) fp32
-    T, H, Dk, Dv, NT,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,   # BK: Dk whole, padded
+    T, H, Dk, Dv, NT, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,   # BK: Dk whole, padded
     BKW: tl.constexpr,        # Dk block of the product W S_n (BK: whole, from registers)
     DECAY: tl.constexpr, HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
-    i_h = i_bh % H
-    row0 = i_bh * T
-    o_t = tl.arange(0, BT)
-    o_k = tl.arange(0, BK)
+    i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    i_h, row0, o_t, o_k = i_bh % H, i_bh * T, tl.arange(0, BT), tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < Dk
-    m_v = o_v < Dv
-    m_kv = m_k[:, None] & m_v[None, :]
-    kv_off = o_k[:, None] * Dv + o_v[None, :]
+    m_k, m_v = o_k < Dk, o_v < Dv
+    m_kv, kv_off = m_k[:, None] & m_v[None, :], o_k[:, None] * Dv + o_v[None, :]
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_S0:
         S = tl.load(s0_ptr + i_bh * Dk * Dv + kv_off, mask=m_kv, other=0.0).to(tl.float32)
@@ -280,20 +270,14 @@ def _scores_and_inter(q_ptr, k_ptr, h_ptr, row0, i_s, t, m_t, o_v, m_v, Dk, Dv, 
 @triton.jit
 def delta_output_kernel(
     q_ptr, k_ptr,             # (B, H, T, Dk) contiguous, input dtype
-    vn_ptr,                   # pseudo-values V_new (B, H, T, Dv) fp32 (delta_state_kernel)
-    g_ptr,                    # log-decay: (H,) if DECAY == 1, (B, H, T) if DECAY == 2 (fp32)
+    vn_ptr, g_ptr,            # pseudo-values V_new (B, H, T, Dv) fp32 (delta_state_kernel); log-decay
     h_ptr,                    # entry states (B, H, NT, Dk, Dv) fp32 (delta_state_kernel)
     o_ptr,                    # out: (B, H, T, Dv), in the dtype of v
-    T, H, Dk, Dv, NT,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    T, H, Dk, Dv, NT, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DECAY: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
-    i_n = tl.program_id(1)
-    i_bh = tl.program_id(2).to(tl.int64)
-    i_h = i_bh % H
-    row0 = i_bh * T
-    o_t = tl.arange(0, BT)
+    i_v, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    i_h, row0, o_t = i_bh % H, i_bh * T, tl.arange(0, BT)
     t = i_n * BT + o_t
     m_t = t < T
     o_v = i_v * BV + tl.arange(0, BV)
@@ -311,9 +295,193 @@ def delta_output_kernel(
              mask=m_t[:, None] & m_v[None, :])
 
 
-# --------------------------------------------------------------------------------------
-# launchers
-# --------------------------------------------------------------------------------------
+# --- the backward kernels (the maths: the module docstring; the launcher: core/delta_triton.py) ---
+
+@triton.jit
+def delta_bwd_state_kernel(
+    q_ptr, k_ptr, w_ptr, do_ptr, g_ptr,   # Q, K (input dtype), W (fp32), dO (input dtype), log-decay
+    dh_ptr, dvn_ptr,          # out: dS_{n+1} per chunk (B, H, NT, Dk, Dv), dV_new (B, H, T, Dv) fp32
+    dst_ptr, ds0_ptr,         # dS_final in (HAS_DST), dS_0 out (STORE_DS0): (B, H, Dk, Dv) fp32
+    T, H, Dk, Dv, NT, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, BKW: tl.constexpr,
+    DECAY: tl.constexpr, HAS_DST: tl.constexpr, STORE_DS0: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """The chunks from the last back, one program per (value tile, batch * head), Dk whole; Q K^T
+    in blocks of BKW."""
+    i_v, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    row0, o_t, o_k = i_bh * T, tl.arange(0, BT), tl.arange(0, BK)
+    o_v = i_v * BV + tl.arange(0, BV)
+    m_k, m_v = o_k < Dk, o_v < Dv
+    m_kv, kv_off = m_k[:, None] & m_v[None, :], o_k[:, None] * Dv + o_v[None, :]
+    dS = tl.load(dst_ptr + i_bh * Dk * Dv + kv_off, mask=m_kv & HAS_DST, other=0.0)   # 0 without dS_final
+    for i in range(0, NT):
+        n = NT - 1 - i
+        dh_n = dh_ptr + (i_bh * NT + n) * Dk * Dv
+        tl.store(dh_n + kv_off, dS, mask=m_kv)
+        t = n * BT + o_t
+        m_t = t < T
+        m_tv, tv_off = m_t[:, None] & m_v[None, :], (row0 + t)[:, None] * Dv + o_v[None, :]
+        kdS = _w_times_state(k_ptr, dh_n, dS, row0, t, m_t, o_k, m_k, o_v, m_v, Dk, Dv, BT, BK, BKW, BV, DOT_PREC)
+        A = _gram(q_ptr, k_ptr, row0, t, m_t, Dk, BT, BKW, DOT_PREC)           # q_i . k_j
+        q = _tile(q_ptr, row0, t, m_t, o_k, m_k, Dk).to(tl.float32)
+        if DECAY > 0:
+            L, gc, after, g_last = _chunk_decays(g_ptr, i_bh % H, row0, t, m_t, o_t, BT, DECAY)
+            A = A * tl.exp(L)
+            kdS = kdS * tl.exp(after)[:, None]
+            q = q * tl.exp(gc)[:, None]
+            dS = dS * tl.exp(g_last)
+        A = tl.where(o_t[:, None] >= o_t[None, :], A, 0.0)
+        do = _tile(do_ptr, row0, t, m_t, o_v, m_v, Dv).to(tl.float32)
+        dvn = tl.dot(tl.trans(A), do, acc=kdS, input_precision=DOT_PREC)     # dV_new
+        tl.store(dvn_ptr + tv_off, dvn, mask=m_tv)
+        dS = tl.dot(tl.trans(q), do, acc=dS, input_precision=DOT_PREC)
+        dS -= tl.dot(tl.trans(_tile(w_ptr, row0, t, m_t, o_k, m_k, Dk)), dvn, input_precision=DOT_PREC)
+    if STORE_DS0:
+        tl.store(ds0_ptr + i_bh * Dk * Dv + kv_off, dS, mask=m_kv)
+
+
+@triton.jit
+def _dqk_sums(do_ptr, vn_ptr, dvn_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_k, m_k, Dk, Dv,
+              BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr):
+    """Over the blocks of Dv: dO V_new^T (BT x BT), dO S_n^T, V_new dS_{n+1}^T, dV_new S_n^T
+    (BT x BK) and sum(dS_{n+1} * S_n) over this Dk block; fp32."""
+    ds, hh = tl.zeros([BT, BT], dtype=tl.float32), tl.zeros([BK], dtype=tl.float32)
+    dqS = tl.zeros([BT, BK], dtype=tl.float32)
+    dkH, dw = dqS, dqS
+    for i_v in range(0, tl.cdiv(Dv, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < Dv
+        do = _tile(do_ptr, row0, t, m_t, o_v, m_v, Dv).to(tl.float32)
+        vn = _tile(vn_ptr, row0, t, m_t, o_v, m_v, Dv)
+        s_off = i_s * Dk * Dv + o_k[:, None] * Dv + o_v[None, :]
+        S = tl.load(h_ptr + s_off, mask=m_k[:, None] & m_v[None, :], other=0.0)
+        dH = tl.load(dh_ptr + s_off, mask=m_k[:, None] & m_v[None, :], other=0.0)
+        ds = tl.dot(do, tl.trans(vn), acc=ds, input_precision=DOT_PREC)
+        dqS = tl.dot(do, tl.trans(S), acc=dqS, input_precision=DOT_PREC)
+        dkH = tl.dot(vn, tl.trans(dH), acc=dkH, input_precision=DOT_PREC)
+        dw = tl.dot(_tile(dvn_ptr, row0, t, m_t, o_v, m_v, Dv), tl.trans(S), acc=dw, input_precision=DOT_PREC)
+        hh += tl.sum(S * dH, axis=1)
+    return ds, dqS, dkH, dw, tl.sum(hh, axis=0)
+
+
+@triton.jit
+def delta_bwd_dqk_kernel(
+    q_ptr, k_ptr, vn_ptr, dvn_ptr, do_ptr,   # Q, K (input dtype), V_new, dV_new (fp32), dO (input dtype)
+    g_ptr, h_ptr, dh_ptr,     # log-decay (DECAY); S_n, dS_{n+1} (B, H, NT, Dk, Dv) fp32
+    dq_ptr, dk0_ptr, dw_ptr,  # out: dq (input dtype); dk of o and the states, dW (B, H, T, Dk) fp32
+    dg_ptr,                   # out (NK, B, H, T) fp32: this Dk block's part of dL/dg (DECAY)
+    T, H, Dk, Dv, NT, n_rows, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """One program per (key block, chunk, batch * head)."""
+    i_k, i_n, i_bh = tl.program_id(0), tl.program_id(1), tl.program_id(2).to(tl.int64)
+    row0, o_t = i_bh * T, tl.arange(0, BT)
+    t = i_n * BT + o_t
+    m_t = t < T
+    o_k = i_k * BK + tl.arange(0, BK)
+    m_k = o_k < Dk
+    ds, dqS, dkH, dw, hh = _dqk_sums(do_ptr, vn_ptr, dvn_ptr, h_ptr, dh_ptr, row0, i_bh * NT + i_n, t, m_t,
+                                     o_k, m_k, Dk, Dv, BT, BK, BV, DOT_PREC)
+    if DECAY > 0:
+        L, gc, after, g_last = _chunk_decays(g_ptr, i_bh % H, row0, t, m_t, o_t, BT, DECAY)
+        ds = ds * tl.exp(L)
+        dqS = dqS * tl.exp(gc)[:, None]
+        dkH = dkH * tl.exp(after)[:, None]
+        hh = hh * tl.exp(g_last)
+    ds = tl.where(o_t[:, None] >= o_t[None, :], ds, 0.0)
+    q = _tile(q_ptr, row0, t, m_t, o_k, m_k, Dk).to(tl.float32)
+    k = _tile(k_ptr, row0, t, m_t, o_k, m_k, Dk).to(tl.float32)
+    dq = tl.dot(ds, k, acc=dqS, input_precision=DOT_PREC)
+    dk = tl.dot(tl.trans(ds), q, acc=dkH, input_precision=DOT_PREC)
+    m_tk, off = m_t[:, None] & m_k[None, :], (row0 + t)[:, None] * Dk + o_k[None, :]
+    tl.store(dq_ptr + off, dq.to(dq_ptr.dtype.element_ty), mask=m_tk)
+    tl.store(dk0_ptr + off, dk, mask=m_tk)
+    tl.store(dw_ptr + off, -dw, mask=m_tk)
+    if DECAY > 0:  # dL/dgc_i = q_i . dq_i - k_i . dk_i; the chunk total's terms reach every token
+        dgc = tl.sum(q * dq - k * dk, axis=1)
+        dg = tl.cumsum(dgc, axis=0, reverse=True) + hh + tl.sum(tl.sum(k * dkH, axis=1), axis=0)
+        tl.store(dg_ptr + i_k * n_rows + row0 + t, dg, mask=m_t)
+
+
+@triton.jit
+def _wy_bwd_values(Ai, beta, v_ptr, du_ptr, dv_ptr, row0, t, m_t, Dv, BT: tl.constexpr, BV: tl.constexpr,
+                   DOT_PREC: tl.constexpr):
+    """U = A^-1 diag(beta) V: stores dv = beta (A^-1)^T dU; returns dU (beta V)^T and dbeta's part."""
+    dAi, dbeta = tl.zeros([BT, BT], dtype=tl.float32), tl.zeros([BT], dtype=tl.float32)
+    for i_v in range(0, tl.cdiv(Dv, BV)):
+        o_v = i_v * BV + tl.arange(0, BV)
+        m_v = o_v < Dv
+        v = _tile(v_ptr, row0, t, m_t, o_v, m_v, Dv).to(tl.float32)
+        du = _tile(du_ptr, row0, t, m_t, o_v, m_v, Dv)
+        dvb = tl.dot(tl.trans(Ai), du, input_precision=DOT_PREC)
+        dbeta += tl.sum(dvb * v, axis=1)
+        dAi = tl.dot(du, tl.trans(v * beta[:, None]), acc=dAi, input_precision=DOT_PREC)
+        tl.store(dv_ptr + (row0 + t)[:, None] * Dv + o_v[None, :], (dvb * beta[:, None]).to(dv_ptr.dtype.element_ty),
+                 mask=m_t[:, None] & m_v[None, :])
+    return dAi, dbeta
+
+
+@triton.jit
+def _wy_bwd_keys(Ai, scale, dG, k_ptr, dw_ptr, dk0_ptr, dk_ptr, row0, t, m_t, Dk, BT: tl.constexpr,
+                 BK: tl.constexpr, DOT_PREC: tl.constexpr, FINAL: tl.constexpr):
+    """W = A^-1 diag(scale) K. FINAL False: returns dW (scale K)^T and ((A^-1)^T dW . K) per row;
+    FINAL True: stores dk = dk0 + scale (A^-1)^T dW + (dG + dG^T) K."""
+    dAi, dsc = tl.zeros([BT, BT], dtype=tl.float32), tl.zeros([BT], dtype=tl.float32)
+    for i_k in range(0, tl.cdiv(Dk, BK)):
+        o_k = i_k * BK + tl.arange(0, BK)
+        m_k = o_k < Dk
+        k = _tile(k_ptr, row0, t, m_t, o_k, m_k, Dk).to(tl.float32)
+        dw = _tile(dw_ptr, row0, t, m_t, o_k, m_k, Dk)
+        dkb = tl.dot(tl.trans(Ai), dw, input_precision=DOT_PREC)
+        if FINAL:
+            dk = _tile(dk0_ptr, row0, t, m_t, o_k, m_k, Dk) + dkb * scale[:, None]
+            dk = tl.dot(tl.trans(dG), k, acc=tl.dot(dG, k, acc=dk, input_precision=DOT_PREC), input_precision=DOT_PREC)
+            tl.store(dk_ptr + (row0 + t)[:, None] * Dk + o_k[None, :], dk.to(dk_ptr.dtype.element_ty),
+                     mask=m_t[:, None] & m_k[None, :])
+        else:
+            dsc += tl.sum(dkb * k, axis=1)
+            dAi = tl.dot(dw, tl.trans(k * scale[:, None]), acc=dAi, input_precision=DOT_PREC)
+    return dAi, dsc
+
+
+@triton.jit
+def delta_bwd_wy_kernel(
+    k_ptr, v_ptr, beta_ptr, g_ptr,   # K, V, beta (input dtype); log-decay (DECAY)
+    dw_ptr, du_ptr, dk0_ptr,  # dW, dU = dV_new, dk of o and the states (delta_bwd_dqk_kernel), fp32
+    dk_ptr, dv_ptr, dbeta_ptr, dg_ptr,  # out: dk, dv, dbeta (input dtype); the wy part of dL/dg (B, H, T) fp32
+    T, H, Dk, Dv, BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """The UT transform backward, one program per (chunk, batch * head)."""
+    i_n, i_bh = tl.program_id(0), tl.program_id(1).to(tl.int64)
+    row0, o_t = i_bh * T, tl.arange(0, BT)
+    t = i_n * BT + o_t
+    m_t = t < T
+    beta, gam, kk, Ai = _wy_inverse(k_ptr, beta_ptr, g_ptr, i_bh % H, row0, t, m_t, o_t, Dk, BT, BK, DECAY, DOT_PREC)
+    dAi, dbeta = _wy_bwd_values(Ai, beta, v_ptr, du_ptr, dv_ptr, row0, t, m_t, Dv, BT, BV, DOT_PREC)
+    dAk, dbg = _wy_bwd_keys(Ai, beta * gam, kk, k_ptr, dw_ptr, dk0_ptr, dk_ptr, row0, t, m_t, Dk, BT, BK,
+                            DOT_PREC, False)
+    # A = I + N, N = diag(beta) (K K^T * Gam)_strict: dN = -(A^-T (dA^-1) A^-T)_strict
+    dN = tl.dot(tl.trans(Ai), tl.dot(dAi + dAk, tl.trans(Ai), input_precision=DOT_PREC), input_precision=DOT_PREC)
+    dN = tl.where(o_t[:, None] > o_t[None, :], -dN, 0.0)
+    dbeta += gam * dbg + tl.sum(dN * kk, axis=1)
+    dG = dN * beta[:, None]                                                  # d(K K^T * Gam)
+    dG_kk = dG                                                               # d(K K^T) = dG * Gam
+    if DECAY > 0:
+        dG_kk = dG * tl.exp(_chunk_decays(g_ptr, i_bh % H, row0, t, m_t, o_t, BT, DECAY)[0])
+    _wy_bwd_keys(Ai, beta * gam, dG_kk, k_ptr, dw_ptr, dk0_ptr, dk_ptr, row0, t, m_t, Dk, BT, BK, DOT_PREC, True)
+    tl.store(dbeta_ptr + row0 + t, dbeta.to(dbeta_ptr.dtype.element_ty), mask=m_t)
+    if DECAY > 0:  # dL/dgc_i: beta gam from W, the rows minus the columns of dG * (K K^T * Gam)
+        dgc = beta * gam * dbg + tl.sum(dG * kk, axis=1) - tl.sum(dG * kk, axis=0)
+        tl.store(dg_ptr + row0 + t, tl.cumsum(dgc, axis=0, reverse=True), mask=m_t)
+
+
+# --- launchers ---
+
+def launch(kernel: str, device: torch.device, grid: tuple, cfg: dict, *args, **constexprs) -> None:
+    """Launch `DELTA_KERNELS[kernel]` on `grid` with the tile sizes and warps of `cfg`."""
+    fn = DELTA_KERNELS[kernel]
+    tiles = {n: cfg[n] for n in ("BT", "BK", "BV", "BKW") if n in cfg and n in fn.arg_names}
+    launchable(fn, device)[grid](*args, **tiles, **constexprs, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+
 
 def _decay_args(log_decay: torch.Tensor | None, B: int, H: int, T: int) -> tuple[torch.Tensor | None, int]:
     """(fp32 contiguous log-decay or None, DECAY constexpr) after checking its shape."""
@@ -333,15 +501,12 @@ def delta_wy(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *, log_decay:
     Dv = v.shape[-1]
     cfg = config or delta_config("delta_wy", Dk, k.dtype)
     g, decay = _decay_args(log_decay, B, H, T)
-    w = torch.empty(B, H, T, Dk, dtype=torch.float32, device=k.device)
-    u = torch.empty(B, H, T, Dv, dtype=torch.float32, device=k.device)
+    w, u = (torch.empty(B, H, T, D, dtype=torch.float32, device=k.device) for D in (Dk, Dv))
     if B * H * T == 0:
         return w, u
-    launchable(delta_wy_kernel, k.device)[(triton.cdiv(T, cfg["BT"]), B * H)](
-        k.contiguous(), v.contiguous(), beta.contiguous(), g if g is not None else w, w, u, T, H, Dk, Dv,
-        BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"], DECAY=decay, DOT_PREC=dot_precision(k.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    launch("delta_wy", k.device, (triton.cdiv(T, cfg["BT"]), B * H), cfg, k.contiguous(), v.contiguous(),
+           beta.contiguous(), g if g is not None else w, w, u, T, H, Dk, Dv, DECAY=decay,
+           DOT_PREC=dot_precision(k.dtype))
     return w, u
 
 
@@ -356,8 +521,7 @@ def delta_states(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, *, log_decay
     NT = triton.cdiv(T, cfg["BT"])
     g, decay = _decay_args(log_decay, B, H, T)
     f32 = dict(dtype=torch.float32, device=k.device)
-    h = torch.empty(B, H, NT, Dk, Dv, **f32)
-    vn = torch.empty(B, H, T, Dv, **f32)
+    h, vn = torch.empty(B, H, NT, Dk, Dv, **f32), torch.empty(B, H, T, Dv, **f32)
     S_T = torch.empty(B, H, Dk, Dv, **f32) if store_final_state else None
     S0 = None if initial_state is None else initial_state.to(torch.float32).contiguous()
     if S0 is not None and S0.shape != (B, H, Dk, Dv):
@@ -366,12 +530,9 @@ def delta_states(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, *, log_decay
     if B * H == 0:
         return h, vn, S_T
     ptrs = [g, h, vn, S0, S_T]
-    launchable(delta_state_kernel, k.device)[(triton.cdiv(Dv, cfg["BV"]), B * H)](
-        k.contiguous(), w, u, *(p if p is not None else h for p in ptrs), T, H, Dk, Dv, NT,
-        BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"], BKW=cfg["BKW"], DECAY=decay, HAS_S0=S0 is not None,
-        STORE_ST=store_final_state, DOT_PREC=dot_precision(k.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    launch("delta_state", k.device, (triton.cdiv(Dv, cfg["BV"]), B * H), cfg, k.contiguous(), w, u,
+           *(p if p is not None else h for p in ptrs), T, H, Dk, Dv, NT, DECAY=decay, HAS_S0=S0 is not None,
+           STORE_ST=store_final_state, DOT_PREC=dot_precision(k.dtype))
     return h, vn, S_T
 
 
@@ -390,11 +551,8 @@ def delta_output(q: torch.Tensor, k: torch.Tensor, vn: torch.Tensor, h: torch.Te
     o = torch.empty(B, H, T, Dv, dtype=out_dtype, device=q.device)
     if B * H * T == 0:
         return o
-    launchable(delta_output_kernel, q.device)[(triton.cdiv(Dv, cfg["BV"]), NT, B * H)](
-        q.contiguous(), k.contiguous(), vn, g if g is not None else vn, h, o, T, H, Dk, Dv, NT,
-        BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"], DECAY=decay, DOT_PREC=dot_precision(q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
-    )
+    launch("delta_output", q.device, (triton.cdiv(Dv, cfg["BV"]), NT, B * H), cfg, q.contiguous(), k.contiguous(),
+           vn, g if g is not None else vn, h, o, T, H, Dk, Dv, NT, DECAY=decay, DOT_PREC=dot_precision(q.dtype))
     return o
 
 
@@ -416,17 +574,9 @@ def delta_rule_fwd_pieces(q, k, v, beta, *, log_decay=None, initial_state=None, 
     return {"o": o, "S_final": S_T, "W": w, "U": u, "h": h, "V_new": vn, "BT": cfgs["delta_wy"]["BT"]}
 
 
-def delta_rule_fwd(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    beta: torch.Tensor,
-    *,
-    log_decay: torch.Tensor | None = None,
-    initial_state: torch.Tensor | None = None,
-    store_final_state: bool = False,
-    chunk_size: int | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None]:
+def delta_rule_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *,
+                   log_decay: torch.Tensor | None = None, initial_state: torch.Tensor | None = None,
+                   store_final_state: bool = False, chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     """The chunked delta-rule forward: (o, S_final), as `delta_rule_attention(q, k, v, beta,
     log_decay=..., initial_state=..., return_state=True)` of linattn_lib/core/delta.py.
 
@@ -435,52 +585,16 @@ def delta_rule_fwd(
     read as fp32). Dk <= 256. Returns o in the dtype of v and S_final (B, H, Dk, Dv) fp32 when
     store_final_state, else None. chunk_size: the chunk length (a power of two >= 16), default
     64 for 16-bit inputs, 32 for fp32. Inputs are not validated beyond their shapes (keys are
-    expected unit, beta in (0, 2]: `delta_rule_attention` checks). Forward only: no autograd.
+    expected unit, beta in (0, 2]: `delta_rule_attention` checks). No autograd here (core/delta_triton.py).
     """
     pieces = delta_rule_fwd_pieces(q, k, v, beta, log_decay=log_decay, initial_state=initial_state,
                                    store_final_state=store_final_state, chunk_size=chunk_size)
     return pieces["o"], pieces["S_final"]
 
 
-# --------------------------------------------------------------------------------------
-# ahead-of-time compilation: signature and constexprs of each kernel's heaviest variant
-# --------------------------------------------------------------------------------------
-
-def _with_constexprs(signature: dict, constexprs: dict) -> tuple[dict, dict]:
-    signature = dict(signature)
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return signature, constexprs
-
-
-def compile_spec_wy(cfg: dict, dtype: str) -> tuple[dict, dict]:
-    """`delta_wy_kernel` with a per-token decay."""
-    signature = {"k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "beta_ptr": f"*{dtype}", "g_ptr": "*fp32",
-                 "w_ptr": "*fp32", "u_ptr": "*fp32", "T": "i32", "H": "i32", "Dk": "i32", "Dv": "i32"}
-    constexprs = {"BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2, "DOT_PREC": dot_precision(dtype)}
-    return _with_constexprs(signature, constexprs)
-
-
-def compile_spec_state(cfg: dict, dtype: str) -> tuple[dict, dict]:
-    """`delta_state_kernel` with a per-token decay, initial and final state."""
-    signature = {"k_ptr": f"*{dtype}", "w_ptr": "*fp32", "u_ptr": "*fp32", "g_ptr": "*fp32", "h_ptr": "*fp32",
-                 "vn_ptr": "*fp32", "s0_ptr": "*fp32", "st_ptr": "*fp32", "T": "i32", "H": "i32", "Dk": "i32",
-                 "Dv": "i32", "NT": "i32"}
-    constexprs = {"BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "BKW": cfg["BKW"], "DECAY": 2, "HAS_S0": True,
-                  "STORE_ST": True, "DOT_PREC": dot_precision(dtype)}
-    return _with_constexprs(signature, constexprs)
-
-
-def compile_spec_output(cfg: dict, dtype: str) -> tuple[dict, dict]:
-    """`delta_output_kernel` with a per-token decay."""
-    signature = {"q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "vn_ptr": "*fp32", "g_ptr": "*fp32", "h_ptr": "*fp32",
-                 "o_ptr": f"*{dtype}", "T": "i32", "H": "i32", "Dk": "i32", "Dv": "i32", "NT": "i32"}
-    constexprs = {"BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2, "DOT_PREC": dot_precision(dtype)}
-    return _with_constexprs(signature, constexprs)
-
-
-# kernel name (a key of DELTA_CONFIGS) -> (the @triton.jit function, compile_spec(config, dtype))
+# kernel name (a key of DELTA_CONFIGS) -> the @triton.jit function (`launch`; the compile test)
 DELTA_KERNELS = {
-    "delta_wy": (delta_wy_kernel, compile_spec_wy),
-    "delta_state": (delta_state_kernel, compile_spec_state),
-    "delta_output": (delta_output_kernel, compile_spec_output),
+    "delta_wy": delta_wy_kernel, "delta_state": delta_state_kernel, "delta_output": delta_output_kernel,
+    "delta_bwd_state": delta_bwd_state_kernel, "delta_bwd_dqk": delta_bwd_dqk_kernel,
+    "delta_bwd_wy": delta_bwd_wy_kernel,
 }

@@ -32,6 +32,7 @@ from .core.features import (
     taylor_kernel,
     trig_softmax_features,
 )
+from .core.gla import gla_chunkwise
 from .core.linear import linear_attention
 from .core.masks import causal_mask, decay_mask, segsum
 from .core.performer import performer_attention
@@ -99,6 +100,7 @@ __all__ = [
     "rotary_linear_attention",
     "rotary_linear_attention_matrix",
     "gla_attention",
+    "gla_chunkwise",
     "retnet_log_decay",
     "rwkv4_wkv",
     "rwkv6_attention",

@@ -322,6 +322,9 @@ ROWS = [
     # --- core/ssm.py: RWKV-5/6
     row("rwkv6_attention", lambda: L.rwkv6_attention(*qkv(), torch.rand(1, 2, 4, 8), torch.zeros(2, 8)), ValueError,
         "rwkv6_attention", "log_w", id="log_w-positive"),
+    # --- core/gla.py
+    row("gla_chunkwise", lambda: L.gla_chunkwise(*qkv(), -torch.rand(1, 2, 4, 8), chunk_size=8, sub_chunk=3),
+        ValueError, "gla_chunkwise", "sub_chunk", id="sub_chunk-not-dividing"),
     # --- core/delta.py
     row("delta_rule_attention", lambda: L.delta_rule_attention(*qkv(), torch.full((1, 2, 4), 2.5)), ValueError,
         "delta_rule_attention", "beta", id="beta-above-2"),

@@ -18,5 +18,7 @@
     positional.py     cosFormer, relative-position band bias, key normalisation
     rotary.py         rotary position embedding (RoPE) and RoFormer's linear attention with it
     ssm.py            state-space models: SSD, RetNet, GLA, RWKV-4, RWKV-5/6, selective scan
+    gla.py            GLA's chunkwise form with secondary chunking
     delta.py          the delta rule (DeltaNet, Gated DeltaNet): recurrent, chunked (WY/UT), quadratic
+    delta_triton.py   the delta rule's Triton kernels (kernels/delta_rule.py) under autograd
 """

@@ -32,6 +32,11 @@ Three forms, agreeing to rounding in float64:
 * ``"quadratic"``: the same algebra over the whole sequence as one chunk, a T x T system; for
   teaching and tests.
 
+Backends: ``backend="torch"`` runs the forms above in torch (any dtype, autograd through the
+ops); ``backend="triton"`` runs the chunked form on the Triton kernels of kernels/delta_rule.py
+with their own backward (core/delta_triton.py; on CPU tensors in the Triton interpreter);
+``"auto"`` (the default) picks Triton for CUDA tensors of fp32/fp16/bf16, torch otherwise.
+
 Decays follow the numerics rule of `state.py`: a decay between positions j < i is
 exp(g_{j+1} + ... + g_i), summed over the interval (`segsum`, `sum_after`, cumulative sums
 from a chunk's start), never a difference of prefix sums, so every exponent is <= 0.
@@ -45,10 +50,14 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _validate as V
+from .delta_triton import delta_rule_triton
 from .masks import segsum
 from .state import LinearAttentionState, compute_dtype, expand_log_decay, sum_after
+from .triton_ops import triton_supports
 
 FORMS = ("recurrent", "chunked", "quadratic")
+BACKENDS = ("auto", "torch", "triton")
+DEFAULT_CHUNK_SIZE = 64  # of backend="torch"; the kernels pick their own (see `delta_rule_attention`)
 
 # How far ||k_t|| may stray from 1 under check_unit_keys=True: a few roundings of the dtype in
 # which the keys were normalised (half precision keeps about 3 significant digits).
@@ -98,10 +107,11 @@ def _check_state(fn: str, name: str, state: object, *, B: int, H: int, Dk: int, 
 
 
 def _check_inputs(fn, q, k, v, beta, log_decay, form, chunk_size, initial_state, return_state, check_unit_keys):
-    """All the checks of `delta_rule_attention`; returns the initial S (or None)."""
+    """All the checks of `delta_rule_attention` but the backend's; returns the initial S (or None)."""
     V.check_qkv(fn, q, k, v)
     V.check_choice(fn, "form", form, FORMS)
-    V.check_positive_int(fn, "chunk_size", chunk_size)
+    if chunk_size is not None:
+        V.check_positive_int(fn, "chunk_size", chunk_size)
     V.check_flag(fn, "return_state", return_state)
     unit = V.check_flag(fn, "check_unit_keys", check_unit_keys)
     V.check_all_finite(fn, (("q", q), ("k", k), ("v", v)))
@@ -114,6 +124,24 @@ def _check_inputs(fn, q, k, v, beta, log_decay, form, chunk_size, initial_state,
     if initial_state is None:
         return None
     return _check_state(fn, "initial_state", initial_state, B=B, H=H, Dk=Dk, Dv=v.shape[-1], device=q.device)
+
+
+def _use_triton(fn: str, backend: str, form: str, q: Tensor, v: Tensor, chunk_size: int | None) -> bool:
+    """Whether `backend` runs on the Triton kernels; refuses what backend="triton" cannot do."""
+    V.check_choice(fn, "backend", backend, BACKENDS)
+    if backend == "auto":
+        ok_chunk = chunk_size is None or (chunk_size >= 16 and chunk_size & (chunk_size - 1) == 0)
+        return q.is_cuda and form == "chunked" and ok_chunk and triton_supports(q, v)
+    if backend == "torch":
+        return False
+    if form != "chunked":
+        raise ValueError(f"{fn}: backend='triton' implements form='chunked' only, got form={form!r}")
+    if chunk_size is not None and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
+        raise ValueError(f"{fn}: backend='triton' needs chunk_size None or a power of two >= 16, got {chunk_size}")
+    if not triton_supports(q, v):
+        raise ValueError(f"{fn}: backend='triton' takes float32, float16 or bfloat16 inputs with head dims up "
+                         f"to 256 (and needs triton), got {q.dtype}, Dk={q.shape[-1]}, Dv={v.shape[-1]}")
+    return True
 
 
 # --- the three forms (inputs already checked and cast to the compute dtype) ----------------
@@ -216,16 +244,16 @@ def _chunked(q, k, v, beta, g, S, chunk_size):
 @overload
 def delta_rule_attention(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, log_decay: Tensor | None = ..., form: str = ...,
-    chunk_size: int = ..., initial_state: Tensor | LinearAttentionState | None = ...,
-    return_state: Literal[False] = ..., check_unit_keys: bool = ...,
+    chunk_size: int | None = ..., initial_state: Tensor | LinearAttentionState | None = ...,
+    return_state: Literal[False] = ..., check_unit_keys: bool = ..., backend: str = ...,
 ) -> Tensor: ...
 
 
 @overload
 def delta_rule_attention(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, log_decay: Tensor | None = ..., form: str = ...,
-    chunk_size: int = ..., initial_state: Tensor | LinearAttentionState | None = ...,
-    return_state: Literal[True], check_unit_keys: bool = ...,
+    chunk_size: int | None = ..., initial_state: Tensor | LinearAttentionState | None = ...,
+    return_state: Literal[True], check_unit_keys: bool = ..., backend: str = ...,
 ) -> tuple[Tensor, LinearAttentionState]: ...
 
 
@@ -237,10 +265,11 @@ def delta_rule_attention(
     *,
     log_decay: Tensor | None = None,
     form: str = "chunked",
-    chunk_size: int = 64,
+    chunk_size: int | None = None,
     initial_state: Tensor | LinearAttentionState | None = None,
     return_state: bool = False,
     check_unit_keys: bool = False,
+    backend: str = "auto",
 ) -> Tensor | tuple[Tensor, LinearAttentionState]:
     """Causal delta-rule attention (DeltaNet; Gated DeltaNet with `log_decay`).
 
@@ -262,15 +291,23 @@ def delta_rule_attention(
             (H,) per head or (B, H, T) per token.
         form: "recurrent" (token loop), "chunked" (WY representation / UT transform) or
             "quadratic" (one T x T triangular system). All three agree.
-        chunk_size: chunk length of the chunked form; T need not be a multiple of it.
+        chunk_size: chunk length of the chunked form; T need not be a multiple of it. None:
+            DEFAULT_CHUNK_SIZE (64) on torch, the kernels' own on Triton (64 for fp16 / bf16, 32
+            for fp32); backend="triton" takes powers of two >= 16.
         initial_state: S_0, a (B, H, Dk, Dv) tensor or a LinearAttentionState(S, None) (e.g. the
             state returned by a previous call on the preceding piece of the sequence).
         return_state: also return the final state as LinearAttentionState(S, None).
         check_unit_keys: refuse keys whose norm is not 1 (within UNIT_KEY_TOLERANCE).
+        backend: "torch" (the forms above in torch), "triton" (the chunked form on the Triton
+            kernels, forward and backward: fp32 / fp16 / bf16, head dims up to 256; compiled
+            on CUDA, interpreted on CPU) or "auto" (Triton for CUDA tensors it supports with
+            form="chunked", torch otherwise). Gradients reach q, k, v, beta, log_decay and
+            initial_state on every backend.
 
     Returns:
         o (B, H, T, Dv) in the dtype of v, or (o, state) when return_state=True. Sums are kept in
-        float64 for float64 inputs and in float32 otherwise; the state is returned in that dtype.
+        float64 for float64 inputs and in float32 otherwise; the state is returned in that dtype
+        (float32 on Triton).
 
     Raises:
         ValueError (or TypeError for a wrong type) naming the argument, with its shape, dtype and
@@ -278,6 +315,10 @@ def delta_rule_attention(
     """
     fn = "delta_rule_attention"
     S0 = _check_inputs(fn, q, k, v, beta, log_decay, form, chunk_size, initial_state, return_state, check_unit_keys)
+    if _use_triton(fn, backend, form, q, v, chunk_size):
+        o, S = delta_rule_triton(q, k, v, beta, log_decay=log_decay, initial_state=S0, chunk_size=chunk_size)
+        return (o, LinearAttentionState(S, None)) if return_state else o
+    chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
     B, H, T, Dk = q.shape
     dtype = compute_dtype(q)
     qq, kk, vv, bb = (x.to(dtype) for x in (q, k, v, beta))
