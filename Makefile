@@ -61,8 +61,9 @@ browser-deps:  ## install Chromium for the browser test if it is missing (apt-ge
 	echo "installing Debian's chromium for the browser test"; \
 	$$sudo apt-get update -qq && DEBIAN_FRONTEND=noninteractive $$sudo apt-get install -y -qq chromium fonts-wqy-microhei >/dev/null
 
+# as root (Docker images, many cloud machines) JupyterLab refuses to start without --allow-root
 lab: $(STAMP)  ## open the notebooks in JupyterLab
-	cd book && ../$(BIN)/jupyter lab
+	cd book && ../$(BIN)/jupyter lab $$([ "$$(id -u)" -eq 0 ] && echo --allow-root)
 
 execute: $(STAMP)  ## re-run notebooks and save their outputs (all, or NB=book/xx.ipynb)
 	$(PY) tests/execute_notebooks.py $(NB)

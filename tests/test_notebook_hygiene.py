@@ -9,6 +9,8 @@ markup that renders.
 * A backtick fence cannot open with a title that contains backticks (CommonMark): such an
   admonition renders as raw text, and neither Sphinx's -W nor the browser notices. Colon
   fences (`:::{admonition}`) can.
+* Code cells compile without a SyntaxWarning (an invalid escape in a non-raw string warns on
+  Python 3.12+, which Colab runs).
 """
 from __future__ import annotations
 
@@ -65,3 +67,24 @@ def test_admonition_titles_render(path):
         for ln in "".join(cell["source"]).splitlines() if BAD_FENCE.match(ln)
     ]
     assert not bad, f"{path.name}: use a colon fence (:::{{admonition}}) for these:\n" + "\n".join(bad)
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_code_compiles_without_syntax_warnings(path):
+    """Every code cell compiles with SyntaxWarning as an error: Python 3.12+ (Colab's) warns on
+    an invalid escape such as "$\\gamma$" in a non-raw string, under the reader's cell."""
+    import warnings
+
+    bad = []
+    for i, cell in enumerate(_cells(path)):
+        if cell["cell_type"] != "code":
+            continue
+        lines = "".join(cell["source"]).split("\n")
+        source = "\n".join("" if line.lstrip().startswith(("%", "!")) else line for line in lines)
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", SyntaxWarning)
+            try:
+                compile(source, f"{path.name} cell {i}", "exec")
+            except SyntaxError as err:  # a SyntaxWarning raised as an error arrives as one
+                bad.append(f"cell {i}: {err}")
+    assert not bad, bad
