@@ -64,6 +64,17 @@ def test_first_cell_installs_the_library_on_colab_only(path):
     exec(compile(source, f"{path.name}[0]", "exec"), namespace)  # noqa: S102 - the book's own cell
 
 
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=_ids(NOTEBOOKS))
+def test_test_scaffolding_stays_off_the_page(path):
+    """The reader sees neither the Colab bootstrap (tagged remove-cell: the HTML drops it,
+    Colab and JupyterLab still run it) nor nbval's markers (cell tags, not comments in the
+    code)."""
+    nb = nbformat.read(path, as_version=4)
+    assert "remove-cell" in nb.cells[0].metadata.get("tags", []), f"{path.name}: tag the Colab cell remove-cell"
+    marked = [i for i, c in enumerate(nb.cells) if c.cell_type == "code" and "NBVAL_" in c.source]
+    assert not marked, f"{path.name}: cells {marked} carry an nbval comment; use a tag (nbval-ignore-output, ...)"
+
+
 @pytest.mark.parametrize("path", CHAPTERS, ids=_ids(CHAPTERS))
 def test_chapter_cites_primary_sources(path):
     nb = nbformat.read(path, as_version=4)
