@@ -109,6 +109,18 @@ def _chunk_decays(g_ptr, i_h, row0, t, m_t, o_t, BT: tl.constexpr, DECAY: tl.con
 
 
 @triton.jit
+def _decayed(g_ptr, i_h, row0, t, m_t, o_t, pairs, by_gc, by_after, total, BT: tl.constexpr, DECAY: tl.constexpr):
+    """One chunk's decays applied (`_chunk_decays`, every exponent <= 0): pairs (BT x BT) times
+    exp(L) and kept on the causal triangle i >= j, the rows of by_gc times exp(gc), those of
+    by_after times exp(after), total times exp(g_last)."""
+    if DECAY > 0:
+        L, gc, after, g_last = _chunk_decays(g_ptr, i_h, row0, t, m_t, o_t, BT, DECAY)
+        pairs, total = pairs * tl.exp(L), total * tl.exp(g_last)
+        by_gc, by_after = by_gc * tl.exp(gc)[:, None], by_after * tl.exp(after)[:, None]
+    return tl.where(o_t[:, None] >= o_t[None, :], pairs, 0.0), by_gc, by_after, total
+
+
+@triton.jit
 def _tile(ptr, row0, t, m_t, o_d, m_d, D):
     """The (len(t) x len(o_d)) tile of rows row0 + t, columns o_d of a (rows x D) matrix."""
     return tl.load(ptr + (row0 + t)[:, None] * D + o_d[None, :], mask=m_t[:, None] & m_d[None, :], other=0.0)
@@ -284,11 +296,7 @@ def delta_output_kernel(
     m_v = o_v < Dv
     A, o = _scores_and_inter(q_ptr, k_ptr, h_ptr, row0, i_bh * NT + i_n, t, m_t, o_v, m_v, Dk, Dv,
                              BT, BK, BV, DOT_PREC)
-    if DECAY > 0:
-        L, gc, _, _ = _chunk_decays(g_ptr, i_h, row0, t, m_t, o_t, BT, DECAY)
-        A = A * tl.exp(L)                   # L <= 0 (0 outside the causal triangle)
-        o = o * tl.exp(gc)[:, None]         # S_n decayed to each query
-    A = tl.where(o_t[:, None] >= o_t[None, :], A, 0.0)
+    A, o, _, _ = _decayed(g_ptr, i_h, row0, t, m_t, o_t, A, o, 0.0, 0.0, BT, DECAY)  # S_n decayed to each query
     vn = _tile(vn_ptr, row0, t, m_t, o_v, m_v, Dv)
     o = tl.dot(A, vn, acc=o, input_precision=DOT_PREC)
     tl.store(o_ptr + (row0 + t)[:, None] * Dv + o_v[None, :], o.to(o_ptr.dtype.element_ty),
@@ -323,13 +331,7 @@ def delta_bwd_state_kernel(
         kdS = _w_times_state(k_ptr, dh_n, dS, row0, t, m_t, o_k, m_k, o_v, m_v, Dk, Dv, BT, BK, BKW, BV, DOT_PREC)
         A = _gram(q_ptr, k_ptr, row0, t, m_t, Dk, BT, BKW, DOT_PREC)           # q_i . k_j
         q = _tile(q_ptr, row0, t, m_t, o_k, m_k, Dk).to(tl.float32)
-        if DECAY > 0:
-            L, gc, after, g_last = _chunk_decays(g_ptr, i_bh % H, row0, t, m_t, o_t, BT, DECAY)
-            A = A * tl.exp(L)
-            kdS = kdS * tl.exp(after)[:, None]
-            q = q * tl.exp(gc)[:, None]
-            dS = dS * tl.exp(g_last)
-        A = tl.where(o_t[:, None] >= o_t[None, :], A, 0.0)
+        A, q, kdS, dS = _decayed(g_ptr, i_bh % H, row0, t, m_t, o_t, A, q, kdS, dS, BT, DECAY)
         do = _tile(do_ptr, row0, t, m_t, o_v, m_v, Dv).to(tl.float32)
         dvn = tl.dot(tl.trans(A), do, acc=kdS, input_precision=DOT_PREC)     # dV_new
         tl.store(dvn_ptr + tv_off, dvn, mask=m_tv)
@@ -381,13 +383,7 @@ def delta_bwd_dqk_kernel(
     m_k = o_k < Dk
     ds, dqS, dkH, dw, hh = _dqk_sums(do_ptr, vn_ptr, dvn_ptr, h_ptr, dh_ptr, row0, i_bh * NT + i_n, t, m_t,
                                      o_k, m_k, Dk, Dv, BT, BK, BV, DOT_PREC)
-    if DECAY > 0:
-        L, gc, after, g_last = _chunk_decays(g_ptr, i_bh % H, row0, t, m_t, o_t, BT, DECAY)
-        ds = ds * tl.exp(L)
-        dqS = dqS * tl.exp(gc)[:, None]
-        dkH = dkH * tl.exp(after)[:, None]
-        hh = hh * tl.exp(g_last)
-    ds = tl.where(o_t[:, None] >= o_t[None, :], ds, 0.0)
+    ds, dqS, dkH, hh = _decayed(g_ptr, i_bh % H, row0, t, m_t, o_t, ds, dqS, dkH, hh, BT, DECAY)
     q = _tile(q_ptr, row0, t, m_t, o_k, m_k, Dk).to(tl.float32)
     k = _tile(k_ptr, row0, t, m_t, o_k, m_k, Dk).to(tl.float32)
     dq = tl.dot(ds, k, acc=dqS, input_precision=DOT_PREC)

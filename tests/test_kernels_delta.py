@@ -158,24 +158,11 @@ if __name__ != "__main__" and __name__ != "__mp_main__":
         pytest.skip("the Triton kernels do not import here", allow_module_level=True)
 
     from linattn_lib.core.delta import _delta_step, delta_rule_attention
+    from linattn_lib.experiments.kernel_selftest import draw_log_decay
 
     DEVICE = torch.device(os.environ.get("LINATTN_KERNEL_TEST_DEVICE")
                           or ("cuda" if torch.cuda.is_available() else "cpu"))
     TOL = {torch.float32: 1e-5, torch.float16: 3e-3}
-
-    def _log_decay(kind: str | None, B: int, H: int, T: int, gen: torch.Generator) -> torch.Tensor | None:
-        if kind is None:
-            return None
-        if kind == "head":
-            return -torch.rand(H, generator=gen)
-        if kind == "token":
-            return -torch.rand(B, H, T, generator=gen)
-        if kind == "strong":  # exp(g * 32) <= exp(-64): a state two chunks back is (nearly) gone
-            return -(2.0 + 2.0 * torch.rand(B, H, T, generator=gen))
-        assert kind == "reset"  # weak decay and one reset, mid-chunk
-        g = -0.05 * torch.rand(B, H, T, generator=gen)
-        g[..., min(T - 1, 37)] = -1e4
-        return g
 
     def make_inputs(B, H, T, Dk, Dv, decay, resume, dtype, seed=0) -> dict:
         """q, k (unit), v, beta in (0, 2) in `dtype`; g and S0 fp32."""
@@ -184,7 +171,7 @@ if __name__ != "__main__" and __name__ != "__mp_main__":
         x = {"q": torch.randn(B, H, T, Dk, generator=gen).to(dtype), "k": k.to(dtype),
              "v": torch.randn(B, H, T, Dv, generator=gen).to(dtype),
              "beta": (0.02 + 1.96 * torch.rand(B, H, T, generator=gen)).to(dtype),
-             "g": _log_decay(decay, B, H, T, gen), "S0": None}
+             "g": draw_log_decay(decay, B, H, T, gen), "S0": None}
         if resume:
             x["S0"] = torch.randn(B, H, Dk, Dv, generator=gen)
         return x
@@ -235,13 +222,13 @@ if __name__ != "__main__" and __name__ != "__mp_main__":
         (2, 2, 1, 16, 16, None, False, torch.float32),
         (2, 2, 65, 48, 24, "token", True, torch.float32),
         (1, 3, 130, 16, 24, "head", True, torch.float32),
-        (2, 2, 130, 48, 16, "reset", False, torch.float32),
+        (2, 2, 130, 48, 16, "token-reset", False, torch.float32),
         (2, 1, 65, 16, 16, None, True, torch.float32),
-        (1, 2, 130, 48, 24, "strong", True, torch.float32),
+        (1, 2, 130, 48, 24, "token-steep", True, torch.float32),
         (2, 2, 1, 48, 24, "token", True, torch.float16),
         (2, 2, 65, 16, 16, "head", False, torch.float16),
         (1, 2, 130, 48, 24, "token", True, torch.float16),
-        (2, 1, 130, 16, 24, "reset", True, torch.float16),
+        (2, 1, 130, 16, 24, "token-reset", True, torch.float16),
         (2, 2, 65, 48, 16, None, True, torch.float16),
     ]
 
@@ -295,7 +282,7 @@ if __name__ != "__main__" and __name__ != "__mp_main__":
         (1, 2, 65, 48, 24, "token", True, torch.float32),
         (2, 2, 1, 16, 16, "head", True, torch.float32),
         (2, 1, 40, 16, 24, None, False, torch.float32),
-        (1, 2, 40, 16, 16, "reset", True, torch.float32),
+        (1, 2, 40, 16, 16, "token-reset", True, torch.float32),
         (1, 3, 65, 16, 16, "head", False, torch.float16),
         (2, 1, 65, 48, 24, "token", True, torch.float16),
     ]

@@ -27,6 +27,7 @@ pytest.importorskip("triton")
 from linattn_lib import LinearAttentionState  # noqa: E402
 from linattn_lib.core.reference import reference_linear_attention  # noqa: E402
 from linattn_lib.core.triton_ops import load_kernels  # noqa: E402
+from linattn_lib.experiments.kernel_selftest import draw_log_decay  # noqa: E402
 
 K = load_kernels()
 if K is None:  # pragma: no cover - triton imports but the kernels do not
@@ -34,21 +35,6 @@ if K is None:  # pragma: no cover - triton imports but the kernels do not
 
 DEVICE = torch.device(os.environ.get("LINATTN_KERNEL_TEST_DEVICE") or ("cuda" if torch.cuda.is_available() else "cpu"))
 TOL = {torch.float32: 1e-5, torch.float16: 3e-3, torch.bfloat16: 2e-2}
-
-
-def _log_decay(kind: str | None, B: int, H: int, T: int, gen: torch.Generator) -> torch.Tensor | None:
-    if kind is None:
-        return None
-    if kind == "head":
-        return -torch.rand(H, generator=gen)
-    if kind == "token":
-        return -torch.rand(B, H, T, generator=gen)
-    if kind == "strong":  # exp(g * 64) <= exp(-128): the state from two chunks back underflows to 0
-        return -(2.0 + 2.0 * torch.rand(B, H, T, generator=gen))
-    assert kind == "reset"  # weak decay and one reset, mid-chunk
-    g = -0.05 * torch.rand(B, H, T, generator=gen)
-    g[..., min(T - 1, 37)] = -1e4
-    return g
 
 
 def make_inputs(B: int, H: int, T: int, Dk: int, Dv: int, decay: str | None, normalize: bool, resume: bool,
@@ -60,7 +46,7 @@ def make_inputs(B: int, H: int, T: int, Dk: int, Dv: int, decay: str | None, nor
     else:
         q, k = torch.randn(B, H, T, Dk, generator=gen) / Dk**0.5, torch.randn(B, H, T, Dk, generator=gen)
     x = {"q": q.to(dtype), "k": k.to(dtype), "v": torch.randn(B, H, T, Dv, generator=gen).to(dtype),
-         "g": _log_decay(decay, B, H, T, gen), "S0": None, "z0": None}
+         "g": draw_log_decay(decay, B, H, T, gen), "S0": None, "z0": None}
     if resume:
         x["S0"] = torch.randn(B, H, Dk, Dv, generator=gen)
         x["z0"] = torch.rand(B, H, Dk, generator=gen) * 5 if normalize else None
@@ -110,15 +96,15 @@ CASES = [
     (1, 2, 1, 16, 16, None, True, True, torch.float32),
     (2, 1, 17, 48, 100, "head", True, True, torch.float32),
     (1, 3, 63, 16, 100, "token", False, True, torch.float32),
-    (2, 2, 64, 128, 16, "strong", True, False, torch.float32),
-    (1, 2, 65, 48, 16, "reset", False, True, torch.float32),
+    (2, 2, 64, 128, 16, "token-steep", True, False, torch.float32),
+    (1, 2, 65, 48, 16, "token-reset", False, True, torch.float32),
     (1, 2, 200, 48, 100, "token", True, True, torch.float32),
     (3, 1, 200, 16, 16, None, False, False, torch.float32),
     (1, 2, 65, 128, 100, "head", False, True, torch.float32),
-    (2, 1, 200, 16, 48, "reset", True, True, torch.float32),
+    (2, 1, 200, 16, 48, "token-reset", True, True, torch.float32),
     (1, 2, 17, 16, 16, "token", True, True, torch.float16),
-    (2, 1, 65, 48, 100, "reset", True, False, torch.float16),
-    (1, 2, 200, 128, 16, "strong", False, True, torch.float16),
+    (2, 1, 65, 48, 100, "token-reset", True, False, torch.float16),
+    (1, 2, 200, 128, 16, "token-steep", False, True, torch.float16),
     (1, 1, 64, 48, 100, "head", True, True, torch.float16),
     (2, 1, 63, 16, 100, None, False, False, torch.float16),
 ]
@@ -317,7 +303,7 @@ def test_two_phase_backward_against_float64(case):
 PACKED = [  # lengths, Dk, Dv, decay, normalize, dtype: boundaries inside and at the chunk edges
     ((5, 32, 0, 70, 1), 16, 24, "token", True, torch.float32),
     ((33, 31, 64), 48, 16, "head", False, torch.float32),
-    ((1, 64, 65, 2), 16, 16, "reset", True, torch.float32),
+    ((1, 64, 65, 2), 16, 16, "token-reset", True, torch.float32),
     ((17, 0, 40), 16, 16, "token", True, torch.float16),
 ]
 
@@ -388,8 +374,8 @@ def test_packed_sequences_equal_each_sequence_alone(case):
 SPLIT_CASES = [  # B, H, T, Dk, Dv, decay, reverse, initial state, dtype; chunks of 16
     (2, 1, 100, 16, 24, "token", False, True, torch.float32),
     (1, 2, 100, 48, 16, "head", True, True, torch.float32),
-    (1, 1, 150, 16, 16, "reset", False, False, torch.float32),
-    (1, 1, 130, 16, 16, "strong", True, False, torch.float32),
+    (1, 1, 150, 16, 16, "token-reset", False, False, torch.float32),
+    (1, 1, 130, 16, 16, "token-steep", True, False, torch.float32),
     (1, 2, 77, 16, 16, None, False, True, torch.float16),
 ]
 SMALL = dict(BT=16, BK=16, BV=16, num_warps=4, num_stages=1)

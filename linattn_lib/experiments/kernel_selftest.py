@@ -40,6 +40,7 @@ TOLERANCES = {"float32": (1e-5, 1e-5, 1e-4), "float16": (3e-3, 1e-2, 1e-2), "bfl
 # log-decay per token drawn from -U(lo, hi); "head" variants have one value per head
 # (tests/test_kernels_interpret.py draws its decays from this table too)
 DECAYS = {"head-weak": (0.0, 0.05), "head": (0.0, 1.0), "token": (0.0, 1.0), "token-strong": (1.0, 4.0),
+           "token-steep": (2.0, 4.0),      # exp(64 g) <= exp(-128): a state two chunks back underflows
            "token-extreme": (20.0, 40.0)}  # extreme: every chunk-crossing factor underflows to 0
 
 # B, H, T, Dk, Dv, decay, normalize, resume from a non-zero state
@@ -85,7 +86,12 @@ def _rel_decay_grad(dg, dg_ref, x: dict, grads: dict) -> float:
     return float((dg.detach().double().cpu() - dg_ref.detach().double().cpu()).norm() / scale.cpu())
 
 
-def _log_decay(decay, B, H, T, gen):
+def draw_log_decay(decay: str | None, B: int, H: int, T: int, gen: torch.Generator) -> torch.Tensor | None:
+    """A log-decay of kind `decay` for (B, H, T) inputs: None, a key of `DECAYS` (-U(lo, hi),
+    (H,) for "head..." kinds, else (B, H, T), drawn from `gen`), or a reset pattern:
+    "token-reset10" (-0.01 per token, -1e5 at every 10th), "token-reset" (-0.05 U per token,
+    -1e4 at token min(T - 1, 37), mid-chunk) or "head-reset" (a weak head beside one that
+    resets at every token). The kernel tests draw theirs here too."""
     import torch
 
     if decay is None:
@@ -93,6 +99,10 @@ def _log_decay(decay, B, H, T, gen):
     if decay == "token-reset10":  # -0.01 per token, a reset (exp(-1e5) = 0) at every 10th
         g = torch.full((B, H, T), -0.01)
         g[..., 9::10] = -1e5
+        return g
+    if decay == "token-reset":  # weak decay and one reset, mid-chunk
+        g = -0.05 * torch.rand(B, H, T, generator=gen)
+        g[..., min(T - 1, 37)] = -1e4
         return g
     if decay == "head-reset":  # one head decays weakly, the next resets at every token
         return torch.tensor([-0.01, -1e5] * H)[:H]
@@ -111,7 +121,7 @@ def _inputs(B, H, T, Dk, Dv, decay, normalize, resume, dtype, device, seed=0):
     else:  # signed features: cancellation
         q, k = torch.randn(B, H, T, Dk, generator=gen) / Dk**0.5, torch.randn(B, H, T, Dk, generator=gen)
     x = {"q": q.to(dtype), "k": k.to(dtype), "v": torch.randn(B, H, T, Dv, generator=gen).to(dtype)}
-    g = _log_decay(decay, B, H, T, gen)
+    g = draw_log_decay(decay, B, H, T, gen)
     if g is not None:
         x["g"] = g
     if resume:
