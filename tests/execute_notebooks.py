@@ -111,6 +111,20 @@ def _write_atomically(nb: nbformat.NotebookNode, path: Path) -> None:
         raise
 
 
+WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
+
+
+def _drop_widget_views(nb: nbformat.NotebookNode) -> None:
+    """Remove ipywidgets' views from saved outputs (their models are not saved), keeping the
+    text fallback that says how to get the live widget; nbval never compares the views."""
+    nb.metadata.pop("widgets", None)
+    for cell in nb.cells:
+        for out in cell.get("outputs", []):
+            data = out.get("data", {})
+            if WIDGET_VIEW in data and len(data) > 1:
+                del data[WIDGET_VIEW]
+
+
 class NotebookFailed(Exception):
     """A notebook did not run through; the message says which cell and why."""
 
@@ -177,7 +191,10 @@ async def execute(path: Path, timeout: int, stop: asyncio.Event) -> None:
         kernel_name="python3",
         allow_errors=False,
         record_timing=False,  # no timestamps in the saved metadata: clean diffs
-        store_widget_state=True,  # the HTML book renders widgets from this state
+        # No widget state: the book shows static sliders (the live ones are remove-output),
+        # and a saved state makes JupyterLab print "model not found" under every live slider
+        # until its cell runs. _drop_widget_views keeps each slider's text fallback instead.
+        store_widget_state=False,
         resources={"metadata": {"path": str(path.parent)}},
         on_cell_start=lambda cell, cell_index: running.append(cell_index),
     )
@@ -202,6 +219,7 @@ async def execute(path: Path, timeout: int, stop: asyncio.Event) -> None:
     if exc is not None:
         raise exc
     _restore_tags(nb, original_tags)
+    _drop_widget_views(nb)
     nbformat.validate(nb)
     _write_atomically(nb, path)
 

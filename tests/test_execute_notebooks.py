@@ -133,3 +133,20 @@ def test_sigterm_stops_promptly_and_kills_the_kernel(tmp_path):
     assert not [p for p in children if _running(p.pid)]
     assert nb.read_bytes() == original
     assert later.read_bytes() == later_original  # the run stopped: nothing after it ran
+
+
+def test_live_slider_saves_its_text_fallback_and_no_widget_state(tmp_path):
+    """JupyterLab shows "model not found" under a saved widget view whose model was not
+    saved; the executor keeps only the slider's text, which says to run the cell."""
+    nb = tmp_path / "slider.ipynb"
+    _notebook(nb, "from linattn_lib.chapters.widgets import live_slider\n"
+                  "live_slider(lambda m: None, m=(1, 4))")
+
+    proc = _execute(60, nb)
+
+    assert proc.returncode == 0, proc.stderr
+    saved = nbformat.read(nb, as_version=4)
+    (out,) = saved.cells[0].outputs
+    assert set(out.data) == {"text/plain"}
+    assert out.data["text/plain"] == "<live slider over m: run this cell to move it>"
+    assert "widgets" not in saved.metadata

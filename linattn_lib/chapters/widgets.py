@@ -17,7 +17,7 @@ import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
 
-def figure_to_png_base64(fig: Figure, *, dpi: int = 80) -> str:
+def figure_to_png_base64(fig: Figure, *, dpi: int = 100) -> str:
     """PNG bytes of a matplotlib figure, base64-encoded; the figure is closed."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
@@ -62,7 +62,7 @@ class StaticSlider:
 
 
 def static_slider(
-    draw: Callable[[object], object], values: Iterable, *, name: str, initial: int = 0, fmt: str = "{}", dpi: int = 80
+    draw: Callable[[object], object], values: Iterable, *, name: str, initial: int = 0, fmt: str = "{}", dpi: int = 100
 ) -> StaticSlider:
     """Call `draw(value)` (returning a matplotlib figure) for each value and wrap the frames.
 
@@ -78,9 +78,10 @@ def live_slider(draw: Callable[..., object], **controls: object) -> None:
     """Show `ipywidgets.interactive(draw, **controls)` for readers with a kernel.
 
     Displays the controls and returns None, so no stray return value prints below them.
-    The plain-text fallback (what a page without a kernel, and nbval, see) is one short line
-    naming the controls, instead of ipywidgets' repr cut at 110 characters. Without
-    ipywidgets it says how to get it.
+    The plain-text fallback is one short line naming the controls and saying what to do:
+    it is what nbval compares, and what JupyterLab shows in a saved notebook before the
+    cell runs (the executor saves no widget state, so no "model not found" error shows).
+    Without ipywidgets it says how to get it.
     """
     try:
         import ipywidgets
@@ -92,8 +93,8 @@ def live_slider(draw: Callable[..., object], **controls: object) -> None:
 
     class _Interactive(ipywidgets.interactive):
         def __repr__(self) -> str:
-            text = f"<live slider over {names}>"
-            return text if len(text) <= 80 else text[:76] + "...>"
+            text = f"<live slider over {names}: run this cell to move it>"
+            return text if len(text) <= 80 else "<live slider: run this cell to move it>"
 
     display(_Interactive(draw, **controls))
     return None
