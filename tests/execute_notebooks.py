@@ -191,10 +191,12 @@ async def execute(path: Path, timeout: int, stop: asyncio.Event) -> None:
         kernel_name="python3",
         allow_errors=False,
         record_timing=False,  # no timestamps in the saved metadata: clean diffs
-        # No widget state: the book shows static sliders (the live ones are remove-output),
-        # and a saved state makes JupyterLab print "model not found" under every live slider
-        # until its cell runs. _drop_widget_views keeps each slider's text fallback instead.
-        store_widget_state=False,
+        # nbclient must track widget state (with it off, output captured by an ipywidgets
+        # Output widget raises KeyError); _drop_widget_views removes it before saving: the book
+        # shows static sliders (the live ones are remove-output), and a saved widget view
+        # makes JupyterLab print "model not found" under every live slider until its cell
+        # runs. Each slider keeps its text fallback instead.
+        store_widget_state=True,
         resources={"metadata": {"path": str(path.parent)}},
         on_cell_start=lambda cell, cell_index: running.append(cell_index),
     )

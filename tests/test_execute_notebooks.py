@@ -140,7 +140,7 @@ def test_live_slider_saves_its_text_fallback_and_no_widget_state(tmp_path):
     saved; the executor keeps only the slider's text, which says to run the cell."""
     nb = tmp_path / "slider.ipynb"
     _notebook(nb, "from linattn_lib.chapters.widgets import live_slider\n"
-                  "live_slider(lambda m: None, m=(1, 4))")
+                  "live_slider(lambda m: print(m), m=(1, 4))")  # output inside the widget
 
     proc = _execute(60, nb)
 

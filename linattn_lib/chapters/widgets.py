@@ -74,14 +74,15 @@ def static_slider(
     return StaticSlider(frames, [fmt.format(v) for v in values], name=name, initial=initial)
 
 
-def live_slider(draw: Callable[..., object], **controls: object) -> None:
+def live_slider(draw: Callable[..., object], *, labels: dict[str, str] | None = None, **controls: object) -> None:
     """Show `ipywidgets.interactive(draw, **controls)` for readers with a kernel.
 
-    Displays the controls and returns None, so no stray return value prints below them.
-    The plain-text fallback is one short line naming the controls and saying what to do:
-    it is what nbval compares, and what JupyterLab shows in a saved notebook before the
-    cell runs (the executor saves no widget state, so no "model not found" error shows).
-    Without ipywidgets it says how to get it.
+    Displays the controls and returns None. `draw`'s figure is shown, its return value is not
+    (a returned figure or tuple would print again under the plot). `labels` names the controls
+    on the page (`labels={"lam": "λ"}`; default: the argument names). The plain-text fallback
+    is one short line naming the controls and saying what to do: it is what nbval compares,
+    and what JupyterLab shows in a saved notebook before the cell runs (the executor saves no
+    widget state, so no "model not found" error shows). Without ipywidgets it says how to get it.
     """
     try:
         import ipywidgets
@@ -89,12 +90,19 @@ def live_slider(draw: Callable[..., object], **controls: object) -> None:
     except ImportError:  # pragma: no cover - ipywidgets is in the book extra
         print("ipywidgets is not installed: pip install ipywidgets for live sliders")
         return None
-    names = ", ".join(controls)
+    labels = labels or {}
+    names = ", ".join(labels.get(n, n) for n in controls)
 
     class _Interactive(ipywidgets.interactive):
         def __repr__(self) -> str:
             text = f"<live slider over {names}: run this cell to move it>"
             return text if len(text) <= 80 else "<live slider: run this cell to move it>"
 
-    display(_Interactive(draw, **controls))
+    def shown(**values: object) -> None:
+        draw(**values)
+
+    widget = _Interactive(shown, **controls)
+    for child in widget.kwargs_widgets:
+        child.description = labels.get(child.description, child.description)
+    display(widget)
     return None
