@@ -77,7 +77,12 @@ def draw_recall_by_age(
     beta: float, alphas: Sequence[float] = ALPHAS, *, ymax: float = 4.6, size: float = 2.9,
 ) -> Figure:
     """One panel per gate alpha: recall error against age for write strength `beta`, with
-    additive linear attention (grey) and the error of a forgotten pair (1, dotted)."""
+    additive linear attention (grey) and the error of a forgotten pair (1, dotted).
+
+    Every call draws the same axes (ages 0..n_pairs - 1, errors 0..ymax, shared by the
+    panels), so the frames of a slider differ only in their curves; the legend sits below
+    the panels, off the data.
+    """
     additive = additive_recall_by_age()
     ages = torch.arange(len(additive))
     fig, axes = plt.subplots(1, len(alphas), figsize=(size * len(alphas) + 0.4, size * 0.95),
@@ -91,10 +96,13 @@ def draw_recall_by_age(
         name = "DeltaNet" if alpha == 1 else "Gated DeltaNet"
         ax.set_title(f"{name}, α = {alpha:g}", fontsize=9)
         ax.set_xlabel("age of the pair (writes since)")
+        ax.set_xlim(-1, len(additive))
         ax.set_ylim(0, ymax)
         ax.grid(True, alpha=0.3)
     axes[0, 0].set_ylabel("recall error ‖Sᵀk − v‖ / ‖v‖")
-    axes[0, 0].legend(fontsize=7, loc="upper right")
     fig.suptitle(f"{N_PAIRS} pairs in a {DK} × {DV} state, β = {beta:g}", fontsize=10)
     fig.tight_layout()
+    handles, labels = axes[0, 0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=len(labels),
+               fontsize=8, frameon=False)
     return fig
