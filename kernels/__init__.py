@@ -15,6 +15,9 @@ wrappers live in `linattn_lib/core/triton_ops.py`.
     chunk_fwd.py     chunk_fwd_kernel      causal forward in one pass; run backwards in time it gives dV
     noncausal.py     noncausal_state_kernel, noncausal_output_kernel
     decode.py        decode_kernel         one token, state updated in place
+    delta_rule.py    delta_wy_kernel, delta_state_kernel, delta_output_kernel and their backward
+                                           the chunked delta rule (DeltaNet, Gated DeltaNet): the
+                                           UT transform, the state walk, the outputs; delta_rule_fwd
     favor.py         favor_kernel          FAVOR+ positive features: projection, stabiliser, exp fused
     configs.py       CONFIGS (every config a launcher can pick), select_config, launchable
 
@@ -59,6 +62,8 @@ from .configs import (
 )
 from .decode import compile_spec as _decode_spec
 from .decode import decode_kernel, decode_step
+from .delta_rule import DELTA_KERNELS, delta_rule_fwd
+from .delta_rule import compile_spec as _delta_spec
 from .favor import compile_spec as _favor_spec
 from .favor import favor_features, favor_kernel
 from .noncausal import compile_spec_output as _noncausal_output_spec
@@ -83,6 +88,7 @@ KERNELS = {
     "noncausal_output": (noncausal_output_kernel, _noncausal_output_spec),
     "decode": (decode_kernel, _decode_spec),
     "favor": (favor_kernel, _favor_spec),
+    **{name: (fn, _delta_spec(name)) for name, fn in DELTA_KERNELS.items()},
 }
 
 __all__ = [
@@ -103,6 +109,7 @@ __all__ = [
     "chunk_output",
     "chunk_states",
     "decode_step",
+    "delta_rule_fwd",
     "device_capability",
     "dot_precision",
     "favor_features",

@@ -39,6 +39,10 @@ DIM_NAMES = {
     "chunk_dqk": ("BK", "BV"),        # two-phase backward: Dk tiled, Dv looped in blocks of BV
     "chunk_dv": ("BK", "BV"),         # Dv tiled, Dk looped in blocks of BK
     "chunk_bwd_prep": ("BV", "BK"),   # BT rows per program, Dv whole (BK unused)
+    # the delta rule: the two state kernels hold Dk whole (BK) and multiply in blocks of BKW;
+    # the parallel ones walk Dk in blocks of BK; all tile the values by BV
+    **{name: ("BK", "BV") for name in ("delta_wy", "delta_state", "delta_output", "delta_bwd_state",
+                                       "delta_bwd_dqk", "delta_bwd_wy")},
 }
 
 # Configs: kernel -> class -> {whole dim: (BT, tile, num_warps)}. The classes:
@@ -139,6 +143,55 @@ _TWO_PHASE: dict[str, dict[str, tuple[int, int, int, int]]] = {
 }
 for _kernel, _classes in _TWO_PHASE.items():
     _TABLE[_kernel] = {cls: dict.fromkeys(WHOLE_DIMS, entry) for cls, entry in _classes.items()}
+
+# The delta rule (delta_rule.py): class -> (BT, BK, BV, num_warps), all kernels of one class
+# sharing BT. BK: the Dk block of the loops; the two state kernels hold Dk whole (padded) and
+# their BK is the Dk block of W S_n / K dS (0: whole, from registers: `_w_times_state`), the
+# constexpr BKW of their config. BV: value columns per program (the Dv block of the loops of
+# delta_wy / delta_bwd_wy / delta_bwd_dqk). Chosen without a GPU, from the ahead-of-time
+# compile of the heaviest variants (per-token decay, initial and final state) as the JIT
+# specialises them (tests/test_kernels_compile.py): no spill instructions, shared memory within
+# every target of the class (mma16: sm_80's 163 KiB and sm_86 / sm_89's 99 KiB; sm75: 64 KiB).
+#   delta_state: 64 x 128 W times a 128 x 32 S spilled 26 (bf16, sm_80) on 4 warps, none on 8;
+#   fp32 with Dk = 128 whole in W S_n ~1,000, blocked by 32 none; at Dk = 256 a whole-Dk
+#   W S_n spilled 62-186 (bf16): 64-blocks and 16 value columns.
+#   delta_wy: 4 warps, no spills at head dims that are multiples of 16 (196-212 registers);
+#   8 warps spilled 6 there on sm_80 (capped at 128 registers) though none at other dims.
+# The launchers pad head dims to multiples of 16 (`pad_head_dims`): with no divisibility known
+# the state and backward kernels spilled 34-776 instructions on some targets.
+#   sm75: the two parallel backward kernels spilled 56-66 (fp16, sm_75) on 4 warps, none on 8.
+#   delta_bwd_state on sm_90, bf16, Dk = 64: 32 value columns spilled 22-118 with every BKW,
+#   warp count and stage count tried; 16 columns on 8 warps in one stage none (224 registers).
+_DELTA: dict[str, dict[str, tuple[int, ...]]] = {
+    "delta_wy": {"mma16": (64, 64, 64, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
+    "delta_state": {"mma16": (64, 0, 32, 8), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
+    "delta_output": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
+    "delta_bwd_state": {"mma16": (64, 64, 32, 8), "fp32": (32, 32, 32, 8), "sm75": (32, 32, 32, 4)},
+    "delta_bwd_dqk": {"mma16": (64, 16, 32, 4), "fp32": (32, 32, 32, 8), "sm75": (32, 32, 32, 8)},
+    "delta_bwd_wy": {"mma16": (64, 16, 32, 8), "fp32": (32, 32, 32, 8), "sm75": (32, 32, 32, 8)},
+}
+# (kernel, class, whole Dk) -> (BT, BK, BV, num_warps, num_stages): the exceptions above
+_DELTA_AT = {
+    ("delta_state", "mma16", 256): (64, 64, 16, 8, 1), ("delta_state", "fp32", 256): (32, 32, 32, 8, 1),
+    ("delta_bwd_state", "mma16", 256): (64, 64, 16, 8, 1), ("delta_bwd_state", "fp32", 256): (32, 32, 32, 8, 1),
+    ("delta_bwd_state", "fp32", 64): (32, 32, 32, 4, 1),   # 8 warps spilled 8 on sm_90
+    ("delta_bwd_state", "sm90", 64): (64, 64, 16, 8, 1),
+}
+
+
+def _delta_config(kernel: str, cls: str, whole: int) -> dict:
+    """A delta-rule kernel's config: the state kernels get Dk whole as BK and their block BKW."""
+    stages = NUM_STAGES[cls]
+    base = "mma16" if cls == "sm90" else cls
+    BT, BK, BV, num_warps = _DELTA[kernel][base]
+    if (kernel, cls, whole) in _DELTA_AT or (kernel, base, whole) in _DELTA_AT:
+        BT, BK, BV, num_warps, stages = _DELTA_AT.get((kernel, cls, whole)) or _DELTA_AT[(kernel, base, whole)]
+    if kernel not in ("delta_state", "delta_bwd_state"):
+        return {"BT": BT, "BK": BK, "BV": BV, "num_warps": num_warps, "num_stages": stages}
+    BKW = BK or whole
+    if BKW < whole:  # S_n is read back after its store: no loads pipelined across it
+        stages = 1
+    return {"BT": BT, "BK": whole, "BKW": BKW, "BV": BV, "num_warps": num_warps, "num_stages": stages}
 # Every other kernel (and the two-phase ones not listed) picks the same config on Hopper as on
 # Ampere.
 for _classes in _TABLE.values():
@@ -146,6 +199,8 @@ for _classes in _TABLE.values():
 
 
 def _config(kernel: str, cls: str, whole: int) -> dict:
+    if kernel in _DELTA:
+        return _delta_config(kernel, cls, whole)
     entry = _TABLE[kernel][cls][whole]
     w, t = DIM_NAMES[kernel]
     if len(entry) == 4:  # blocked in both dims (the two-phase forward)
@@ -240,6 +295,17 @@ def dot_precision(dtype) -> str:
     tf32 and computes them in full fp32).
     """
     return "ieee" if dtype in (torch.float32, "fp32") else "tf32"
+
+
+def signature_of(fn, cfg: dict, dtype: str, flags: dict, input_ptrs: set) -> tuple[dict, dict]:
+    """(signature, constexprs) for an ahead-of-time compile of `fn` with inputs of `dtype`: the
+    config's tile sizes, `flags` for the other constexprs (DOT_PREC from the dtype), pointers
+    named in `input_ptrs` in `dtype` and every other one fp32, every other argument i32."""
+    flags = dict(flags, DOT_PREC=dot_precision(dtype))
+    constexprs = {p.name: cfg.get(p.name, flags.get(p.name)) for p in fn.params if p.is_constexpr}
+    signature = {n: "constexpr" if n in constexprs else "i32" if not n.endswith("_ptr")
+                 else f"*{dtype}" if n in input_ptrs else "*fp32" for n in fn.arg_names}
+    return signature, constexprs
 
 
 # --------------------------------------------------------------------------------------

@@ -48,53 +48,22 @@ import triton.language as tl
 
 from .chunk_fwd import chunk_log_decays
 from .chunk_state import load_log_decay
-from .configs import dot_precision, launchable, whole_dim
+from .configs import dot_precision, launchable, select_config, signature_of
 
 # --- configs ---
 
-# class -> (BT, BK, BV, num_warps). All kernels share the chunk length BT. BK: the Dk block of
-# the loops; the two state kernels hold Dk whole (padded to `whole_dim`) and their BK is the Dk
-# block of W S_n / K dS (0: whole, from registers; see `_w_times_state`). BV: value columns per
-# program (delta_wy / delta_bwd_wy: the Dv block of their loops; delta_bwd_dqk: of its loop).
-#   mma16: fp16 / bf16 on sm_80+ (tensor cores): 64-token chunks, 2 stages.
-#   fp32:  float32 inputs (true fp32 products, FMA loops): 32-token chunks, 1 stage.
-# Not tuned on a GPU: from the ahead-of-time compile of the heaviest variants (bf16 and fp32,
-# sm_80 / sm_90, D = 64 / 128, tests/test_kernels_delta.py): no spill instructions.
-# The state kernel (64 x 128 W, 128 x 32 S) spilled 26 (bf16, sm_80) on 4 warps, none on 8; fp32
-# with Dk = 128 whole in W S_n ~1,000, blocked by 32 none. Backward: tests/test_kernels_delta.py.
-DELTA_CONFIGS: dict[str, dict[str, tuple[int, int, int, int]]] = {
-    "delta_wy": {"mma16": (64, 64, 64, 4), "fp32": (32, 32, 32, 4)},
-    "delta_state": {"mma16": (64, 0, 32, 8), "fp32": (32, 32, 32, 4)},
-    "delta_output": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4)},
-    "delta_bwd_state": {"mma16": (64, 64, 32, 8), "fp32": (32, 32, 32, 8)},   # bf16 D=64 sm_90: ~108 spills
-    "delta_bwd_dqk": {"mma16": (64, 16, 32, 4), "fp32": (32, 32, 32, 8)},
-    "delta_bwd_wy": {"mma16": (64, 16, 32, 8), "fp32": (32, 32, 32, 8)},
-}
-_STATE_256 = {"mma16": (64, 64, 16, 8), "fp32": (32, 32, 32, 8)}  # Dk = 256: whole-Dk W S_n spilled 62-186 (bf16)
-
-
-def delta_config(kernel: str, Dk: int, dtype: torch.dtype, chunk_size: int | None = None) -> dict:
-    """The launch config of `kernel` (a key of DELTA_CONFIGS) for key dim Dk, inputs of `dtype`;
+def delta_config(kernel: str, Dk: int, dtype: torch.dtype, chunk_size: int | None = None,
+                 device: torch.device | str | tuple | None = None) -> dict:
+    """The launch config of `kernel` (a key of DELTA_KERNELS) for key dim Dk, inputs of `dtype`
+    on `device` (a torch device or a (major, minor) capability; None and CPU: sm_80's choice):
+    `select_config`'s answer from configs.py, where the table and the reasons for it are.
     `chunk_size` (a power of two >= 16) overrides BT."""
-    cls = "fp32" if dtype == torch.float32 else "mma16"
-    BT, BK, BV, num_warps = DELTA_CONFIGS[kernel][cls]
-    stages = 1 if cls == "fp32" else 2
-    extra = {}
-    if kernel in ("delta_state", "delta_bwd_state"):
-        whole = whole_dim(Dk)
-        if whole == 256:
-            BT, BK, BV, num_warps = _STATE_256[cls]
-        if kernel == "delta_bwd_state" and whole == 64 and cls == "fp32":
-            num_warps = 4                                   # 8 warps spilled 8 on sm_90 at Dk = 64
-        extra = {"BKW": BK or whole}
-        BK = whole
-        if extra["BKW"] < BK:  # S_n is read back after its store: no loads pipelined across it
-            stages = 1
+    cfg = select_config(kernel, Dk, dtype, device)
     if chunk_size is not None:
         if chunk_size < 16 or chunk_size & (chunk_size - 1):
             raise ValueError(f"delta_rule_fwd: chunk_size must be a power of two >= 16, got {chunk_size}")
-        BT = chunk_size
-    return {"BT": BT, "BK": BK, **extra, "BV": BV, "num_warps": num_warps, "num_stages": stages}
+        cfg = dict(cfg, BT=chunk_size)
+    return cfg
 
 
 # --- helpers ---
@@ -495,7 +464,7 @@ def delta_wy(k: torch.Tensor, v: torch.Tensor, beta: torch.Tensor, *, log_decay:
     config's BT (`_ut_transform` of linattn_lib/core/delta.py for every chunk)."""
     B, H, T, Dk = k.shape
     Dv = v.shape[-1]
-    cfg = config or delta_config("delta_wy", Dk, k.dtype)
+    cfg = config or delta_config("delta_wy", Dk, k.dtype, device=k.device)
     g, decay = _decay_args(log_decay, B, H, T)
     w, u = (torch.empty(B, H, T, D, dtype=torch.float32, device=k.device) for D in (Dk, Dv))
     if B * H * T == 0:
@@ -513,7 +482,7 @@ def delta_states(k: torch.Tensor, w: torch.Tensor, u: torch.Tensor, *, log_decay
     fp32; h[:, :, n] is the state on entry to chunk n (the initial state or 0 for n = 0)."""
     B, H, T, Dk = k.shape
     Dv = u.shape[-1]
-    cfg = config or delta_config("delta_state", Dk, k.dtype)
+    cfg = config or delta_config("delta_state", Dk, k.dtype, device=k.device)
     NT = triton.cdiv(T, cfg["BT"])
     g, decay = _decay_args(log_decay, B, H, T)
     f32 = dict(dtype=torch.float32, device=k.device)
@@ -538,7 +507,7 @@ def delta_output(q: torch.Tensor, k: torch.Tensor, vn: torch.Tensor, h: torch.Te
     entry states of `delta_states` (computed with the same BT)."""
     B, H, T, Dk = q.shape
     Dv = vn.shape[-1]
-    cfg = config or delta_config("delta_output", Dk, q.dtype)
+    cfg = config or delta_config("delta_output", Dk, q.dtype, device=q.device)
     NT = triton.cdiv(T, cfg["BT"])
     if h.shape != (B, H, NT, Dk, Dv):
         raise ValueError(f"delta_output: entry states of shape {tuple(h.shape)} do not match "
@@ -552,17 +521,42 @@ def delta_output(q: torch.Tensor, k: torch.Tensor, vn: torch.Tensor, h: torch.Te
     return o
 
 
+def aligned_dim(d: int) -> int:
+    """`d` rounded up to a multiple of 16: the head dims the kernels are launched with."""
+    return -(-d // 16) * 16
+
+
+def pad_head_dims(Dk: int, Dv: int, qk=(), v=(), states=()) -> list[torch.Tensor | None]:
+    """Zero-pad keys / queries (last dim Dk), values (Dv) and states (Dk x Dv, or None) to
+    `aligned_dim`: then the JIT knows every row stride is a multiple of 16 and compiles the
+    kernels as tests/test_kernels_compile.py checks them (at odd head dims the state and
+    backward kernels spill). Zero columns change no product; the caller slices them off."""
+    pk, pv, pad = aligned_dim(Dk), aligned_dim(Dv), torch.nn.functional.pad
+    return ([pad(x, (0, pk - Dk)) for x in qk] + [pad(x, (0, pv - Dv)) for x in v]
+            + [None if S is None else pad(S, (0, pv - Dv, 0, pk - Dk)) for S in states])
+
+
 def delta_rule_fwd_pieces(q, k, v, beta, *, log_decay=None, initial_state=None, store_final_state=False,
                           chunk_size=None) -> dict:
     """`delta_rule_fwd` keeping what a backward pass recomputes or reads: a dict with o, S_final,
     W, U (delta_wy), h, V_new (delta_states) and the chunk length BT."""
-    Dk = q.shape[-1]
+    Dk, Dv = q.shape[-1], v.shape[-1]
     if k.shape != q.shape or v.shape[:3] != q.shape[:3] or beta.shape != q.shape[:3]:
         raise ValueError(f"delta_rule_fwd: q, k (B, H, T, Dk), v (B, H, T, Dv), beta (B, H, T) expected, got "
                          f"{tuple(q.shape)}, {tuple(k.shape)}, {tuple(v.shape)}, {tuple(beta.shape)}")
     if len({q.dtype, k.dtype, v.dtype}) != 1:
         raise ValueError(f"delta_rule_fwd: q, k, v need one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    cfgs = {name: delta_config(name, Dk, q.dtype, chunk_size) for name in DELTA_CONFIGS}
+    if initial_state is not None and initial_state.shape != (*q.shape[:2], Dk, Dv):
+        raise ValueError(f"delta_rule_fwd: initial_state must be (B, H, Dk, Dv) = {(*q.shape[:2], Dk, Dv)}, "
+                         f"got {tuple(initial_state.shape)}")
+    if (aligned_dim(Dk), aligned_dim(Dv)) != (Dk, Dv):
+        q, k, v, initial_state = pad_head_dims(Dk, Dv, (q, k), (v,), (initial_state,))
+        p = delta_rule_fwd_pieces(q, k, v, beta, log_decay=log_decay, initial_state=initial_state,
+                                  store_final_state=store_final_state, chunk_size=chunk_size)
+        cut = {"o": (Dv,), "S_final": (Dk, Dv), "W": (Dk,), "U": (Dv,), "h": (Dk, Dv), "V_new": (Dv,)}
+        return {n: x if x is None or n not in cut else x[..., :cut[n][0]] if len(cut[n]) == 1
+                else x[..., :Dk, :Dv] for n, x in p.items()}
+    cfgs = {name: delta_config(name, Dk, q.dtype, chunk_size, q.device) for name in DELTA_KERNELS}
     w, u = delta_wy(k, v, beta.to(q.dtype), log_decay=log_decay, config=cfgs["delta_wy"])
     h, vn, S_T = delta_states(k, w, u, log_decay=log_decay, initial_state=initial_state,
                               store_final_state=store_final_state, config=cfgs["delta_state"])
@@ -588,9 +582,16 @@ def delta_rule_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
     return pieces["o"], pieces["S_final"]
 
 
-# kernel name (a key of DELTA_CONFIGS) -> the @triton.jit function (`launch`; the compile test)
+# kernel name -> the @triton.jit function (`launch`; `compile_spec`)
 DELTA_KERNELS = {
     "delta_wy": delta_wy_kernel, "delta_state": delta_state_kernel, "delta_output": delta_output_kernel,
     "delta_bwd_state": delta_bwd_state_kernel, "delta_bwd_dqk": delta_bwd_dqk_kernel,
     "delta_bwd_wy": delta_bwd_wy_kernel,
 }
+
+def compile_spec(kernel: str):
+    """`compile_spec(cfg, dtype) -> (signature, constexprs)` of `kernel`'s heaviest variant: a
+    per-token decay, every optional state in and out (`configs.signature_of`)."""
+    flags = {"DECAY": 2, "HAS_S0": True, "STORE_ST": True, "HAS_DST": True, "STORE_DS0": True}
+    inputs = {"q_ptr", "k_ptr", "v_ptr", "beta_ptr", "o_ptr", "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr", "dbeta_ptr"}
+    return lambda cfg, dtype: signature_of(DELTA_KERNELS[kernel], cfg, dtype, flags, inputs)

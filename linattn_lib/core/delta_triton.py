@@ -49,7 +49,15 @@ def delta_rule_bwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, do: Tensor, dS
 
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
-    cfgs = {name: K.delta_config(name, Dk, q.dtype, chunk_size) for name in K.DELTA_CONFIGS}
+    if (K.aligned_dim(Dk), K.aligned_dim(Dv)) != (Dk, Dv):  # as the forward: head dims padded to 16
+        q, k, v, do, dS_final, initial_state = K.pad_head_dims(Dk, Dv, (q, k), (v, do), (dS_final, initial_state))
+        out = delta_rule_bwd(q, k, v, beta, do, dS_final, log_decay=log_decay, initial_state=initial_state,
+                             chunk_size=chunk_size)
+        out["dq"], out["dk"], out["dv"] = out["dq"][..., :Dk], out["dk"][..., :Dk], out["dv"][..., :Dv]
+        if out["dS0"] is not None:
+            out["dS0"] = out["dS0"][..., :Dk, :Dv]
+        return out
+    cfgs = {name: K.delta_config(name, Dk, q.dtype, chunk_size, q.device) for name in K.DELTA_KERNELS}
     BT = cfgs["delta_wy"]["BT"]
     NT = triton.cdiv(T, BT)
     g, decay = K._decay_args(log_decay, B, H, T)

@@ -10,7 +10,7 @@
    (T in 1..300 around the chunk of 64, head dims 16..256 including padded ones, several
    heads and batches, resumed states, decays from none to underflowing and with resets), plus
    the non-causal kernels, the decoding step and the fused FAVOR+ feature map;
-   `--pytest PATH` also runs a checkout's tests/test_kernels_interpret.py with CUDA tensors;
+   `--pytest PATH...` also runs a checkout's kernel test files with CUDA tensors;
 2. times forward and forward+backward at T=16384, H=16, D=128 in bfloat16 with
    triton.testing.do_bench: our chunked linear attention (normalised; and unnormalised with a
    per-token decay), torch's scaled_dot_product_attention (causal softmax: flash attention
@@ -36,7 +36,7 @@ import platform
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -74,18 +74,20 @@ def _environment() -> dict:
     return info
 
 
-def run_kernel_tests(out: Path, tests: Path) -> dict:
-    """pytest on a checkout's kernel tests (tests/test_kernels_interpret.py) with CUDA tensors."""
-    tests = Path(tests)
-    if not tests.is_file():
-        return {"status": NOT_RUN, "reason": f"{tests} not found (--pytest needs a source checkout's test file)"}
+def run_kernel_tests(out: Path, tests: Path | Sequence[Path]) -> dict:
+    """pytest on a checkout's kernel test files (tests/test_kernels_interpret.py, ...) with
+    CUDA tensors, in one run."""
+    files = [Path(tests)] if isinstance(tests, (str, Path)) else [Path(t) for t in tests]
+    missing = [str(f) for f in files if not f.is_file()]
+    if missing or not files:
+        return {"status": NOT_RUN, "reason": f"{', '.join(missing)} not found (--pytest needs a source checkout's test files)"}
     env = dict(os.environ, LINATTN_KERNEL_TEST_DEVICE="cuda")
     env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "pytest", str(tests.resolve()), "-q", "-p", "no:cacheprovider", "-o", "addopts=",
-           f"--junitxml={(out / 'kernel_tests.xml').resolve()}"]
+    cmd = [sys.executable, "-m", "pytest", *(str(f.resolve()) for f in files), "-q", "-p", "no:cacheprovider",
+           "-o", "addopts=", f"--junitxml={(out / 'kernel_tests.xml').resolve()}"]
     t0 = time.perf_counter()
-    # from the checkout's root (the test file's grandparent), as `make test` runs it
-    proc = subprocess.run(cmd, cwd=str(tests.resolve().parent.parent), env=env, capture_output=True, text=True)
+    # from the checkout's root (the test files' grandparent), as `make test` runs it
+    proc = subprocess.run(cmd, cwd=str(files[0].resolve().parent.parent), env=env, capture_output=True, text=True)
     log = proc.stdout + proc.stderr
     (out / "kernel_tests.log").write_text(log)
     summary = next((line for line in reversed(log.strip().splitlines()) if " in " in line), "")
@@ -416,7 +418,7 @@ def _not_run_without_cuda(args: argparse.Namespace) -> dict:
     if not args.skip_tests:
         checks["kernel self-test"] = {"status": NOT_RUN, "reason": "no CUDA device"}
         if args.pytest:
-            checks[f"pytest {args.pytest}"] = {"status": NOT_RUN, "reason": "no CUDA device"}
+            checks[f"pytest {' '.join(args.pytest)}"] = {"status": NOT_RUN, "reason": "no CUDA device"}
     if not args.skip_bench:
         checks["benchmark"] = {"status": NOT_RUN, "reason": "no CUDA device"}
     return checks
@@ -427,7 +429,7 @@ def _run_checks(args: argparse.Namespace, out: Path) -> dict:
         return {"kernel self-test": {"status": SKIPPED, "reason": "--skip-tests"}}
     checks = {"kernel self-test": run_kernel_selftest("cuda", quick=args.quick, log=print)}
     if args.pytest:
-        checks[f"pytest {args.pytest}"] = run_kernel_tests(out, Path(args.pytest))
+        checks[f"pytest {' '.join(args.pytest)}"] = run_kernel_tests(out, [Path(p) for p in args.pytest])
     for what, res in checks.items():
         print(f"{what}: {res.get('status')} {res.get('summary', res.get('reason', ''))}")
     return checks
@@ -480,8 +482,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--skip-bench", action="store_true", help="only run the kernel checks")
     parser.add_argument("--skip-sweep", action="store_true",
                         help="skip the launch-config sweep (it compiles about 40 kernel variants)")
-    parser.add_argument("--pytest", metavar="PATH", default=None,
-                        help="also run this pytest file with CUDA tensors (a checkout's tests/test_kernels_interpret.py)")
+    parser.add_argument("--pytest", metavar="PATH", nargs="+", default=None,
+                        help="also run these pytest files with CUDA tensors (a checkout's tests/test_kernels_*.py)")
     parser.add_argument("--quick", action="store_true", help="a few self-test cases only (a smoke test)")
     return parser
 
