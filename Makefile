@@ -1,7 +1,9 @@
 # Linear Attention, Hands-On: the README's two commands are `make book` and `make test`.
 # Everything runs inside .venv, which is created (from $(PYTHON), default python3) and
 # installed on first use from constraints.txt (the exact CI set); re-installs only when
-# pyproject.toml, setup.py or constraints.txt change. `make` never uses an active conda or
+# pyproject.toml, setup.py or constraints.txt change. The install also registers this .venv
+# as the Jupyter kernel "linattn" (per user), the kernel the notebooks ask for, so that a
+# JupyterLab installed elsewhere runs them with the library. `make` never uses an active conda or
 # virtual environment's packages: environment.yml is the alternative to it, not an input.
 
 SHELL := bash
@@ -17,7 +19,7 @@ NB ?=
 MATHJAX_VERSION := 3.2.2
 MATHJAX_DIR := book/_static/mathjax
 
-.PHONY: help install lint book test browser-deps lab execute bench gpu-check mathjax clean distclean
+.PHONY: help install lint book book-clean test browser-deps lab execute bench gpu-check mathjax repo-url clean distclean
 
 help:  ## list the targets
 	@grep -E '^[a-z.-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -29,7 +31,10 @@ $(PY):
 .venv: $(PY)  ## create the virtual environment if it is missing
 
 $(STAMP): $(PY) pyproject.toml setup.py constraints.txt
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[book,test]"
+	@echo "== installing linattn_lib (editable) with the book and test tools into $(VENV): a few minutes the first time"
+	$(PY) -m pip install --progress-bar on -c constraints.txt -e ".[book,test]"
+	@echo "== installed into $(VENV)"
+	$(PY) -m ipykernel install --user --name linattn --display-name "Python 3 (linattn_lib)"
 	@touch $@
 
 install: $(STAMP)  ## install the library (editable) with book and test tools into .venv
@@ -37,7 +42,14 @@ install: $(STAMP)  ## install the library (editable) with book and test tools in
 lint: $(STAMP)  ## check the library, kernels and tests with ruff (settings in pyproject.toml)
 	$(BIN)/ruff check .
 
-book: $(STAMP)  ## build the HTML book into _build/html (warnings are errors)
+# Sphinx rebuilds only the pages whose sources changed since the last build; book-clean
+# rebuilds every page (what CI does, from a clean clone).
+book: $(STAMP)  ## build the HTML book into _build/html, only what changed (warnings are errors)
+	$(BIN)/jupyter-book build . -W -n --keep-going
+	@echo "open _build/html/index.html"
+
+book-clean: $(STAMP)  ## rebuild every page of the HTML book from scratch
+	$(BIN)/jupyter-book clean .
 	$(BIN)/jupyter-book build . --all -W -n --keep-going
 	@echo "open _build/html/index.html"
 
@@ -71,10 +83,16 @@ execute: $(STAMP)  ## re-run notebooks and save their outputs (all, or NB=book/x
 bench: $(STAMP)  ## benchmark the attention implementations
 	$(PY) -m linattn_lib.experiments.bench
 
-# The package's own kernel self-test, the checkout's full kernel test file with CUDA tensors,
+# The package's own kernel self-test, the checkout's kernel test files with CUDA tensors,
 # then the benchmark; exits non-zero when a check fails or did not run (e.g. no CUDA device).
 gpu-check: $(STAMP)  ## check the compiled Triton kernels on a CUDA GPU (fails without one)
-	$(PY) -m linattn_lib.experiments.gpu_check --pytest tests/test_kernels_interpret.py
+	$(PY) -m linattn_lib.experiments.gpu_check --pytest tests/test_kernels_interpret.py tests/test_kernels_two_phase.py tests/test_kernels_delta.py
+
+# _config.yml's repository.url is the one place the URL is kept; this copies a new one into the
+# notebooks' Colab cells, the README, the introduction and pyproject.toml.
+repo-url:  ## point the book at another repository: make repo-url URL=https://github.com/you/fork
+	@[ -n "$(URL)" ] || { echo "usage: make repo-url URL=https://github.com/you/fork" >&2; exit 1; }
+	python3 tests/repository_url.py "$(URL)"
 
 mathjax:  ## refresh the vendored MathJax in book/_static/mathjax (needs npm)
 	tmp=$$(mktemp -d); trap 'rm -rf "$$tmp"' EXIT; \

@@ -88,6 +88,11 @@ def pytest_configure(config: pytest.Config) -> None:
         from nbval.kernel import RunningKernel
 
         RunningKernel.execute_cell_input = _execute_like_jupyter
+        # The notebooks name the project's kernel ("linattn", which `make install` registers
+        # for the user's JupyterLab); the tests run them in this interpreter, whatever a
+        # registration elsewhere points to (another clone, another venv).
+        if not getattr(config.option, "nbval_kernel_name", None):
+            config.option.nbval_current_env = True
         if portability_gate_on():
             nbval.kernel.start_new_kernel = _start_kernel_in_gate_env(nbval.kernel.start_new_kernel)
 

@@ -41,7 +41,8 @@ from nbclient.exceptions import CellExecutionError, CellTimeoutError, DeadKernel
 
 REPO = Path(__file__).resolve().parent.parent
 BOOK = REPO / "book"
-KERNELSPEC = {"name": "python3", "display_name": "Python 3 (ipykernel)", "language": "python"}
+# the project's kernel, which `make install` registers (nbval and this script run this interpreter)
+KERNELSPEC = {"name": "linattn", "display_name": "Python 3 (linattn_lib)", "language": "python"}
 RAISES_MARKER = "NBVAL_RAISES_EXCEPTION"
 RAISES_TAG = "raises-exception"
 
@@ -49,7 +50,7 @@ RAISES_TAG = "raises-exception"
 class _ThisInterpreterKernels(KernelSpecManager):
     """Resolve every kernel name to an ipykernel running on sys.executable.
 
-    A notebook says `python3`, which Jupyter would look up among installed kernel
+    A notebook says `linattn`, which Jupyter would look up among installed kernel
     specs (possibly another Python). nbval's --nbval-current-env does the same as this.
     """
 

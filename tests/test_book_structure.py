@@ -6,6 +6,9 @@
 * Every chapter cites primary sources with {cite}, and every cited key is in references.bib.
 * Saved outputs carry no progress-bar noise (tqdm bars, carriage-return redraws).
 * Every chapter notebook in book/ is in the table of contents, and every entry exists.
+* The API reference (book/api.md) documents every name of `linattn_lib.__all__` with autodoc.
+* The repository URL is kept in one place (`_config.yml`); everything else that writes it
+  agrees, and `tests/repository_url.py` (`make repo-url`) changes all of them.
 """
 from __future__ import annotations
 
@@ -58,7 +61,9 @@ def test_first_cell_installs_the_library_on_colab_only(path):
     assert '"google.colab" in sys.modules' in source, f"{path.name}: the install must be guarded by google.colab"
     url = CONFIG["repository"]["url"].rstrip("/")
     assert f"git+{url}" in source, f"{path.name}: the Colab cell must install git+{url} (repository.url in _config.yml)"
-    assert nb.metadata.get("kernelspec", {}).get("name") == "python3", f"{path.name}: the kernel spec must be python3"
+    spec = nb.metadata.get("kernelspec", {})
+    assert (spec.get("name"), spec.get("language")) == ("linattn", "python"), \
+        f"{path.name}: the kernel spec must be the project's ('linattn', registered by make install), got {spec}"
     # Harmless elsewhere: outside Colab the cell runs and does nothing.
     namespace: dict = {}
     exec(compile(source, f"{path.name}[0]", "exec"), namespace)  # noqa: S102 - the book's own cell
@@ -105,3 +110,72 @@ def test_toc_lists_every_chapter_and_only_existing_files():
     assert not missing, f"_toc.yml lists files that do not exist: {missing}"
     unlisted = [nb.name for nb in CHAPTERS if f"book/{nb.stem}" not in files]
     assert not unlisted, f"chapter notebooks missing from _toc.yml: {unlisted}"
+
+
+def _public_names() -> list[str]:
+    """`linattn_lib.__all__`, read from the source (importing the library would take seconds)."""
+    import ast
+
+    tree = ast.parse((ROOT / "linattn_lib" / "__init__.py").read_text())
+    for node in tree.body:
+        if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "__all__" for t in node.targets):
+            return list(ast.literal_eval(node.value))
+    raise AssertionError("linattn_lib/__init__.py defines no __all__")
+
+
+def test_api_reference_documents_every_public_name():
+    """book/api.md holds one autodoc directive per name of `linattn_lib.__all__` (the build then
+    fails on a name that does not import or a docstring that does not render), and the API
+    reference and the quickstart are in the table of contents."""
+    text = (BOOK / "api.md").read_text()
+    documented = re.findall(r"^\.\. auto(?:function|class):: linattn_lib\.(\w+)$", text, re.M)
+    names = _public_names()
+    twice = sorted({n for n in documented if documented.count(n) > 1})
+    assert not twice, f"book/api.md documents these names twice: {twice}"
+    assert sorted(documented) == sorted(names), (
+        f"book/api.md: missing {sorted(set(names) - set(documented))}, "
+        f"not public {sorted(set(documented) - set(names))}"
+    )
+    files = _toc_files()
+    assert "book/api" in files and "book/quickstart" in files, "add book/api and book/quickstart to _toc.yml"
+
+
+def _repository_url_module():
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("repository_url", ROOT / "tests" / "repository_url.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_repository_url_is_written_in_one_place():
+    """_config.yml's repository.url is the one source: every notebook's Colab cell, the README,
+    the introduction and pyproject.toml carry the same URL (`make repo-url URL=...` sets all)."""
+    ru = _repository_url_module()
+    url = ru.configured_url()
+    places = ru.found()
+    files = {name for name, _ in places}
+    expected = {str(p.relative_to(ROOT)) for p in NOTEBOOKS} | {"README.md", "book/intro.md", "pyproject.toml"}
+    assert files == expected, f"URL places: missing {sorted(expected - files)}, unexpected {sorted(files - expected)}"
+    wrong = [(name, u) for name, u in places if u != url]
+    assert not wrong, f"these do not use _config.yml's {url}: {wrong}"
+
+
+def test_repository_url_can_be_changed_everywhere(tmp_path, monkeypatch):
+    import shutil
+
+    ru = _repository_url_module()
+    for name in ["_config.yml", "README.md", "pyproject.toml", "book/intro.md", *(f"book/{p.name}" for p in NOTEBOOKS)]:
+        (tmp_path / name).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / name, tmp_path / name)
+    monkeypatch.setattr(ru, "ROOT", tmp_path)
+    monkeypatch.setattr(ru, "CONFIG", tmp_path / "_config.yml")
+    new = "https://gitlab.example.org/someone/la-fork"
+    changed = ru.set_url(new + "/")
+    assert ru.configured_url() == new and {u for _, u in ru.found()} == {new}
+    assert len(changed) == len(NOTEBOOKS) + 4
+    assert "cd la-fork\n" in (tmp_path / "book/intro.md").read_text()
+    cell = nbformat.read(tmp_path / "book" / NOTEBOOKS[0].name, as_version=4).cells[0].source
+    assert f'url = "git+{new}"' in cell
+    assert yaml.safe_load((tmp_path / "_config.yml").read_text())["repository"]["url"] == new

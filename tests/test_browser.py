@@ -13,10 +13,12 @@ and recorded. For each page the test asserts:
   image shown (not only the index), and chapters 3, 5 and 6 have one (m, lambda, decay);
 * no dead widget view (live ipywidgets need a kernel; their cells are tagged remove-output);
 * every same-site link resolves to a file, and every #fragment to an id on the target page;
-* notebook pages have a Colab launch link built from `_config.yml`.
+* notebook pages have a Colab launch link built from `_config.yml`;
+* no MyST markup shows as text outside code (```` ```{ ````, `:::{`, `{admonition}`, `{cite`, ...);
+* at phone width (390 px) no display math or image is cut off (each scrolls in its own box).
 
-A full-page screenshot of each page (and one of each slider after moving it) is saved next to
-the HTML: `<build>/screenshots/` (`_build/screenshots/` under `make test`), with report.json.
+A full-page screenshot of each page at 1280 px and at 390 px (`<page>-390.jpg`), and one of each
+slider after moving it, is saved next to the HTML: `<build>/screenshots/` (`_build/screenshots/` under `make test`), with report.json.
 
 Environment:
   LINATTN_BOOK_HTML          the built HTML folder; `make test` builds the book and passes
@@ -247,6 +249,49 @@ _VISIBLE_FRAME = """el => {
 }"""
 
 
+# MyST that did not parse shows as text: look for its markers outside code (a chapter may show
+# markup inside a code span or a code cell; prose never should).
+_RAW_MARKUP_SCRIPT = """() => {
+  const main = (document.querySelector('main') || document.body).cloneNode(true);
+  main.querySelectorAll('pre, code, script, style, mjx-container, .cell_input').forEach(e => e.remove());
+  const text = main.textContent;
+  return ['```{', ':::{', '{admonition}', '{cite', '{doc}', '{ref}', '{eval-rst}', '{math}']
+    .filter(p => text.includes(p)).map(p => {
+      const i = text.indexOf(p);
+      return text.slice(Math.max(0, i - 30), i + 50).replace(/\\s+/g, ' ');
+    });
+}"""
+
+# At phone width: display math and images wider than the screen must sit in a container that
+# scrolls sideways (otherwise they are cut off); the page's own sideways overflow is recorded.
+_NARROW_SCRIPT = """() => {
+  const vw = document.documentElement.clientWidth;
+  const scrolls = el => {
+    for (let e = el.parentElement; e; e = e.parentElement) {
+      const ox = getComputedStyle(e).overflowX;
+      if ((ox === 'auto' || ox === 'scroll') && e.getBoundingClientRect().right <= vw + 1) return true;
+    }
+    return false;
+  };
+  const cut = els => els.filter(e => e.getBoundingClientRect().right > vw + 1 && !scrolls(e));
+  // a display equation's box fits the column; its content may not (clipped by overflow: hidden)
+  const mathCut = [...document.querySelectorAll('mjx-container[display="true"]')].filter(m => {
+    const content = m.querySelector('mjx-math') || m;
+    const box = m.getBoundingClientRect(), r = content.getBoundingClientRect();
+    const wider = r.right > Math.min(box.right, vw) + 1 || r.left < Math.max(box.left, 0) - 1;
+    const ox = getComputedStyle(m).overflowX;
+    return wider && !(ox === 'auto' || ox === 'scroll') && !scrolls(m);
+  });
+  return {
+    viewport: vw,
+    page_overflow_px: Math.max(0, document.documentElement.scrollWidth - vw),
+    math_cut: mathCut.map(m => (m.getAttribute('aria-label') || m.textContent).slice(0, 60)),
+    images_cut: cut([...document.querySelectorAll('main img')]).map(i => i.alt || i.src.slice(0, 60)),
+  };
+}"""
+NARROW = {"width": 390, "height": 844}
+
+
 def _digest(src: str) -> str:
     return hashlib.sha256(src.encode()).hexdigest()[:12]
 
@@ -300,7 +345,7 @@ def reports(html_dir, server, browser_context) -> dict[str, dict]:
         page.on("console", lambda msg, rep=rep: rep["console_errors"].append(msg.text) if msg.type == "error" else None)
         page.on("pageerror", lambda exc, rep=rep: rep["page_errors"].append(str(exc)))
         page.on("response", lambda r, rep=rep: rep["bad_responses"].append(f"{r.status} {r.url}")
-                if r.status >= 400 and not r.url.endswith("/favicon.ico") else None)
+                if r.status >= 400 else None)
         page.on("requestfailed", lambda r, rep=rep: rep["failed_requests"].append(f"{r.failure} {r.url}")
                 if urlsplit(r.url).hostname == "127.0.0.1" else None)
         n_blocked = len(blocked)
@@ -314,9 +359,15 @@ def reports(html_dir, server, browser_context) -> dict[str, dict]:
         rep.update(page.evaluate(_PAGE_SCRIPT))
         stem = name.replace("/", "__")
         rep["slider_checks"] = _check_sliders(page, shots, stem)
+        rep["raw_markup"] = page.evaluate(_RAW_MARKUP_SCRIPT)
         page.evaluate("() => window.scrollTo(0, 0)")
         rep["screenshot"] = str(shots / f"{stem}.jpg")
         page.screenshot(path=rep["screenshot"], full_page=True, type="jpeg", quality=70)
+        page.set_viewport_size(NARROW)
+        page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
+        rep["narrow"] = page.evaluate(_NARROW_SCRIPT)
+        rep["screenshot_390"] = str(shots / f"{stem}-390.jpg")
+        page.screenshot(path=rep["screenshot_390"], full_page=True, type="jpeg", quality=70)
         colab = _expected_colab_url(name)
         rep["colab_link"] = (colab if page.locator(f'a[href="{colab}"]').count() else None) \
             if (ROOT / f"{name}.ipynb").exists() else "n/a"
@@ -355,6 +406,17 @@ def test_page_reads_offline(reports, name):
     assert rep["dead_widgets"] == 0, f"{name}: {rep['dead_widgets']} widget views that cannot render without a kernel"
     assert rep["broken_links"] == [], f"{name}: broken internal links: {rep['broken_links'][:10]}"
     assert rep["colab_link"] is not None, f"{name}: no Colab launch link to {_expected_colab_url(name)}"
+    assert rep["raw_markup"] == [], f"{name}: MyST markup shown as text: {rep['raw_markup'][:5]}"
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_page_reads_at_phone_width(reports, name):
+    """At 390 px (a phone) nothing is cut off: wide display math and images scroll sideways
+    in their own box. The full-page screenshot is saved as <page>-390.jpg."""
+    narrow = reports[name]["narrow"]
+    assert narrow["viewport"] <= NARROW["width"]
+    assert narrow["math_cut"] == [], f"{name}: display math cut off at 390 px: {narrow['math_cut'][:3]}"
+    assert narrow["images_cut"] == [], f"{name}: images cut off at 390 px: {narrow['images_cut'][:3]}"
 
 
 @pytest.mark.parametrize("name", [p for p in PAGES if re.match(r"book/\d\d_", p)])

@@ -471,17 +471,18 @@ def _count_loop_line(loop: dict, line: str, yields: bool) -> None:
 # --------------------------------------------------------------------------------------
 
 def draw_chunk_algorithm(T: int = 8, BT: int = 2, current: int = 2) -> Figure:
-    """The chunked algorithm in two panels, for T / BT chunks with chunk `current` in flight.
+    """The chunked algorithm in two stacked panels (readable at phone width), for T / BT chunks
+    with chunk `current` in flight.
 
-    Left: the T x T causal mixing matrix. Blocks on the diagonal are computed as masked
+    Top: the T x T causal mixing matrix. Blocks on the diagonal are computed as masked
     BT x BT matmuls in registers; blocks below it are never formed, their contribution arrives
-    through the state. Right: one program's data flow: the chunk's q, k, v tiles come from
+    through the state. Bottom: one program's data flow: the chunk's q, k, v tiles come from
     global memory (HBM), the state S (Dk x BV, fp32) stays in registers for the whole
     sequence, and only the output tile (and the denominators) go back to memory.
     """
     import matplotlib.pyplot as plt
 
-    fig, (ax0, ax1) = plt.subplots(1, 2, figsize=(11, 4.6), gridspec_kw={"width_ratios": [1, 1.45]})
+    fig, (ax0, ax1) = plt.subplots(2, 1, figsize=(7, 10.5), gridspec_kw={"height_ratios": [1, 1]})
     _draw_mixing_matrix(ax0, T // BT, current)
     _draw_program_dataflow(ax1, current)
     fig.tight_layout()
@@ -489,7 +490,7 @@ def draw_chunk_algorithm(T: int = 8, BT: int = 2, current: int = 2) -> Figure:
 
 
 def _draw_mixing_matrix(ax0: Axes, n: int, current: int) -> None:
-    """Left panel of `draw_chunk_algorithm`: the causal mixing matrix, in chunk units."""
+    """Top panel of `draw_chunk_algorithm`: the causal mixing matrix, in chunk units."""
     import matplotlib.pyplot as plt
     from matplotlib.patches import Rectangle
 
@@ -514,11 +515,11 @@ def _draw_mixing_matrix(ax0: Axes, n: int, current: int) -> None:
     ax0.set_title("mixing matrix, chunk by chunk")
     ax0.text(n * 0.97, n * 0.93, "diagonal blocks: masked\nBT×BT matmuls, on chip\n\n"
              "blocks below: never formed;\nthey reach the query\nthrough the state S",
-             ha="right", va="top", fontsize=8.5)
+             ha="right", va="top", fontsize=10)
 
 
 def _draw_program_dataflow(ax1: Axes, current: int) -> None:
-    """Right panel of `draw_chunk_algorithm`: the memory hierarchy of one program."""
+    """Bottom panel of `draw_chunk_algorithm`: the memory hierarchy of one program."""
     from matplotlib.patches import FancyArrowPatch, Rectangle
 
     ax1.set_xlim(0, 10)
@@ -526,13 +527,14 @@ def _draw_program_dataflow(ax1: Axes, current: int) -> None:
     ax1.axis("off")
     ax1.set_title(f"one program: chunk c{current}, one tile of value columns")
     ax1.add_patch(Rectangle((0.2, 5.0), 9.6, 1.7, facecolor="#e8e8e8", edgecolor="gray"))
-    ax1.text(0.35, 6.45, "global memory (HBM)", fontsize=9, weight="bold", va="center")
+    ax1.text(0.35, 6.45, "global memory (HBM)", fontsize=10.5, weight="bold", va="center")
     ax1.add_patch(Rectangle((0.2, 0.2), 9.6, 4.3, facecolor="#fff4e0", edgecolor="tab:orange"))
-    ax1.text(0.35, 4.25, "on chip: registers / shared memory of one program", fontsize=9, weight="bold", va="center")
+    ax1.text(0.35, 4.25, "on chip: registers / shared memory of one program", fontsize=10.5, weight="bold",
+             va="center")
 
     def box(x, y, w, h, label, color):
         ax1.add_patch(Rectangle((x, y), w, h, facecolor=color, edgecolor="black", lw=0.8))
-        ax1.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=8.5)
+        ax1.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=9.5)
 
     def arrow(x0, y0, x1, y1, color="black"):
         ax1.add_patch(FancyArrowPatch((x0, y0), (x1, y1), arrowstyle="-|>", mutation_scale=11, color=color, lw=1.2))
@@ -551,7 +553,7 @@ def _draw_program_dataflow(ax1: Axes, current: int) -> None:
     arrow(5.6, 3.2, 7.15, 5.2, "tab:red")
     arrow(5.6, 3.0, 8.85, 5.2, "tab:red")
     ax1.text(6.0, 1.2, "per chunk:\nread q, k, v tiles\nwrite o tile (+ den)\n"
-             "the state never\ngoes to memory", fontsize=8.5, va="center")
+             "the state never\ngoes to memory", fontsize=9.5, va="center")
 
 
 def plot_roofline(

@@ -120,7 +120,7 @@ class RecurrentDecoder:
 
     @property
     def nbytes(self) -> int:
-        """Bytes held by the state: constant, independent of `tokens_seen`."""
+        """Bytes held by the state; constant, independent of `tokens_seen`."""
         return _nbytes(self.S, self.z)
 
     def _decay(self, log_decay_t: Tensor | None) -> Tensor | None:
@@ -179,7 +179,7 @@ class KVCacheDecoder:
 
     @property
     def nbytes(self) -> int:
-        """Bytes of the keys and values seen so far: grows linearly with `tokens_seen`."""
+        """Bytes of the keys and values seen so far; grows linearly with `tokens_seen`."""
         n = self.tokens_seen
         return _nbytes(self.keys[:, :, :n], self.values[:, :, :n])
 

@@ -142,7 +142,7 @@ def _project(x: Tensor, W: Tensor) -> Tensor:
 def rff_features(x: Tensor, W: Tensor, b: Tensor, *, sigma: float = 1.0) -> Tensor:
     """Rahimi-Recht random Fourier features sqrt(2/m) cos(w_i . x / sigma + b_i).
 
-    With w_i ~ N(0, I) and b_i ~ U(0, 2 pi), E[phi(x) . phi(y)] = exp(-|x - y|^2 / (2 sigma^2)).
+    With w_i ~ N(0, I) and b_i ~ U(0, 2 pi), E[phi(x) . phi(y)] = exp(-‖x - y‖^2 / (2 sigma^2)).
     The sqrt(2/m) matters: cos a cos c = (cos(a - c) + cos(a + c)) / 2 and the second term
     averages to zero over b, so 1/sqrt(m) would estimate only half the kernel.
     """
@@ -155,10 +155,10 @@ def rff_features(x: Tensor, W: Tensor, b: Tensor, *, sigma: float = 1.0) -> Tens
 
 
 def trig_softmax_features(x: Tensor, W: Tensor) -> Tensor:
-    """Performer's SM^trig: exp(|x|^2/2)/sqrt(m) [sin(W x), cos(W x)], unbiased for exp(x . y).
+    """Performer's SM^trig: exp(‖x‖^2/2)/sqrt(m) [sin(W x), cos(W x)], unbiased for exp(x . y).
 
     sin a sin c + cos a cos c = cos(a - c), so phi(x) . phi(y) averages to
-    exp(|x|^2/2 + |y|^2/2) exp(-|x - y|^2/2) = exp(x . y). Sign-indefinite: estimates of a small
+    exp(‖x‖^2/2 + ‖y‖^2/2) exp(-‖x - y‖^2/2) = exp(x . y). Sign-indefinite: estimates of a small
     kernel value can be negative, which is what breaks the normaliser.
     """
     _check_proj("trig_softmax_features", x, W)
@@ -224,9 +224,9 @@ def positive_random_features(
     stabilize: str | None = None,
     backend: str = "torch",
 ) -> Tensor:
-    """FAVOR+ positive random features exp(w_i . x' - |x'|^2/2) / sqrt(m), x' = input_scale * x.
+    """FAVOR+ positive random features exp(w_i . x' - ‖x'‖^2/2) / sqrt(m), x' = input_scale * x.
 
-    E_w[exp(w . x - |x|^2/2) exp(w . y - |y|^2/2)] = exp(x . y) exactly (Performer Lemma 1), and
+    E_w[exp(w . x - ‖x‖^2/2) exp(w . y - ‖y‖^2/2)] = exp(x . y) exactly (Performer Lemma 1), and
     every sample is positive. With input_scale = d^(-1/4) the product estimates
     exp(q . k / sqrt(d)), the softmax kernel at the usual temperature.
 
@@ -264,7 +264,7 @@ def _hyperbolic_exponents(x: Tensor, W: Tensor, input_scale: float) -> Tensor:
 def hyperbolic_random_features(
     x: Tensor, W: Tensor, *, input_scale: float = 1.0, stabilize: str | None = None
 ) -> Tensor:
-    """Performer's SM^hyp+: exp(-|x'|^2/2)/sqrt(2m) [exp(W x'), exp(-W x')], positive and unbiased.
+    """Performer's SM^hyp+: exp(-‖x'‖^2/2)/sqrt(2m) [exp(W x'), exp(-W x')], positive and unbiased.
 
     Pairing +w with -w (cosh) is an antithetic sample: lower variance for the same draws.
     """
@@ -313,7 +313,7 @@ def softmax_kernel(x: Tensor, y: Tensor) -> Tensor:
 
 
 def gaussian_kernel(x: Tensor, y: Tensor, *, sigma: float = 1.0) -> Tensor:
-    """exp(-|x - y|^2 / (2 sigma^2)) for every pair: (..., n, d), (..., p, d) -> (..., n, p)."""
+    """exp(-‖x - y‖^2 / (2 sigma^2)) for every pair: (..., n, d), (..., p, d) -> (..., n, p)."""
     _check_pairs("gaussian_kernel", x, y)
     sigma = V.check_finite_number("gaussian_kernel", "sigma", sigma, positive=True)
     return torch.exp(-torch.cdist(x, y).pow(2) / (2 * sigma**2))
@@ -485,7 +485,7 @@ def taylor_features(x: Tensor, *, scale: float | None = None) -> Tensor:
     * Exact for its own kernel, and that kernel is positive: 1 + s + s^2/2 = ((1 + s)^2 + 1) / 2
       has its minimum 1/2 at s = -1, so normalised attention never divides by ~0.
     * Only an approximation of exp(s): the error is the Taylor remainder, about s^3/6, so it is
-      good for small |s| and poor for large ones (Based keeps d small, e.g. 16, and normalises
+      good for small abs(s) and poor for large ones (Based keeps d small, e.g. 16, and normalises
       q, k). The feature count grows as d^2 (273 for d = 16).
 
     Only the full d^2 quadratic block is produced (x_i x_j and x_j x_i both appear); the

@@ -144,9 +144,10 @@ def cosformer_weights(
 ) -> Tensor:
     """The (T, T) positional re-weighting c_ij of cosFormer (zeros above the diagonal when causal).
 
-    variant="original": c_ij = cos(pi/2 * (i - j) / M), in (0, 1] for M >= T.
-    variant="lambda":   the texts' c_ij = 1 - lam + lam (1 + cos(pi (i - j) / M)) / 2, in [1 - lam, 1]
-                        (the texts call M "L"). It never decays below 1 - lam.
+    * variant="original": c_ij = cos(pi/2 * (i - j) / M), in (0, 1] for M >= T.
+    * variant="lambda": the texts' c_ij = 1 - lam + lam (1 + cos(pi (i - j) / M)) / 2, in
+      [1 - lam, 1] (the texts call M "L"). It never decays below 1 - lam.
+
     M defaults to T and must be >= T.
     """
     fn = "cosformer_weights"
@@ -185,10 +186,12 @@ def cosformer_attention_matrix(
     """The (B, H, T, T) matrix A with cosFormer's output o = A v (the quadratic definition).
 
     With s_ij = c_ij q_i . k_j:
-      normalizer="similarity": A_ij = s_ij / (sum_j s_ij + eps) -- rows sum to one (the original).
-      normalizer="text":       A_ij = s_ij / sum_j c_ij         -- the texts' formula, which omits
-                               q_i . k_j from the normaliser, so rows do *not* sum to one and the
-                               output scale follows the feature norms (errata A27).
+
+    * normalizer="similarity": A_ij = s_ij / (sum_j s_ij + eps); rows sum to one (the original).
+    * normalizer="text": A_ij = s_ij / sum_j c_ij, the texts' formula, which omits q_i . k_j
+      from the normaliser, so rows do *not* sum to one and the output scale follows the
+      feature norms (errata A27).
+
     Defaults: "similarity" for variant="original", "text" for variant="lambda".
     """
     fn = "cosformer_attention_matrix"
@@ -428,7 +431,7 @@ def band_bias_attention(
 
     o_i = sum_j [phi(q_i).phi(k_j) + beta(i - j)] v_j / sum_j [phi(q_i).phi(k_j) + beta(i - j)]
 
-    with beta(Delta) = w_Delta for |Delta| <= K and 0 beyond (0 <= Delta <= K when causal).
+    with beta(Delta) = w_Delta for -K <= Delta <= K and 0 beyond (0 <= Delta <= K when causal).
     Because the bias is additive, the numerator splits into the linear-attention term plus a
     banded (2K+1)-tap convolution of v, O(T K d) in all; the normaliser likewise. Two warnings
     the texts miss (errata A30): the linear-attention term stays *global*, so the receptive field

@@ -217,7 +217,7 @@ def rotary_linear_attention_matrix(
     weights of softmax or plain linear attention, **the rows of A do not sum to one and entries
     may be negative**: the rotated score of two non-negative features can be negative, while
     the denominator, a sum of non-negative products, cannot. Nor are the weights bounded by one:
-    |(R_i a) . (R_j b)| <= |a| |b| can exceed a . b, most of all for nearly orthogonal features.
+    abs((R_i a) . (R_j b)) <= ‖a‖ ‖b‖ can exceed a . b, most of all for nearly orthogonal features.
 
     q, k: (B, H, T, Dk) non-negative features, Dk even. Computed in float64 for float64 input,
     float32 otherwise; returned in q's dtype.

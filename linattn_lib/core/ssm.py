@@ -155,8 +155,10 @@ def _expm1_over_x(x: Tensor) -> Tensor:
 def zoh_discretize(A: Tensor, B: Tensor, dt: Tensor, *, method: str = "zoh") -> tuple[Tensor, Tensor]:
     """Discretise dh/dt = A h + B u with a diagonal A over a step dt: returns (A_bar, B_bar).
 
-    Zero-order hold (u constant over the step):
+    Zero-order hold (u constant over the step)::
+
         A_bar = exp(dt A),    B_bar = (dt A)^{-1} (exp(dt A) - I) dt B = expm1(dt A) / A * B,
+
     computed with expm1 so that it stays exact as dt A -> 0, where B_bar -> dt B.
     method="mamba" gives Mamba's simplification B_bar = dt B (what its kernels and SSD use);
     the two agree to first order in dt A.

@@ -27,8 +27,8 @@ DEFAULT_EPS = 1e-6  # as in Katharopoulos et al.'s fast-transformers: added to t
 class LinearAttentionState(NamedTuple):
     """Recurrent state of causal linear attention.
 
-    S: (B, H, Dk, Dv), the running sum of decayed outer products k_j v_j^T.
-    z: (B, H, Dk), the running sum of decayed keys (None when normalize=False).
+    * S: (B, H, Dk, Dv), the running sum of decayed outer products k_j v_j^T.
+    * z: (B, H, Dk), the running sum of decayed keys (None when normalize=False).
     """
 
     S: Tensor

@@ -271,7 +271,7 @@ class _RankWatch:
 
 def launch(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo", timeout: float = 60.0,
            grace: float | None = None, start_method: str | None = None) -> list[Any]:
-    """Run fn(rank, world_size, *args) in `world_size` local processes joined in a process group.
+    """Run `fn(rank, world_size, *args)` in `world_size` local processes joined in a process group.
 
     The processes rendezvous on 127.0.0.1 at a free port (gloo is bound to the loopback
     interface: nothing leaves the machine), with `timeout` seconds for every collective, and use

@@ -193,7 +193,7 @@ class LinearAttention(nn.Module):
 
     @property
     def feature_size(self) -> int:
-        """F, the size of the features phi(q), phi(k): the state S is (B, H, F, d_head)."""
+        """F, the size of the features phi(q), phi(k); the state S is (B, H, F, d_head)."""
         if self.kind == "performer":
             return self.feature_map.out_features
         if self.kind == "cosformer":
@@ -272,7 +272,21 @@ class SoftmaxAttention(nn.Module):
 
 @dataclass
 class ModelConfig:
-    """Size and attention choice of a `TinyLM`. `softmax_layers` makes a hybrid model."""
+    """Size and attention choice of a `TinyLM`. `softmax_layers` makes a hybrid model.
+
+    Attributes:
+        vocab_size: the number of token ids.
+        block_size: the longest sequence, prompt and generated tokens together (positions
+            are learnt embeddings; cosFormer's M).
+        n_layer: the number of blocks.
+        n_head: heads per attention layer (`d_model` % `n_head` == 0).
+        d_model: the model width.
+        attention: the attention of every layer: "softmax", "performer", "linear",
+            "cosformer", "retnet", "ssd", "deltanet" or "gated_deltanet" (see `LinearAttention`).
+        num_features: random features per head for "performer" (default floor(d ln d)).
+        softmax_layers: indices of the layers that use softmax attention instead, e.g. (0,).
+        seed: seed of the initial weights and of the Performer projections.
+    """
 
     vocab_size: int
     block_size: int = 128
