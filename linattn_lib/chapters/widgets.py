@@ -100,6 +100,9 @@ def live_slider(draw: Callable[..., object], *, labels: dict[str, str] | None = 
 
     def shown(**values: object) -> None:
         draw(**values)
+        # Show the figure inside the widget's output: ipywidgets flushes inline figures only
+        # when matplotlib names its backend the old way (not "inline", as matplotlib >= 3.9 does).
+        plt.show()
 
     widget = _Interactive(shown, **controls)
     for child in widget.kwargs_widgets:
