@@ -39,8 +39,12 @@ DISTRIBUTION = "linattn-lib"
 # the command that (re)creates each committed result, run from the repository root
 COMMANDS = {
     "mqar.json": "python -m linattn_lib.experiments.mqar --out book/results/mqar.json",
-    "mqar_delta.json": "python -m linattn_lib.experiments.mqar --kinds deltanet gated_deltanet --state-kinds deltanet"
-                       " --d-models 32 --out book/results/mqar_delta.json",
+    "mqar_zoology.json": "python -m linattn_lib.experiments.mqar --task zoology --kinds softmax hybrid linear"
+                         " performer cosformer retnet ssd gla deltanet gated_deltanet --state-kinds softmax hybrid"
+                         " linear performer cosformer retnet ssd gla deltanet gated_deltanet --d-models 16 32 64"
+                         " --d-model 32 --pairs 2 4 8 --seq-len 32 --vocab-size 256 --batch-size 24 --steps 2000"
+                         " --lrs 3e-3 1e-2 --fallback-lr 1e-3 --seeds 0 1 2 --jobs 1"
+                         " --out book/results/mqar_zoology.json",
     "charlm.json": "python -m linattn_lib.experiments.charlm --out book/results/charlm.json",
     "complexity_cpu.json": "python -m linattn_lib.experiments.complexity --out book/results/complexity_cpu.json",
     "complexity_cuda.json": "python -m linattn_lib.experiments.complexity --out book/results/complexity_cuda.json"

@@ -242,3 +242,122 @@ def test_a_zoology_run_trains_and_evaluates_on_its_own_task():
                      vocab_size=64, d_model=16, steps=3, batch_size=4, eval_batches=1, eval_batch_size=8)
     result = run(cfg)
     assert result["config"]["task"] == "zoology" and set(result["accuracy"]) == {"2", "4"}
+
+
+# ---------------------------------------------------------------- the zoology sweep
+
+
+def test_zoology_answers_are_visible_only_by_chance_at_the_sweep_scale():
+    """At the committed sweep's scale (32 tokens, vocabulary 256) an answer shows up before its
+    query only when a random filler token happens to equal it: the measured share stays below
+    the share of the vocabulary the filler before a query can cover, (seq_len - 2 n) / vocab_size.
+    The legacy generator shows most answers before they are asked for."""
+    from linattn_lib.experiments.mqar import answer_visible_share, make_mqar_batch, make_zoology_batch
+
+    gen = torch.Generator().manual_seed(0)
+    for n in (2, 4, 8):
+        share = answer_visible_share(*make_zoology_batch(512, n, 32, 256, generator=gen), n)
+        assert share < (32 - 2 * n) / 256 and share < 0.05, (n, share)
+    legacy = [answer_visible_share(*make_mqar_batch(256, n, 128, 128, generator=gen), n) for n in (4, 8, 16, 32)]
+    assert legacy[0] > 0.9 and legacy[-1] > 0.3 and legacy == sorted(legacy, reverse=True), legacy
+
+
+def test_gla_layer_is_the_gated_recurrence():
+    """The MQAR GLA layer equals S_t = diag(exp g_t) S_{t-1} + k_t v_t^T, o_t = (q_t / sqrt(d_h)) S_t,
+    per head, with g_t = logsigmoid(W_g x_t + b) / 16, before its output norm and projection."""
+    from linattn_lib.experiments.mqar import GatedLinearAttention
+
+    torch.manual_seed(0)
+    layer = GatedLinearAttention(8, 2)
+    x = torch.randn(3, 10, 8)
+    got = layer._forward(x)
+    q, k, v = layer.qkv(x).chunk(3, dim=-1)
+    g = torch.nn.functional.logsigmoid(layer.gate(x)) / 16
+    heads = lambda t: t.reshape(3, 10, 2, 4).transpose(1, 2)
+    q, k, v, g = heads(q) / 2.0, heads(k), heads(v), heads(g)
+    S, outs = torch.zeros(3, 2, 4, 4), []
+    for t in range(10):
+        S = g[:, :, t].exp()[..., None] * S + k[:, :, t, :, None] * v[:, :, t, None, :]
+        outs.append((q[:, :, t, :, None] * S).sum(-2))
+    o = torch.stack(outs, dim=2)
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * layer.out_norm
+    want = layer.proj(o.transpose(1, 2).reshape(3, 10, 8))
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+
+
+def test_every_zoology_kind_builds_runs_and_counts_its_state():
+    """Each kind of the zoology sweep trains a step on Zoology's task; GLA's state is S per head
+    (d_head x d_head, no normaliser), like RetNet's; the model stays causal."""
+    from linattn_lib.experiments.mqar import ZOOLOGY_KINDS, config_for, layer_state_numbers
+
+    for kind in ZOOLOGY_KINDS:
+        cfg = config_for(kind, task="zoology", train_pairs=(2,), eval_pairs=(2,), seq_len=16, vocab_size=32,
+                         d_model=16, steps=1, batch_size=2, eval_batches=1, eval_batch_size=2)
+        assert set(run(cfg)["accuracy"]) == {"2"}, kind
+    cfg = config_for("gla", d_model=64, n_head=2, seq_len=128)
+    assert state_numbers(cfg) == 2 * layer_state_numbers(cfg, "retnet") == 2 * (2 * 32 * 32)
+    model = build_model(config_for("gla", d_model=16, seq_len=12, vocab_size=16))
+    x = torch.randint(0, 16, (2, 12))
+    x2 = x.clone()
+    x2[:, 6] = (x2[:, 6] + 1) % 16
+    with torch.no_grad():
+        torch.testing.assert_close(model(x)[:, :6], model(x2)[:, :6])
+
+
+def test_a_stopped_sweep_resumes_from_its_checkpoint(tmp_path, monkeypatch):
+    """Every finished run is saved to <out>.partial; a second start trains only what is
+    missing (runs whose recorded config differs count as missing), then writes <out> and
+    removes the checkpoint."""
+    out = tmp_path / "z.json"
+    argv = ["--quick", "--task", "zoology", "--seeds", "0", "1", "--out", str(out), "--no-progress"]
+    full = mqar.main(argv)
+    assert not (tmp_path / "z.json.partial").exists() and len(full["results"]) == 4
+    keep = [r for r in full["results"] if r["config"]["seed"] == 0]
+    stale = dict(full["results"][-1], config=dict(full["results"][-1]["config"], lr=1.0))
+    (tmp_path / "z.json.partial").write_text(json.dumps({"meta": full["meta"], "results": keep + [stale]}))
+    trained = []
+    real = mqar.run
+    monkeypatch.setattr(mqar, "run", lambda cfg, **kw: trained.append((cfg.kind, cfg.seed)) or real(cfg, **kw))
+    again = mqar.main(argv)
+    assert sorted(trained) == [("linear", 1), ("softmax", 1)]
+    assert [r["accuracy"] for r in again["results"]] == [r["accuracy"] for r in full["results"]]
+    assert not (tmp_path / "z.json.partial").exists() and json.loads(out.read_text()) == json.loads(json.dumps(again))
+
+
+def test_each_kind_and_width_gets_the_better_of_the_learning_rates(tmp_path):
+    """With --lrs, every (kind, width) first trains on the first seed with each rate; the one
+    with the higher mean accuracy (the first on a tie) is used on every seed (the trial at that
+    rate is the first seed's run), and meta records every trial and the choice."""
+    out = tmp_path / "lr.json"
+    data = mqar.main(["--quick", "--task", "zoology", "--lrs", "1e-3", "3e-2", "--seeds", "0", "1",
+                      "--out", str(out), "--no-progress"])
+    meta = data["meta"]
+    assert {k: set(v) for k, v in meta["lr"].items()} == {"softmax": {"16"}, "linear": {"16"}}
+    for kind, widths in meta["lr"].items():
+        for d, lr in widths.items():
+            trials = meta["lr_selection"][kind][d]
+            assert set(trials) == {"0.001", "0.03"} and all(t["cpu_seconds"] > 0 for t in trials.values())
+            acc = {r: {n: v for n, v in t.items() if n != "cpu_seconds"} for r, t in trials.items()}
+            mean = {r: sum(a.values()) / len(a) for r, a in acc.items()}
+            assert str(lr) == max(mean, key=lambda r: (mean[r], r == "0.001"))
+            runs = [r for r in data["results"] if r["kind"] == kind and r["d_model"] == int(d)]
+            assert sorted(r["config"]["seed"] for r in runs) == [0, 1]
+            assert all(r["config"]["lr"] == lr for r in runs)
+            assert next(r for r in runs if r["config"]["seed"] == 0)["accuracy"] == acc[str(lr)]
+    assert json.loads(out.read_text()) == json.loads(json.dumps(data))
+
+
+def test_a_lower_rate_is_tried_where_every_rate_stays_on_the_plateau(tmp_path):
+    """--fallback-lr is tried only for a kind and width whose every --lrs trial stayed below 5x
+    chance; five steps leave every model there, so here every cell tries it."""
+    argv = ["--quick", "--task", "zoology", "--lrs", "1e-9", "2e-9", "--out", str(tmp_path / "f.json"),
+            "--no-progress"]
+    plain = mqar.main(argv)["meta"]["lr_selection"]
+    assert all(set(w) == {"1e-09", "2e-09"} for k in plain.values() for w in k.values())
+    meta = mqar.main(argv + ["--fallback-lr", "3e-2"])["meta"]
+    for kind, widths in meta["lr_selection"].items():
+        for d, trials in widths.items():
+            assert set(trials) == {"1e-09", "2e-09", "0.03"}
+            mean = {lr: sum(v for n, v in t.items() if n != "cpu_seconds") / 2 for lr, t in trials.items()}
+            assert mean["1e-09"] < 5 * 2 / 32 and mean["2e-09"] < 5 * 2 / 32
+            assert str(meta["lr"][kind][d]) == max(mean, key=lambda lr: (mean[lr], -list(mean).index(lr)))

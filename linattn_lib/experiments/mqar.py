@@ -1,41 +1,38 @@
 """Multi-query associative recall (MQAR): can a model look up what it was told earlier?
 
-A sequence first lists n key-value pairs, then asks for keys again; after each queried key the
-model must produce that key's value:
+A sequence lists n key-value pairs, then asks for the keys again; at each query the model must
+produce that key's value. Softmax attention can look a pair up exactly; a linear-attention
+layer must hold all n pairs in its fixed-size state S = sum_j phi(k_j) v_j^T, and once n
+exceeds what it holds without interference, recall degrades (Arora et al. 2023, "Zoology").
+This module generates MQAR data on the fly, trains the zoo's models on it, and sweeps the
+number of pairs and the model width (hence the state size).
 
-    k1 v1 k2 v2 ... kn vn | q1 v(q1) q2 v(q2) ...      (loss and accuracy only on the v(q))
+Every model gets the same *token shift* in front of its first layer, e_t + W e_{t-1} (RWKV's token
+shift; H3, Mamba and Based use short convolutions for the same purpose): a value token then
+carries its key, so one attention layer can bind the pair; without it a model first has to
+learn a previous-token head, which on a CPU budget it does not (see `MQARConfig.token_shift`).
 
-Softmax attention can look a pair up exactly. A linear-attention layer must store all n pairs
-in its fixed-size state S = sum_j phi(k_j) v_j^T; once n exceeds what the state can hold
-without interference, recall degrades (Arora et al. 2023, "Zoology"; Arora et al. 2024,
-"Based"). This module generates MQAR data on the fly, trains the zoo's models on it, and
-sweeps the number of pairs and the model width (hence the state size).
-
-Every model gets the same *token shift* in front of its first layer: the embedding of token
-t-1, mixed by a learned d x d matrix, is added to the embedding of token t (RWKV's token shift;
-H3, Mamba and Based use short convolutions for the same purpose). A value token then carries
-its key, so one attention layer can bind the pair; without it a model first has to learn a
-previous-token head, which on a CPU budget it does not (see `MQARConfig.token_shift`).
-
-Two generators. `make_mqar_batch` ("legacy", chapter 7's committed sweep) fills the tail with
-consecutive queries drawn with replacement, each followed by its answer, in a vocabulary of 128:
-most answers are visible before they are asked for (`answer_visible_share`), so its curve mixes
-recall with short-range copying. `make_zoology_batch` ("zoology", `--task zoology`) is Zoology's
+Two generators. `make_zoology_batch` ("zoology", `--task zoology`, chapter 7's sweep) is Zoology's
 `multiquery_ar`: each key queried once at power-law gaps among random filler, answers never fed
-as inputs, a vocabulary larger than the sequence.
+as inputs, a vocabulary larger than the sequence. `make_mqar_batch` ("legacy", the default, the
+task of book/results/mqar.json) fills the tail with consecutive
+queries drawn with replacement, each followed by its answer, in a vocabulary of 128: most
+answers are visible before they are asked for (`answer_visible_share`), so its curve mixes
+recall with short-range copying.
 
-CLI: `python -m linattn_lib.experiments.mqar --out book/results/mqar.json` (the full sweep:
-11 runs, about 27 CPU-minutes of training, i.e. ~15 min on two idle cores) or `--quick` (a smoke run
-in seconds). Chapter 10's delta-rule sweep (book/results/mqar_delta.json) names its kinds:
-`--kinds deltanet gated_deltanet ...` (see the chapter for the exact command).
+CLI: `python -m linattn_lib.experiments.mqar --out book/results/mqar.json` (the legacy sweep),
+`--quick` (seconds); `linattn_lib.results.COMMANDS["mqar_zoology.json"]` is chapter 7's sweep.
+Each finished run is saved to <out>.partial at once; a stopped sweep resumes from there.
 """
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -53,12 +50,16 @@ from .common import (
 )
 
 IGNORE = -100
-# The kinds of chapter 7's sweep (book/results/mqar.json; the chapter loops over this tuple,
-# so it lists exactly the kinds that file holds), then the delta-rule kinds of chapter 10
-# (book/results/mqar_delta.json). Every function and the CLI accept ALL_KINDS.
+# The kinds of the legacy sweep (book/results/mqar.json holds exactly these), then the
+# delta-rule kinds (chapter 10). Every function and the CLI
+# accept ALL_KINDS.
 KINDS = ("softmax", "performer", "linear", "cosformer", "retnet", "ssd", "hybrid")
 DELTA_KINDS = ("deltanet", "gated_deltanet")
-ALL_KINDS = KINDS + DELTA_KINDS
+# GLA (a vector gate per key channel, `GatedLinearAttention`) runs in the Zoology sweep only
+ALL_KINDS = KINDS + DELTA_KINDS + ("gla",)
+# chapter 7's Zoology-task sweep (book/results/mqar_zoology.json): the whole zoo
+ZOOLOGY_KINDS = ("softmax", "hybrid", "linear", "performer", "cosformer", "retnet", "ssd", "gla",
+                 "deltanet", "gated_deltanet")
 
 
 @dataclass
@@ -72,7 +73,7 @@ class MQARConfig:
     `ShiftedEmbedding`); without it, no model learned the task within a CPU budget in our trials.
     Each training batch mixes the pair counts in `train_pairs`; accuracy is reported for each
     count in `eval_pairs`. `task` picks the generator: "legacy" (`make_mqar_batch`, the task of
-    chapter 7's committed sweep) or "zoology" (`make_zoology_batch`, Zoology's own task).
+    book/results/mqar.json) or "zoology" (`make_zoology_batch`, Zoology's own, chapter 7's).
     """
 
     kind: str = "linear"
@@ -258,12 +259,59 @@ class ShiftedEmbedding(nn.Module):
         return e + self.mix(prev)
 
 
+class GatedLinearAttention(nn.Module):
+    """GLA (Yang et al. 2024) as a TinyLM layer: S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T.
+
+    The log-gate has one entry per key channel, g_t = logsigmoid(W_g x_t + b) / 16 (GLA's
+    normaliser tau = 16, full rank here instead of GLA's low-rank W_g), so a fresh gate keeps
+    about 0.96 of the state per token. q is scaled by d_head^-0.5, each head's output is RMS
+    normalised (as the zoo's unnormalised kinds), and the layer runs `gla_chunkwise`.
+    """
+
+    def __init__(self, d_model: int, n_head: int) -> None:
+        super().__init__()
+        self.n_head, self.d_head = n_head, d_model // n_head
+        self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
+        self.gate = nn.Linear(d_model, d_model)
+        self.proj = nn.Linear(d_model, d_model, bias=False)
+        self.out_norm = nn.Parameter(torch.ones(self.d_head))
+
+    def _forward(self, x: Tensor, *, state=None, pos_offset: int = 0, return_state: bool = False):
+        from ..core.gla import gla_chunkwise
+
+        B, T, _ = x.shape
+        heads = lambda t: t.reshape(B, T, self.n_head, self.d_head).transpose(1, 2)
+        q, k, v = (heads(t) for t in self.qkv(x).chunk(3, dim=-1))
+        g = heads(F.logsigmoid(self.gate(x)) / 16)
+        o, new_state = gla_chunkwise(q * self.d_head**-0.5, k, v, g, chunk_size=32, initial_state=state,
+                                     return_state=True)  # chunks of 32: MQAR's short sequences pad less
+        o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * self.out_norm
+        y = self.proj(o.transpose(1, 2).reshape(B, T, -1))
+        return (y, new_state) if return_state else y
+
+    def check_state(self, fn: str, name: str, state: object, *, batch: int, device: torch.device) -> None:
+        """MQAR never resumes a state; refuse one rather than check it half-way."""
+        raise NotImplementedError(f"{fn}: `{name}`: the MQAR GLA layer runs in parallel form only")
+
+
 def build_model(cfg: MQARConfig) -> TinyLM:
-    """The zoo's TinyLM for `cfg` (seeded), with the token shift when cfg.token_shift."""
+    """The zoo's TinyLM for `cfg` (seeded), with the token shift when cfg.token_shift.
+
+    "gla" is not a TinyLM kind: its model is built as "linear" and every linear layer's
+    attention is then replaced, under the same seed, by a `GatedLinearAttention`.
+    """
     model = TinyLM(ModelConfig(
         vocab_size=cfg.vocab_size, block_size=cfg.seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head,
-        d_model=cfg.d_model, attention=cfg.attention, softmax_layers=cfg.hybrid_layers, seed=cfg.seed,
+        d_model=cfg.d_model, attention="linear" if cfg.attention == "gla" else cfg.attention,
+        softmax_layers=cfg.hybrid_layers, seed=cfg.seed,
     ))
+    if cfg.attention == "gla":
+        torch.manual_seed(cfg.seed + 2)
+        for i, block in enumerate(model.blocks):
+            if i not in cfg.hybrid_layers:
+                block.attn = GatedLinearAttention(cfg.d_model, cfg.n_head)
+                for w in (block.attn.qkv.weight, block.attn.proj.weight):
+                    nn.init.normal_(w, std=0.02)
     if cfg.token_shift:
         torch.manual_seed(cfg.seed + 1)
         model.tok = ShiftedEmbedding(model.tok)
@@ -407,17 +455,115 @@ def sweep_grid(
 
 
 def _run_one(job: tuple) -> dict:
-    kind, d, seed, common = job
-    common = dict(common)
-    with torch_threads(common.pop("threads", 1)):  # restored: with --jobs 1 this is the caller's process
-        return run(config_for(kind, d_model=d, seed=seed, **common))
+    kind, d, seed, lr, common = job
+    with torch_threads(1):  # restored: with --jobs 1 this is the caller's process
+        return run(config_for(kind, d_model=d, seed=seed, **dict(common, lr=lr)))
+
+
+def _key(r: dict) -> tuple:
+    return r["kind"], r["d_model"], r["config"]["seed"], r["config"]["lr"]
+
+
+def _finished_runs(path: Path, common: dict, lrs: Sequence[float]) -> dict[tuple, dict]:
+    """The runs a stopped sweep left in its checkpoint `path`, keyed (kind, d_model, seed, lr):
+    those at one of `lrs` whose recorded config is exactly the one this sweep would train."""
+    finished = {}
+    for r in json.loads(path.read_text())["results"] if path.exists() else []:
+        kind, d, seed, lr = _key(r)
+        want = asdict(config_for(kind, d_model=d, seed=seed, **dict(common, lr=lr)))
+        if lr in lrs and r["config"] == json.loads(json.dumps(want)):  # as JSON stores it: lists
+            finished[_key(r)] = r
+    return finished
+
+
+def _train(jobs: list[tuple], done: dict, common: dict, jobs_in_parallel: int, save, progress: bool) -> None:
+    """Train the (kind, d_model, seed, lr) jobs that are not in `done`; save() after each run."""
+    todo = [(*j, common) for j in jobs if j not in done]
+    pool = None
+    if jobs_in_parallel > 1 and todo:
+        import multiprocessing as mp
+
+        pool = mp.get_context("spawn").Pool(jobs_in_parallel)
+    try:
+        stream = pool.imap_unordered(_run_one, todo) if pool else map(_run_one, todo)
+        for r in progress_bar(stream, desc="MQAR sweep", total=len(todo), enabled=progress):
+            done[_key(r)] = r
+            save()
+    finally:
+        if pool is not None:
+            pool.terminate()
+
+
+def _pick_rates(cells: list, lrs: list, fallback: float | None, first: int, chance: float, done: dict,
+                train_) -> tuple[dict, dict]:
+    """The learning rate of each (kind, width) in `cells`: of its trials on the seed `first`, the
+    one with the higher mean accuracy over the pair counts (the first on a tie). A cell whose
+    every trial stayed on the loss plateau (mean below 5x chance) also tries `fallback`.
+    Returns ({(kind, d): lr}, {kind: {d: {lr: accuracies and cpu_seconds}}})."""
+    trial = lambda k, d, lr: done[(k, d, first, lr)]
+    mean = lambda r: sum(r["accuracy"].values()) / len(r["accuracy"])
+    train_([(k, d, first, lr) for k, d in cells for lr in lrs])
+    stuck = [(k, d) for k, d in cells if fallback and all(mean(trial(k, d, lr)) < 5 * chance for lr in lrs)]
+    train_([(k, d, first, fallback) for k, d in stuck])
+    chosen, record = {}, {}
+    for k, d in cells:
+        tried = lrs + [fallback] * ((k, d) in stuck)
+        chosen[(k, d)] = max(tried, key=lambda lr: mean(trial(k, d, lr)))
+        record.setdefault(k, {})[str(d)] = {
+            str(lr): dict(trial(k, d, lr)["accuracy"], cpu_seconds=trial(k, d, lr)["train_cpu_seconds"]) for lr in tried}
+    return chosen, record
+
+
+def _sweep(args: argparse.Namespace, argv: list[str] | None, common: dict) -> dict:
+    """Train the grid, checkpointing after every run to <out>.partial; resume from it if present.
+
+    With several --lrs, every (kind, width) of the grid first trains on the first seed with each
+    rate and keeps one for all seeds (`_pick_rates`; the trial at that rate is the first seed's
+    run); meta["lr_selection"] records every trial (Zoology, too, reports each model's best rate).
+    """
+    lrs = args.lrs or [args.lr]
+    checkpoint = Path(str(args.out) + ".partial")
+    done = _finished_runs(checkpoint, common, lrs + [args.fallback_lr])
+    previous = json.loads(checkpoint.read_text())["meta"]["sweep_seconds"] if done else 0.0
+    meta = run_metadata("linattn_lib.experiments.mqar", argv)
+    meta.update(jobs=args.jobs, threads_per_job=1, cpu_count=os.cpu_count(), seeds=args.seeds,
+                config={k: v for k, v in vars(args).items() if k not in ("out", "no_progress")})
+    t0, first = time.perf_counter(), args.seeds[0]
+
+    def save(results=None) -> dict:
+        meta["sweep_seconds"] = round(previous + time.perf_counter() - t0, 1)
+        payload = {"meta": meta, "results": list(done.values()) if results is None else results}
+        write_json(checkpoint if results is None else args.out, payload)
+        return payload
+
+    # seed by seed (a stopped sweep has whole seeds), in each every kind at --d-model first, then
+    # the widest (slowest) runs, so parallel workers finish together; the results keep grid order
+    slow = lambda kind: 3 if kind == "gla" else 2 if kind in ("performer",) + DELTA_KINDS else 1
+    order = lambda jobs: sorted(jobs, key=lambda j: (args.seeds.index(j[2]), j[1] != args.d_model, -j[1] * slow(j[0])))
+    train_ = lambda jobs: _train(order(jobs), done, common, args.jobs, save, not args.no_progress)
+    grid = sweep_grid(args.kinds, args.d_models, args.state_kinds, args.seeds, args.d_model)
+    cells = sorted({(k, d) for k, d, _ in grid}, key=lambda c: (args.kinds.index(c[0]), c[1]))
+    chosen = dict.fromkeys(cells, lrs[0])
+    if len(lrs) > 1:
+        chosen, meta["lr_selection"] = _pick_rates(cells, lrs, args.fallback_lr, first, 2 / args.vocab_size, done,
+                                                   train_)
+    meta["lr"] = {k: {str(d): chosen[(k, d)] for kk, d in cells if kk == k} for k in args.kinds}
+    runs = [(k, d, s, chosen[(k, d)]) for k, d, s in grid]
+    train_(runs)
+    out = save([done[j] for j in runs])
+    checkpoint.unlink(missing_ok=True)
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict:
-    """Run the sweep and write JSON: {"meta": command, versions, hardware, runtime, "results": [...]}."""
+    """Run the sweep and write JSON: {"meta": command, versions, hardware, runtime, "results": [...]}.
+
+    Every finished run is saved at once to <out>.partial; a sweep that stops resumes from there
+    when started again with the same arguments (runs whose config differs are trained anew).
+    """
     p = argparse.ArgumentParser(prog="python -m linattn_lib.experiments.mqar", description=__doc__.split("\n\n")[0])
     p.add_argument("--kinds", nargs="+", default=list(KINDS), choices=ALL_KINDS,
-                   help="default: chapter 7's kinds (KINDS); add deltanet gated_deltanet for chapter 10")
+                   help="default: the legacy sweep's kinds (KINDS); ZOOLOGY_KINDS for the zoology sweep")
     p.add_argument("--pairs", nargs="+", type=int, default=list(MQARConfig.train_pairs), help="pair counts (trained on as a mixture, evaluated one by one)")
     p.add_argument("--d-model", type=int, default=MQARConfig.d_model, help="width of every kind")
     p.add_argument("--d-models", nargs="+", type=int, default=[32, 64, 128], help="widths of the state-size axis")
@@ -428,8 +574,10 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--steps", type=int, default=MQARConfig.steps)
     p.add_argument("--batch-size", type=int, default=MQARConfig.batch_size)
     p.add_argument("--lr", type=float, default=MQARConfig.lr)
+    p.add_argument("--lrs", nargs="*", type=float, default=[], help="pick each kind's rate among these (see _sweep)")
+    p.add_argument("--fallback-lr", type=float, default=None, help="with --lrs: tried where all of them fail")
     p.add_argument("--task", default=MQARConfig.task, choices=TASKS,
-                   help="legacy: chapter 7's generator; zoology: Zoology's multiquery_ar (needs --vocab-size > --seq-len)")
+                   help="legacy: the old, easier generator; zoology: Zoology's multiquery_ar (needs --vocab-size > --seq-len)")
     p.add_argument("--power-a", type=float, default=MQARConfig.power_a, help="zoology: power law of the query gaps")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel, one thread each")
     p.add_argument("--no-progress", action="store_true")
@@ -437,34 +585,14 @@ def main(argv: list[str] | None = None) -> dict:
     if args.quick:
         args.kinds, args.pairs, args.d_models, args.state_kinds = ["softmax", "linear"], [2, 3], [16], []
         args.d_model, args.steps, args.seq_len, args.vocab_size, args.batch_size, args.jobs = 16, 5, 16, 16, 8, 1
+        if args.task == "zoology":
+            args.pairs, args.seq_len, args.vocab_size = [2, 4], 16, 32
     common = dict(
         train_pairs=tuple(args.pairs), eval_pairs=tuple(args.pairs), seq_len=args.seq_len, vocab_size=args.vocab_size,
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, task=args.task, power_a=args.power_a,
     )
-    grid = sweep_grid(args.kinds, args.d_models, args.state_kinds, args.seeds, args.d_model)
-    # the widest (slowest) runs first, so parallel workers finish together; results keep grid order
-    order = sorted(range(len(grid)), key=lambda i: -grid[i][1] * (2 if grid[i][0] == "performer" else 1))
-    jobs = [(*grid[i], dict(common, threads=1)) for i in order]
-    t0 = time.perf_counter()
-    if args.jobs > 1:
-        import multiprocessing as mp
-
-        with mp.get_context("spawn").Pool(args.jobs) as pool:
-            done = list(progress_bar(pool.imap(_run_one, jobs), desc="MQAR sweep", total=len(jobs), enabled=not args.no_progress))
-    else:
-        done = [_run_one(j) for j in progress_bar(jobs, desc="MQAR sweep", enabled=not args.no_progress)]
-    results = [None] * len(grid)
-    for i, r in zip(order, done):
-        results[i] = r
-    meta = run_metadata("linattn_lib.experiments.mqar", argv)
-    meta.update(
-        sweep_seconds=round(time.perf_counter() - t0, 1), jobs=args.jobs, threads_per_job=1,
-        cpu_count=os.cpu_count(), seeds=args.seeds,
-        config={k: v for k, v in vars(args).items() if k not in ("out", "no_progress")},
-    )
-    payload = {"meta": meta, "results": results}
-    write_json(args.out, payload)
-    print(f"wrote {len(results)} runs to {args.out} in {meta['sweep_seconds']:.0f} s")
+    payload = _sweep(args, argv, common)
+    print(f"wrote {len(payload['results'])} runs to {args.out} in {payload['meta']['sweep_seconds']:.0f} s")
     return payload
 
 
