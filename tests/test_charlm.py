@@ -64,10 +64,26 @@ def test_batch_size_keeps_tokens_per_step():
         assert cfg.batch_size * ctx == 4096
 
 
+def test_sinusoidal_positions_start_the_learned_table():
+    table = charlm.sinusoidal_positions(256, 64, scale=0.1)
+    assert table.shape == (256, 64) and abs(table.pow(2).mean().sqrt().item() - 0.1) < 1e-3
+    # the dot product of two positions depends only on their offset
+    gram = table.double() @ table.double().T
+    assert torch.allclose(torch.diagonal(gram, 1)[:100], torch.diagonal(gram, 1)[100:200], atol=1e-9)
+    model = charlm.make_model(CharLMConfig(ctx=256, pos_init="sinusoidal", pos_scale=0.1), 10)
+    assert torch.equal(model.pos.weight.detach(), table) and model.pos.weight.requires_grad
+    # pos_init="normal" draws them like every other weight
+    drawn = charlm.make_model(CharLMConfig(ctx=256, pos_init="normal"), 10).pos.weight
+    assert abs(drawn.std().item() - 0.02) < 2e-3
+    with pytest.raises(ValueError, match="pos_init"):
+        charlm.make_model(CharLMConfig(pos_init="rope"), 10)
+
+
 def test_training_lowers_the_loss_and_samples_from_the_state():
     torch.set_num_threads(1)  # restored by the fixture below
     data = CharData(build_corpus()[:60_000])
-    cfg = CharLMConfig(attention="linear", ctx=32, steps=40, tokens_per_step=512, d_model=32, n_head=2, lr=1e-2)
+    cfg = CharLMConfig(attention="linear", ctx=32, steps=40, tokens_per_step=512, d_model=32, n_head=2, lr=1e-2, warmup=20,
+                       pos_init="normal")
     r, model = charlm.run(cfg, data, sample_len=20, return_model=True)
     assert r["train_loss_last"] < r["train_loss_first"] - 0.5
     assert r["bits_per_char"] < math.log2(data.vocab_size)
@@ -116,6 +132,12 @@ def test_quick_cli_writes_json_with_metadata(tmp_path):
     assert [r["kind"] for r in saved["results"]] == ["softmax", "linear"]
     assert set(saved["summary"]) == {"softmax", "linear"} and saved["summary"]["linear"]["16"]["n"] == 1
     assert payload["corpus"] == saved["corpus"]
+    # a validation curve per run, ending at the last step, and the n-gram baselines on the split
+    for r in saved["results"]:
+        assert [s for s, _ in r["val_curve"]] == [2, 3] and r["val_curve_chars"] > 0
+    base = saved["baselines"]["orders"]
+    assert set(base) >= {"1", "2", "5"} and set(base["5"]) == {"stream", "window"}
+    assert base["5"]["stream"]["16"] < base["2"]["stream"]["16"] < base["1"]["stream"]["16"]
     # --resume finds every run already done and rewrites the same results
     again = charlm.main(["--quick", "--out", str(out), "--resume"])
     assert [r["val_loss"] for r in again["results"]] == [r["val_loss"] for r in saved["results"]]

@@ -37,6 +37,7 @@ import torch
 
 from ..measure import torch_threads
 from ..nn.models import ModelConfig, TinyLM
+from . import ngram
 from .common import parse_cli, run_metadata, seed_everything, train, write_json
 
 # Pure-Python standard-library modules with rich docstrings, present in CPython 3.10-3.13.
@@ -170,9 +171,13 @@ class CharLMConfig:
     d_model: int = 64
     n_layer: int = 2
     n_head: int = 4
-    steps: int = 4000
+    steps: int = 5000
     tokens_per_step: int = 1024
     lr: float = 3e-3
+    warmup: int = 200
+    weight_decay: float = 0.0
+    pos_init: str = "sinusoidal"
+    pos_scale: float = 0.1
     seed: int = 0
 
     @property
@@ -180,12 +185,41 @@ class CharLMConfig:
         return max(1, self.tokens_per_step // self.ctx)
 
 
+POS_INITS = ("normal", "sinusoidal")
+VAL_EVERY = 500  # the sweep's validation curve: a point every 500 steps
+
+
+def sinusoidal_positions(n: int, d: int, *, scale: float = 0.1) -> torch.Tensor:
+    """The (n, d) table of Vaswani et al.: sin and cos of position / 10000^(2i/d), interleaved,
+    scaled so that its entries have the root mean square `scale`.
+
+    TinyLM draws its learned positions like every other weight (std 0.02). Starting them from
+    this table instead gives every window positions whose dot products depend only on their
+    offset, which attention can use from the first step; in trial runs of softmax at context
+    256 a scale of 0.1 (five times the token embeddings' 0.02) left the bigram plateau about
+    three times sooner than a random table or the table at scale 0.02, and 0.2-0.3 was worse.
+    """
+    pos = torch.arange(n, dtype=torch.float64)[:, None]
+    freq = 10000.0 ** (-torch.arange(0, d, 2, dtype=torch.float64) / d)
+    table = torch.zeros(n, d, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(pos * freq)
+    table[:, 1::2] = torch.cos(pos * freq)[:, : d // 2]
+    return (table * scale * math.sqrt(2.0)).float()
+
+
 def make_model(cfg: CharLMConfig, vocab_size: int) -> TinyLM:
-    """The run's TinyLM (its initialisation is seeded by cfg.seed)."""
-    return TinyLM(ModelConfig(
+    """The run's TinyLM (its initialisation is seeded by cfg.seed); with
+    cfg.pos_init="sinusoidal" its learned positions start from `sinusoidal_positions`."""
+    if cfg.pos_init not in POS_INITS:
+        raise ValueError(f"make_model: `pos_init` must be one of {POS_INITS}, got {cfg.pos_init!r}")
+    model = TinyLM(ModelConfig(
         vocab_size=vocab_size, block_size=cfg.ctx, n_layer=cfg.n_layer, n_head=cfg.n_head,
         d_model=cfg.d_model, attention=cfg.attention, seed=cfg.seed,
     ))
+    if cfg.pos_init == "sinusoidal":
+        with torch.no_grad():
+            model.pos.weight.copy_(sinusoidal_positions(cfg.ctx, cfg.d_model, scale=cfg.pos_scale))
+    return model
 
 
 def sample_text(model: TinyLM, data: CharData, prompt: str, length: int, *, seed: int = 0, temperature: float = 0.8) -> str:
@@ -213,6 +247,8 @@ def run(
     sample_prompt: str | None = "Return the ",
     sample_len: int = 200,
     curve_every: int = 25,
+    val_every: int | None = None,
+    val_curve_chars: int = 16384,
     progress: bool = False,
     return_model: bool = False,
 ) -> dict | tuple[dict, TinyLM]:
@@ -220,7 +256,10 @@ def run(
 
     The result holds the config, the parameter count, the training-loss curve (means over
     blocks of `curve_every` steps), CPU and wall seconds, and the bytes of the generation state
-    after `ctx` tokens. With `return_model=True` the trained model comes back too: (result, model).
+    after `ctx` tokens. With `val_every` it also holds a validation curve: every `val_every`
+    steps, the loss on the first `val_curve_chars` characters of the validation split (the
+    final `val_loss` is always on all of it). With `return_model=True` the trained model comes
+    back too: (result, model).
     """
     gen = seed_everything(cfg.seed)
     model = make_model(cfg, data.vocab_size)
@@ -229,23 +268,46 @@ def run(
         from tqdm.auto import tqdm
 
         bar = tqdm(total=cfg.steps, desc=f"{cfg.attention} ctx={cfg.ctx} seed={cfg.seed}", file=sys.stderr, leave=False, dynamic_ncols=True)
+    val_curve: list[list[float]] = []
+    curve_windows = max(1, val_curve_chars // cfg.ctx)
+    eval_cpu = [0.0]  # CPU seconds spent on the validation curve, kept out of the step time
 
     def tick(step: int, loss: float) -> None:
-        bar.update(1)
-        if step % 20 == 0:
-            bar.set_postfix(bpc=f"{loss / math.log(2):.2f}")
+        if bar is not None:
+            bar.update(1)
+            if step % 20 == 0:
+                bar.set_postfix(bpc=f"{loss / math.log(2):.2f}")
+        if val_every and (step + 1) % val_every == 0 and step + 1 < cfg.steps:
+            t0 = time.process_time()
+            val_curve.append([step + 1, validation_loss(model, data, cfg.ctx, max_windows=curve_windows)])
+            eval_cpu[0] += time.process_time() - t0
 
     cpu0, wall0 = time.process_time(), time.perf_counter()
     losses = train(
-        model, lambda s: data.batch(cfg.batch_size, cfg.ctx, generator=gen),
-        steps=cfg.steps, lr=cfg.lr, progress=tick if bar is not None else None,
+        model, lambda s: data.batch(cfg.batch_size, cfg.ctx, generator=gen), steps=cfg.steps, lr=cfg.lr, warmup=cfg.warmup, weight_decay=cfg.weight_decay,
+        progress=tick if (bar or val_every) else None,
     )
-    cpu_train, wall_train = time.process_time() - cpu0, time.perf_counter() - wall0
+    cpu_train, wall_train = time.process_time() - cpu0 - eval_cpu[0], time.perf_counter() - wall0
     if bar is not None:
         bar.close()
-    val = validation_loss(model, data, cfg.ctx)
+    if val_every:
+        val_curve.append([cfg.steps, validation_loss(model, data, cfg.ctx, max_windows=curve_windows)])
+    out = _summary(cfg, model, losses, validation_loss(model, data, cfg.ctx), curve_every, cpu_train, wall_train)
+    if val_every:
+        out["val_curve"] = val_curve
+        out["val_curve_chars"] = curve_windows * cfg.ctx
+    if sample_prompt:
+        out["sample_prompt"] = sample_prompt
+        out["sample"] = sample_text(model, data, sample_prompt, sample_len, seed=cfg.seed)
+    out["cpu_seconds_total"] = time.process_time() - cpu0
+    return (out, model) if return_model else out
+
+
+def _summary(cfg: CharLMConfig, model: TinyLM, losses: list[float], val: float, curve_every: int,
+             cpu_train: float, wall_train: float) -> dict:
+    """`run`'s result before the optional parts: config, size, curves, losses and costs."""
     curve = [sum(losses[i : i + curve_every]) / len(losses[i : i + curve_every]) for i in range(0, len(losses), curve_every)]
-    out = {
+    return {
         "kind": cfg.attention,
         "config": {**asdict(cfg), "batch_size": cfg.batch_size},
         "parameters": model.num_parameters(),
@@ -262,11 +324,6 @@ def run(
         "ms_per_step_cpu": 1000 * cpu_train / max(1, cfg.steps),
         "state_bytes_at_ctx": generation_state_bytes(model, cfg.ctx),
     }
-    if sample_prompt:
-        out["sample_prompt"] = sample_prompt
-        out["sample"] = sample_text(model, data, sample_prompt, sample_len, seed=cfg.seed)
-    out["cpu_seconds_total"] = time.process_time() - cpu0
-    return (out, model) if return_model else out
 
 
 # ------------------------------------------------------------------------------------------
@@ -282,9 +339,9 @@ def _worker_init() -> None:
     _WORKER_DATA = CharData(build_corpus())
 
 
-def _run_in_worker(cfg_dict: dict) -> dict:
+def _run_in_worker(cfg_dict: dict, val_every: int) -> dict:
     torch.set_num_threads(1)
-    return run(CharLMConfig(**cfg_dict), _WORKER_DATA)
+    return run(CharLMConfig(**cfg_dict), _WORKER_DATA, val_every=val_every or None)
 
 
 def sweep_configs(
@@ -332,6 +389,11 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--layers", type=int, default=CharLMConfig.n_layer)
     p.add_argument("--tokens-per-step", type=int, default=CharLMConfig.tokens_per_step)
     p.add_argument("--lr", type=float, default=CharLMConfig.lr)
+    p.add_argument("--warmup", type=int, default=CharLMConfig.warmup, help="linear warm-up steps")
+    p.add_argument("--weight-decay", type=float, default=CharLMConfig.weight_decay)
+    p.add_argument("--pos-init", default=CharLMConfig.pos_init, choices=POS_INITS, help="initial learned positions")
+    p.add_argument("--pos-scale", type=float, default=CharLMConfig.pos_scale, help="RMS of the sinusoidal initial positions")
+    p.add_argument("--val-every", type=int, default=VAL_EVERY, help="steps between points of the validation curve (0: none)")
     p.add_argument("--workers", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel (one thread each)")
     p.add_argument("--resume", action="store_true", help="keep finished runs found in --out, run only the rest")
     return p
@@ -351,7 +413,7 @@ def _finished_runs(out: str, corpus_sha256: str) -> dict[str, dict]:
     return {json.dumps(r["config"], sort_keys=True): r for r in old.get("results", [])}
 
 
-def _run_all(todo: list[CharLMConfig], text: str, workers: int, on_result: Callable[[CharLMConfig, dict], None]) -> None:
+def _run_all(todo: list[CharLMConfig], text: str, workers: int, on_result: Callable[[CharLMConfig, dict], None], val_every: int = 0) -> None:
     """Train every config of `todo`, in this process or in `workers` spawned ones (one thread each)."""
     from tqdm.auto import tqdm
 
@@ -366,12 +428,12 @@ def _run_all(todo: list[CharLMConfig], text: str, workers: int, on_result: Calla
         with torch_threads(1):
             data = CharData(text)
             for cfg in todo:
-                done(cfg, run(cfg, data, progress=True))
+                done(cfg, run(cfg, data, progress=True, val_every=val_every or None))
     else:
         import multiprocessing as mp
 
         with ProcessPoolExecutor(workers, mp_context=mp.get_context("spawn"), initializer=_worker_init) as ex:
-            futures = {ex.submit(_run_in_worker, asdict(c)): c for c in todo}
+            futures = {ex.submit(_run_in_worker, asdict(c), val_every): c for c in todo}
             for fut in as_completed(futures):
                 done(futures[fut], fut.result())
     bar.close()
@@ -382,14 +444,20 @@ def main(argv: list[str] | None = None) -> dict:
     args = parse_cli(_parser(), argv, "book/results/charlm.json")
     if args.quick:
         args.kinds, args.ctx, args.seeds, args.steps, args.tokens_per_step, args.workers = ["softmax", "linear"], [16], [0], 3, 64, 1
-    overrides = {"steps": args.steps, "d_model": args.d_model, "n_layer": args.layers, "tokens_per_step": args.tokens_per_step, "lr": args.lr}
+        args.val_every = 2
+    overrides = {"steps": args.steps, "d_model": args.d_model, "n_layer": args.layers, "tokens_per_step": args.tokens_per_step,
+                 "lr": args.lr, "warmup": args.warmup, "weight_decay": args.weight_decay, "pos_init": args.pos_init,
+                 "pos_scale": args.pos_scale}
     grid = sweep_configs(args.kinds, args.ctx, args.seeds, **overrides)
 
     text = build_corpus()
     meta = run_metadata("linattn_lib.experiments.charlm", argv)
     meta.update(workers=args.workers, threads_per_run=1, load_average_start=list(os.getloadavg()))
     payload = {"meta": meta, "corpus": corpus_info(text), "split": {"train_fraction": 0.9, "by": "position"},
-               "grid": {"kinds": args.kinds, "ctx": args.ctx, "seeds": args.seeds, **overrides}, "complete": False, "results": []}
+               "grid": {"kinds": args.kinds, "ctx": args.ctx, "seeds": args.seeds, **overrides, "val_every": args.val_every},
+               "complete": False, "results": []}
+    data = CharData(text)
+    payload["baselines"] = ngram.baselines(data.train.numpy(), data.val.numpy(), data.vocab_size, args.ctx)
     done = _finished_runs(args.out, payload["corpus"]["sha256"]) if args.resume else {}
     results = {_config_key(c): done[_config_key(c)] for c in grid if _config_key(c) in done}
 
@@ -403,7 +471,7 @@ def main(argv: list[str] | None = None) -> dict:
         save(False)
 
     wall0 = time.perf_counter()
-    _run_all([c for c in grid if _config_key(c) not in done], text, args.workers, on_result)
+    _run_all([c for c in grid if _config_key(c) not in done], text, args.workers, on_result, args.val_every)
     meta["wall_seconds_sweep"] = time.perf_counter() - wall0
     meta["cpu_seconds_runs"] = sum(r["cpu_seconds_total"] for r in results.values())
     meta["load_average_end"] = list(os.getloadavg())
