@@ -7,6 +7,7 @@ wrappers live in `linattn_lib/core/triton_ops.py`.
 
     chunk_state.py   chunk_state_kernel    causal forward, phase 1: every chunk's entry state;
                      chunk_state_merge_kernel  split-T: runs of chunks walked in parallel, merged
+                     chunk_decay_kernel    every chunk's decays, in parallel, before the state pass
     chunk_output.py  chunk_output_kernel   phase 2: all chunks' outputs in parallel; chunk_fwd_two_phase
     chunk_grad.py    chunk_bwd_prep_kernel, chunk_dqk_kernel, chunk_dv_kernel
                                            the two-phase backward (phase 1 is chunk_state reversed);
@@ -42,8 +43,9 @@ from .chunk_grad import compile_spec_dv as _chunk_dv_spec
 from .chunk_grad import compile_spec_prep as _chunk_prep_spec
 from .chunk_output import chunk_fwd_two_phase, chunk_output, chunk_output_kernel
 from .chunk_output import compile_spec as _chunk_output_spec
-from .chunk_state import chunk_state_kernel, chunk_state_merge_kernel, chunk_states, split_count
+from .chunk_state import chunk_decay_kernel, chunk_state_kernel, chunk_state_merge_kernel, chunk_states, split_count
 from .chunk_state import compile_spec as _chunk_state_spec
+from .chunk_state import compile_spec_decay as _chunk_decay_spec
 from .chunk_state import compile_spec_merge as _chunk_state_merge_spec
 from .configs import (
     CONFIGS,
@@ -80,6 +82,7 @@ KERNELS = {
     "chunk_fwd": (chunk_fwd_kernel, _chunk_fwd_spec),
     "chunk_state": (chunk_state_kernel, _chunk_state_spec),
     "chunk_state_merge": (chunk_state_merge_kernel, _chunk_state_merge_spec),
+    "chunk_decay": (chunk_decay_kernel, _chunk_decay_spec),
     "chunk_output": (chunk_output_kernel, _chunk_output_spec),
     "chunk_bwd_prep": (chunk_bwd_prep_kernel, _chunk_prep_spec),
     "chunk_dqk": (chunk_dqk_kernel, _chunk_dqk_spec),

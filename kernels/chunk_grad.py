@@ -28,8 +28,10 @@ before they are rounded, one partial per Dk block.
 Precision. 1 / den and dL/dden are fp32 and never meet fp16: dO / den underflows fp16 for a
 mean loss over long sequences (where the previous engine needed loss scaling and fp32 copies
 of dO). The products that carry r or e (W with k and q, the state terms) are fp32 operands
-(tf32 for 16-bit inputs, fp32 range); dO v^T and q k^T run in the input dtype. dq, dk, dv
-are written in the input dtype directly.
+(tf32 for 16-bit inputs, fp32 range); dO v^T and q k^T run in the input dtype. (Phase 1's
+product is the exception for bf16, whose range is fp32's: its scaled queries are rounded to
+bf16, as the forward's decayed keys are; see chunk_state.py.) dq, dk, dv are written in the
+input dtype directly.
 
 Masks select, they do not multiply, and the dead tail (tokens from `lengths`: past the last
 nonzero cotangent) is read as 0, as in the forward kernels.

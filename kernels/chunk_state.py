@@ -30,6 +30,22 @@ product (and value tile 0 stored it), the row sums' shuffles and adds were ~70 o
 SASS instructions per chunk of the loop, on the sequential chain; an extra column of ones
 in the value tile would make it BV + 1 wide, the next power of two: twice the matmul.
 
+Decays off the chain. What a chunk's decays are does not depend on the state, only on the
+log-decays of its own tokens: `chunk_decay_kernel` computes them for every chunk at once, one
+program per chunk, before the walk -- exp(a_j) of each key (BT fp32 per chunk) and g_last --
+and the walk loads them (the vector with its tiles, g_last one chunk ahead: a scalar load
+that the software pipeliner leaves alone would stall the chain for its latency). Done in
+the loop, the sum, the shift and the scan of `chunk_log_decays` and their exps were ~75 of
+the ~248 SASS instructions per chunk with a per-token decay (sm_90, bf16: 173 without them),
+and a per-head decay cost as much (its counts are reductions too). The pre-pass costs a
+launch and B * H * T * 4 bytes written and read: ~1 MiB at the benchmark shape, ~1 us.
+
+The state gradient (reversed, keys scaled by r = 1 / den) multiplies in fp32 (tf32) for fp16
+inputs, where dO / den may be below the smallest fp16; bf16 has the range of fp32, so there
+the scaled keys are rounded to bf16 as the forward's decayed keys are (the product on bf16
+tensor cores: 163 instructions per chunk where the tf32 product took 250, operands twice as
+wide in shared memory and half as deep per MMA).
+
 Non-finite input. Every token a chunk adds to the state comes before every token that reads
 that state, so nothing needs masking here: a NaN or inf in k or v makes the state (and thus
 every later output) non-finite, as the recurrence would (0 * inf = NaN included). Padded
@@ -43,7 +59,7 @@ import triton.language as tl
 
 from .chunk_fwd import chunk_log_decays
 from .configs import dot_precision, launchable, multiprocessor_count, select_config
-from .sequences import first_chunk, packed_layout, sequence_rows
+from .sequences import chunk_of_program, first_chunk, packed_layout, sequence_rows
 
 
 @triton.jit
@@ -58,50 +74,79 @@ def load_log_decay(g_ptr, i_h, row0, t, m_t, DECAY: tl.constexpr):
 
 
 @triton.jit
-def _chunk_inputs(k_ptr, v_ptr, g_ptr, r_ptr, w_ptr, row0, t, m_t, o_k, m_k, o_v, m_v, i_h, Dk, Dv,
+def chunk_decay_kernel(g_ptr, len_ptr, ka_ptr, gl_ptr, cu_ptr, co_ptr, ci_ptr, T, H, NT,
+                       BT: tl.constexpr, DECAY: tl.constexpr, REVERSE: tl.constexpr, HAS_LEN: tl.constexpr,
+                       IS_VARLEN: tl.constexpr):
+    """The decays a state pass needs, for every chunk at once (program (chunk, b H + h)):
+    exp(a_j) of each key (from key j to the chunk end; to the chunk start, reversed) into
+    ka[c BT + j], the log-decay across the chunk g_last into gl[c], c the chunk's index in the
+    per-chunk states; read as `chunk_state_kernel` reads its tokens (HAS_LEN: from len on as
+    padding, g = 0)."""
+    i_hb = tl.program_id(1).to(tl.int64)
+    i_seq, i_h, i_n = chunk_of_program(tl.program_id(0), i_hb, ci_ptr, H, IS_VARLEN)
+    row0, T_seq = sequence_rows(i_seq, i_h, cu_ptr, T, H, IS_VARLEN)
+    if HAS_LEN:
+        T_seq = tl.minimum(T_seq, tl.load(len_ptr + i_hb))
+    c = first_chunk(i_seq, i_h, co_ptr, NT, H, IS_VARLEN) + i_n
+    o_t = tl.arange(0, BT)
+    t = i_n * BT + o_t
+    g = load_log_decay(g_ptr, i_h, row0, t, t < T_seq, DECAY)
+    _, _, k_log, g_last = chunk_log_decays(g, o_t, BT, REVERSE, DECAY == 1)
+    tl.store(ka_ptr + c * BT + o_t, tl.exp(k_log))     # k_log <= 0
+    tl.store(gl_ptr + c, g_last)
+
+
+@triton.jit
+def _chunk_inputs(k_ptr, v_ptr, ka_ptr, r_ptr, w_ptr, row0, t, m_t, c, o_k, m_k, o_v, m_v, Dk, Dv,
                   BT: tl.constexpr, DECAY: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr,
                   LOAD_V: tl.constexpr):
-    """One chunk's key tile, value tile (LOAD_V), fp32 log-decays, key scales and z weights."""
+    """One chunk's key tile, value tile (LOAD_V), key decays exp(a) (of chunk c, from
+    chunk_decay_kernel), key scales and z weights."""
     k = tl.load(k_ptr + (row0 + t)[:, None] * Dk + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
     v = k
     if LOAD_V:
         v = tl.load(v_ptr + (row0 + t)[:, None] * Dv + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
-    g = tl.zeros([BT], dtype=tl.float32)
+    ea = tl.zeros([BT], dtype=tl.float32)
     if DECAY > 0:
-        g = load_log_decay(g_ptr, i_h, row0, t, m_t, DECAY)
+        ea = tl.load(ka_ptr + c * BT + tl.arange(0, BT))
     r = tl.zeros([BT], dtype=tl.float32)
     if HAS_R:
         r = tl.load(r_ptr + row0 + t, mask=m_t, other=0.0)
     w = tl.zeros([BT], dtype=tl.float32)
     if HAS_W:
         w = tl.load(w_ptr + row0 + t, mask=m_t, other=0.0)
-    return k, v, g, r, w
+    return k, v, ea, r, w
 
 
 @triton.jit
-def _decayed_keys(k, g, BT: tl.constexpr, DECAY: tl.constexpr, REVERSE: tl.constexpr):
-    """exp(a_j) k_j in fp32, exp(g_last) and g_last: a_j from key j to the chunk end (to the
-    chunk start, reversed), both sums of their own terms (chunk_log_decays; products n g_h for
-    a decay per head), both <= 0."""
-    k_s = k.to(tl.float32)
-    decay = 1.0
-    g_last = 0.0
+def _chunk_decay(gl_ptr, c, i, n_chunks, step, DECAY: tl.constexpr):
+    """g_last of chunk c + step, the walk's chunk after c, when its step i + 1 of n_chunks
+    exists (else 0; 0 without a decay). The walk loads it one step ahead: a scalar load the
+    software pipeliner leaves alone would stall the chain for its latency every chunk."""
     if DECAY > 0:
-        _, _, k_log, g_last = chunk_log_decays(g, tl.arange(0, BT), BT, REVERSE, DECAY == 1)
-        k_s = k_s * tl.exp(k_log)[:, None]          # |exp(a_j) k_j| <= |k_j|: fits the input dtype
-        decay = tl.exp(g_last)
-    return k_s, decay, g_last
+        return tl.load(gl_ptr + c + step, mask=i + 1 < n_chunks, other=0.0)
+    return 0.0
 
 
 @triton.jit
-def _walk_S(k_ptr, v_ptr, g_ptr, r_ptr, h_ptr, s0_ptr, st_ptr, lg_ptr, lr_ptr, i_nh, i_st, i_h, row0, T_seq,
+def _first_step(n_lo, n_hi, REVERSE: tl.constexpr):
+    """The chunk a walk over n_lo ... n_hi - 1 starts from, and its step."""
+    if REVERSE:
+        return n_hi - 1, -1
+    else:
+        return n_lo, 1
+
+
+@triton.jit
+def _walk_S(k_ptr, v_ptr, ka_ptr, gl_ptr, r_ptr, h_ptr, s0_ptr, st_ptr, lg_ptr, lr_ptr, i_nh, i_st, row0, T_seq,
             n_lo, n_hi, c0, first, lead, o_k, o_v, m_k, m_v, Dk, Dv, BT: tl.constexpr, BK: tl.constexpr,
             BV: tl.constexpr, DECAY: tl.constexpr, HAS_S0: tl.constexpr, STORE_ST: tl.constexpr,
             REVERSE: tl.constexpr, HAS_R: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
     """The (BK x BV) state tile across chunks n_lo ... n_hi - 1: S <- exp(g_last) S + (exp(a)
     k)^T v, stored on entry to every chunk; it starts from S0 (HAS_S0, when `first`) or 0 and
     ends in row i_st of st. Reversed (the state gradient) the keys are scaled by r (1 / den)
-    and the product is fp32 (tf32 for 16-bit inputs): dO / den may be below the smallest fp16.
+    and the product is fp32 (tf32) for fp16 inputs: dO / den may be below the smallest fp16
+    (bf16, with fp32's range, rounds them to bf16).
     Split (IS_SPLIT, with a decay), the `lead` program of the run also stores the log-decay
     walked before each chunk (lg) and the run's total (row i_st of lr), for the merge."""
     m_kv = m_k[:, None] & m_v[None, :]
@@ -111,22 +156,27 @@ def _walk_S(k_ptr, v_ptr, g_ptr, r_ptr, h_ptr, s0_ptr, st_ptr, lg_ptr, lr_ptr, i
         S = tl.load(s0_ptr + i_nh * Dk * Dv + kv_off, mask=m_kv & first, other=0.0).to(tl.float32)
     walked = 0.0                            # log-decay since the start of the walk (split)
     o_t = tl.arange(0, BT)
+    n, step = _first_step(n_lo, n_hi, REVERSE)
+    g_next = _chunk_decay(gl_ptr, c0 + n - step, -1, n_hi - n_lo, step, DECAY)
     for i in range(0, n_hi - n_lo):
-        if REVERSE:
-            n = n_hi - 1 - i
-        else:
-            n = n_lo + i
+        g_last = g_next
+        g_next = _chunk_decay(gl_ptr, c0 + n, i, n_hi - n_lo, step, DECAY)
         tl.store(h_ptr + (c0 + n) * Dk * Dv + kv_off, S.to(h_ptr.dtype.element_ty), mask=m_kv)
         t = n * BT + o_t
-        k, v, g, r, _ = _chunk_inputs(k_ptr, v_ptr, g_ptr, r_ptr, r_ptr, row0, t, t < T_seq, o_k, m_k, o_v, m_v,
-                                      i_h, Dk, Dv, BT, DECAY, HAS_R, False, True)
-        k_s, decay, g_last = _decayed_keys(k, g, BT, DECAY, REVERSE)
+        k, v, ea, r, _ = _chunk_inputs(k_ptr, v_ptr, ka_ptr, r_ptr, r_ptr, row0, t, t < T_seq, c0 + n, o_k, m_k,
+                                       o_v, m_v, Dk, Dv, BT, DECAY, HAS_R, False, True)
+        k_s = k.to(tl.float32)
+        if DECAY > 0:
+            k_s = k_s * ea[:, None]                 # |exp(a_j) k_j| <= |k_j|: fits the input dtype
+            S = S * tl.exp(g_last)
         if IS_SPLIT and DECAY > 0:
             tl.store(lg_ptr + c0 + n, walked, mask=lead)
             walked += g_last
-        S = S * decay
-        if HAS_R:
+        n += step
+        if HAS_R and k.dtype != tl.bfloat16:
             S = tl.dot(tl.trans(k_s * r[:, None]), v.to(tl.float32), acc=S, input_precision=DOT_PREC)
+        elif HAS_R:
+            S = tl.dot(tl.trans((k_s * r[:, None]).to(k.dtype)), v, acc=S, input_precision=DOT_PREC)
         else:
             S = tl.dot(tl.trans(k_s.to(k.dtype)), v, acc=S, input_precision=DOT_PREC)
     if STORE_ST:
@@ -136,7 +186,7 @@ def _walk_S(k_ptr, v_ptr, g_ptr, r_ptr, h_ptr, s0_ptr, st_ptr, lg_ptr, lr_ptr, i
 
 
 @triton.jit
-def _walk_z(k_ptr, g_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr, i_nh, i_st, i_h, row0, T_seq, n_lo, n_hi, c0,
+def _walk_z(k_ptr, ka_ptr, gl_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr, i_nh, i_st, row0, T_seq, n_lo, n_hi, c0,
             first, o_k, m_k, Dk, BT: tl.constexpr, BK: tl.constexpr, DECAY: tl.constexpr,
             HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, REVERSE: tl.constexpr, HAS_W: tl.constexpr):
     """The (BK,) normaliser state across chunks n_lo ... n_hi - 1, z <- exp(g_last) z + sum_j
@@ -146,26 +196,31 @@ def _walk_z(k_ptr, g_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr, i_nh, i_st, i_h, row0, 
     if HAS_S0:
         z = tl.load(z0_ptr + i_nh * Dk + o_k, mask=m_k & first, other=0.0).to(tl.float32)
     o_t = tl.arange(0, BT)
+    n, step = _first_step(n_lo, n_hi, REVERSE)
+    g_next = _chunk_decay(gl_ptr, c0 + n - step, -1, n_hi - n_lo, step, DECAY)
     for i in range(0, n_hi - n_lo):
-        if REVERSE:
-            n = n_hi - 1 - i
-        else:
-            n = n_lo + i
+        g_last = g_next
+        g_next = _chunk_decay(gl_ptr, c0 + n, i, n_hi - n_lo, step, DECAY)
         tl.store(hz_ptr + (c0 + n) * Dk + o_k, z, mask=m_k)
         t = n * BT + o_t
-        k, _, g, _, w = _chunk_inputs(k_ptr, k_ptr, g_ptr, w_ptr, w_ptr, row0, t, t < T_seq, o_k, m_k, o_k, m_k,
-                                      i_h, Dk, Dk, BT, DECAY, False, HAS_W, False)
-        k_s, decay, _ = _decayed_keys(k, g, BT, DECAY, REVERSE)
+        k, _, ea, _, w = _chunk_inputs(k_ptr, k_ptr, ka_ptr, w_ptr, w_ptr, row0, t, t < T_seq, c0 + n, o_k, m_k,
+                                       o_k, m_k, Dk, Dk, BT, DECAY, False, HAS_W, False)
+        k_s = k.to(tl.float32)
+        if DECAY > 0:
+            k_s = k_s * ea[:, None]
+            z = z * tl.exp(g_last)
         if HAS_W:
             k_s = k_s * w[:, None]
-        z = z * decay + tl.sum(k_s, axis=0)
+        z = z + tl.sum(k_s, axis=0)
+        n += step
     if STORE_ST:
         tl.store(zt_ptr + i_st * Dk + o_k, z, mask=m_k)
 
 
 @triton.jit
 def chunk_state_kernel(
-    k_ptr, v_ptr, g_ptr,      # (B, H, T, Dk), (B, H, T, Dv) contiguous; log-decay (H,) or (B, H, T) fp32
+    k_ptr, v_ptr,             # (B, H, T, Dk), (B, H, T, Dv) contiguous
+    ka_ptr, gl_ptr,           # DECAY: every chunk's exp(a) of its keys and g_last (chunk_decay_kernel), fp32
     r_ptr, w_ptr,             # (B, H, T) fp32 key scales (HAS_R) and z weights (HAS_W)
     h_ptr, hz_ptr,            # out: per-chunk states (B, H, NT, Dk, Dv) and (B, H, NT, Dk)
     s0_ptr, z0_ptr,           # initial state (B, H, Dk, Dv), (B, H, Dk) fp32 (HAS_S0)
@@ -207,10 +262,10 @@ def chunk_state_kernel(
     m_k = o_k < Dk
     m_v = o_v < Dv
     if HAS_Z and i_v == tl.cdiv(Dv, BV):
-        _walk_z(k_ptr, g_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr, i_nh, i_st, i_h, row0, T_seq, n_lo, n_hi, c0,
+        _walk_z(k_ptr, ka_ptr, gl_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr, i_nh, i_st, row0, T_seq, n_lo, n_hi, c0,
                 first, o_k, m_k, Dk, BT, BK, DECAY, HAS_S0, STORE_ST, REVERSE, HAS_W)
     else:
-        _walk_S(k_ptr, v_ptr, g_ptr, r_ptr, h_ptr, s0_ptr, st_ptr, lg_ptr, lr_ptr, i_nh, i_st, i_h, row0, T_seq,
+        _walk_S(k_ptr, v_ptr, ka_ptr, gl_ptr, r_ptr, h_ptr, s0_ptr, st_ptr, lg_ptr, lr_ptr, i_nh, i_st, row0, T_seq,
                 n_lo, n_hi, c0, first, (i_k == 0) & (i_v == 0), o_k, o_v, m_k, m_v, Dk, Dv, BT, BK, BV, DECAY,
                 HAS_S0, STORE_ST, REVERSE, HAS_R, IS_SPLIT, DOT_PREC)
 
@@ -322,7 +377,7 @@ def chunk_states(
     Dv = v.shape[-1]
     k, v = k.contiguous(), v.contiguous()
     cfg = config or select_config("chunk_state", Dk, k.dtype, k.device)
-    cu, offsets, _, NT, n_seq = packed_layout(cu_seqlens, T, B, H, cfg["BT"])
+    cu, offsets, indices, NT, n_seq = packed_layout(cu_seqlens, T, B, H, cfg["BT"])
     f32 = dict(dtype=torch.float32, device=k.device)
     h = torch.empty(B, H, NT, Dk, Dv, dtype=state_dtype, device=k.device)
     hz = torch.empty(B, H, NT, Dk, **f32) if track_z else None
@@ -343,8 +398,10 @@ def chunk_states(
     g, r, w = _f32(log_decay), _f32(key_scale), _f32(z_weights)
     walked = (torch.empty(B * H * NT, **f32), torch.empty(B * H * splits, **f32)) if split and g is not None \
         else (None, None)
-    ptrs = [g, r, w, h, hz, S0, z0, S_T, z_T, *walked, cu, offsets, lengths]
     decay = 0 if g is None else (1 if g.dim() == 1 else 2)
+    decays = _chunk_decays(g, lengths, (cu, offsets, indices), B, H, T, NT, cfg["BT"], reverse) if decay \
+        else (None, None)
+    ptrs = [*decays, r, w, h, hz, S0, z0, S_T, z_T, *walked, cu, offsets, lengths]
     launchable(chunk_state_kernel, k.device)[(*tiles, n_seq * H * splits)](
         k, v, *(p if p is not None else h for p in ptrs),  # h stands in for pointers never touched
         T, H, Dk, Dv, NT, NS, splits, BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"], DECAY=decay, HAS_Z=track_z,
@@ -356,6 +413,23 @@ def chunk_states(
         return h, hz, S_T, z_T
     return (h, hz, *_merge_runs(h, hz, (S_T, z_T), walked, tiles, NS, splits, cfg, decay, store_final_state,
                                 reverse))
+
+
+def _chunk_decays(g: torch.Tensor, lengths: torch.Tensor | None, layout: tuple, B: int, H: int, T: int, NT: int,
+                  BT: int, reverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Launch `chunk_decay_kernel`: (exp(a) of every key, (B H NT BT,); g_last of every chunk,
+    (B H NT,)), fp32, NT chunks per (batch, head) row (all of them when packed, B = 1)."""
+    cu, offsets, indices = layout
+    ka = torch.empty(B * H * NT * BT, dtype=torch.float32, device=g.device)
+    gl = torch.empty(B * H * NT, dtype=torch.float32, device=g.device)
+    if ka.numel():
+        ptrs = [lengths, ka, gl, cu, offsets, indices]
+        cfg = select_config("chunk_decay", BT, g.dtype, g.device)
+        launchable(chunk_decay_kernel, g.device)[(NT, B * H)](
+            g, *(p if p is not None else ka for p in ptrs), T, H, NT, BT=BT, DECAY=1 if g.dim() == 1 else 2,
+            REVERSE=reverse, HAS_LEN=lengths is not None, IS_VARLEN=cu is not None,
+            num_warps=cfg["num_warps"], num_stages=1)
+    return ka, gl
 
 
 def _runs(splits: int | None, packed: bool, programs: int, NT: int, device) -> tuple[int, int]:
@@ -415,7 +489,8 @@ def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:
     """Signature and constexprs of `chunk_state_kernel`'s heaviest variant: the state gradient
     (reversed, scaled keys, weighted z) with per-token decay, initial and final state, split."""
     signature = {
-        "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "g_ptr": "*fp32", "r_ptr": "*fp32", "w_ptr": "*fp32",
+        "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "ka_ptr": "*fp32", "gl_ptr": "*fp32", "r_ptr": "*fp32",
+        "w_ptr": "*fp32",
         "h_ptr": "*fp32", "hz_ptr": "*fp32", "s0_ptr": "*fp32", "z0_ptr": "*fp32", "st_ptr": "*fp32",
         "zt_ptr": "*fp32", "lg_ptr": "*fp32", "lr_ptr": "*fp32", "cu_ptr": "*i32", "co_ptr": "*i32",
         "len_ptr": "*i32", "T": "i32", "H": "i32", "Dk": "i32", "Dv": "i32", "NT": "i32", "NS": "i32",
@@ -437,5 +512,15 @@ def compile_spec_merge(cfg: dict, dtype: str) -> tuple[dict, dict]:
                  "H": "i32", "Dk": "i32", "Dv": "i32", "NT": "i32", "NS": "i32", "n_splits": "i32"}
     constexprs = {"BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2, "HAS_Z": True, "STORE_ST": True,
                   "REVERSE": False}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    return signature, constexprs
+
+
+def compile_spec_decay(cfg: dict, dtype: str) -> tuple[dict, dict]:
+    """Signature and constexprs of `chunk_decay_kernel`'s heaviest variant (a log-decay per
+    token, the backward's dead tail, reversed); its inputs are fp32 whatever `dtype`."""
+    signature = {"g_ptr": "*fp32", "len_ptr": "*i32", "ka_ptr": "*fp32", "gl_ptr": "*fp32", "cu_ptr": "*i32",
+                 "co_ptr": "*i32", "ci_ptr": "*i32", "T": "i32", "H": "i32", "NT": "i32"}
+    constexprs = {"BT": cfg["BT"], "DECAY": 2, "REVERSE": True, "HAS_LEN": True, "IS_VARLEN": False}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return signature, constexprs

@@ -35,6 +35,7 @@ DIM_NAMES = {
     # the two-phase forward tiles both head dims: blocks of BK, whatever the head dim
     "chunk_state": ("BK", "BV"),      # one Dk block per program, Dv tiled
     "chunk_state_merge": ("BK", "BV"),  # split-T's merge: chunk_state's tiles (it gets its config)
+    "chunk_decay": ("BK", "BV"),      # chunk_state's decays: one chunk per program (BK, BV unused)
     "chunk_output": ("BK", "BV"),     # Dk looped in blocks of BK, Dv tiled
     "chunk_dqk": ("BK", "BV"),        # two-phase backward: Dk tiled, Dv looped in blocks of BV
     "chunk_dv": ("BK", "BV"),         # Dv tiled, Dk looped in blocks of BK
@@ -135,6 +136,7 @@ NUM_STAGES = {"mma16": 2, "sm90": 2, "fp32": 1, "sm75": 1}
 _TWO_PHASE: dict[str, dict[str, tuple[int, int, int, int]]] = {
     "chunk_state": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
     "chunk_state_merge": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
+    "chunk_decay": {"mma16": (64, 32, 32, 1), "fp32": (32, 32, 32, 1), "sm75": (32, 32, 32, 1)},
     "chunk_dqk": {"mma16": (64, 16, 16, 4), "sm90": (64, 64, 32, 8), "fp32": (32, 32, 32, 4),
                   "sm75": (32, 32, 16, 4)},
     "chunk_dv": {"mma16": (64, 32, 64, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},

@@ -306,7 +306,10 @@ def two_phase_forward_traffic(
                   Per key block two products (scores, q S), then one (scores @ v).
 
     decay: None, "head" (one scalar, one load per program and chunk it is read in: counted
-    as 4 bytes per load) or "token" (fp32 per token, read by every program that walks it).
+    as 4 bytes per load) or "token" (fp32 per token, read by every output program that
+    reads its chunk). Before the state programs walk, `chunk_decay_kernel` reads it once per
+    chunk (the scalar) or token and stores every chunk's BT key decays and its g_last (fp32),
+    which every state program reads back.
     """
     BT, K1, V1 = state_config["BT"], state_config["BK"], state_config["BV"]
     K2, V2 = output_config["BK"], output_config["BV"]
@@ -314,7 +317,8 @@ def two_phase_forward_traffic(
         raise ValueError("two_phase_forward_traffic: the two phases share one chunk length")
     NT, nk, nv = math.ceil(T / BT), math.ceil(Dk / K1), math.ceil(Dv / V1)
     walkers = nk * nv + (nk if normalize else 0)        # programs that walk the sequence
-    g_state = {None: 0, "head": walkers * NT * 4, "token": walkers * T * 4}[decay]
+    decays = NT * BT * 4 + NT * 4                       # chunk_decay_kernel's output
+    g_state = 0 if decay is None else {"head": NT * 4, "token": T * 4}[decay] + (1 + walkers) * decays
     state_in = nv * T * Dk * dtype_bytes + nk * T * Dv * dtype_bytes + g_state
     state_in += T * Dk * dtype_bytes if normalize else 0    # the z programs: k once more
     state_out = NT * Dk * Dv * state_bytes + (NT * Dk * 4 if normalize else 0)

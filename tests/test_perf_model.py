@@ -167,10 +167,14 @@ def test_census_of_the_forward_has_the_launchers_grids(target):
 def test_census_of_each_compared_op(normalize, decay):
     B, H, T, D = 2, 2, 256, 64
     cen = pm.census(B, H, T, D, normalize=normalize, decay=decay)
-    state = cen["forward"][0]
+    state = next(c for c in cen["forward"] if c.kernel == "chunk_state_kernel")
     assert state.args["DECAY"] == pm.DECAYS.index(decay) and state.args["HAS_Z"] == normalize
+    # a decay's exps are taken before each state pass, for all chunks at once (chunk_decay_kernel)
+    decays = [c for part in cen.values() for c in part if c.kernel == "chunk_decay_kernel"]
+    assert len(decays) == (0 if decay is None else 3) and cen["forward"][-2] is state
     if decay is not None:
-        assert state.args["g_ptr"].shape == ((H,) if decay == "head" else (B, H, T))
+        assert decays[0].args["g_ptr"].shape == ((H,) if decay == "head" else (B, H, T))
+        assert state.args["ka_ptr"].shape == (B * H * -(-T // state.args["BT"]) * state.args["BT"],)
     # the per-token decay's gradient is a suffix sum in torch; a per-head decay is fixed (no gradient)
     assert (len(_ops(cen["backward"])) > 3) == (decay == "token")
     # every kernel the model meets has its re-read rule (an empty one says: none)
