@@ -43,7 +43,7 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import chunk_log_decays
-from .chunk_state import chunk_states, load_log_decay
+from .chunk_state import chunk_states, load_log_decay, state_config
 from .configs import dot_precision, launchable, select_config
 from .sequences import chunk_of_program, first_chunk, packed_layout, sequence_rows
 
@@ -319,7 +319,8 @@ def chunk_bwd_two_phase(
     sequences (sequences.py; no dead tail).
     """
     B, H, T, Dk = q.shape
-    cfg_s = select_config("chunk_state", Dk, q.dtype, q.device)
+    cfg_s = state_config(Dk, v.shape[-1], H * (B if cu_seqlens is None else cu_seqlens.numel() - 1), q.dtype,
+                         q.device)
     cfg_dqk = select_config("chunk_dqk", Dk, q.dtype, q.device)
     cfg_dv = select_config("chunk_dv", Dk, q.dtype, q.device)
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))

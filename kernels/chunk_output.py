@@ -37,7 +37,7 @@ import triton
 import triton.language as tl
 
 from .chunk_fwd import chunk_log_decays
-from .chunk_state import chunk_states, load_log_decay
+from .chunk_state import chunk_states, load_log_decay, state_config
 from .configs import dot_precision, launchable, select_config
 from .sequences import chunk_of_program, first_chunk, packed_layout, sequence_rows
 
@@ -189,16 +189,17 @@ def chunk_fwd_two_phase(
     dtype; log_decay None, (H,) or (B, H, T); initial_state (S0, z0 or None). o has the dtype
     of v; den = d + eps (fp32) when normalize, else None; S_final, z_final fp32 when
     store_final_state (z_final only when normalize), else None. configs: (chunk_state's,
-    chunk_output's), default `select_config`; their chunk lengths BT must agree. cu_seqlens:
-    packed sequences (sequences.py; B = 1, states one per sequence). state_dtype: the dtype
-    the entry states are stored in between the phases; None: bf16 for bf16 inputs (as fla
-    stores them: half the traffic of the largest tensor, and an inter-chunk term rounded as
-    the inputs are; the backward recomputes its states in fp32), fp32 otherwise (fp16 has
-    too little range for a state summed over thousands of tokens).
+    chunk_output's), default `state_config`'s and `select_config`'s; their chunk lengths BT
+    must agree. cu_seqlens: packed sequences (sequences.py; B = 1, states one per sequence).
+    state_dtype: the dtype the entry states are stored in between the phases; None: bf16
+    for bf16 inputs (as fla stores them: half the traffic of the largest tensor, and an
+    inter-chunk term rounded as the inputs are; the backward recomputes its states in fp32),
+    fp32 otherwise (fp16 has too little range for a state summed over thousands of tokens).
     """
-    Dk = q.shape[-1]
+    B, H, _, Dk = q.shape
     if configs is None:
-        configs = (select_config("chunk_state", Dk, q.dtype, q.device),
+        rows = H * (B if cu_seqlens is None else cu_seqlens.numel() - 1)
+        configs = (state_config(Dk, v.shape[-1], rows, q.dtype, q.device),
                    select_config("chunk_output", Dk, q.dtype, q.device))
     cfg_state, cfg_out = configs
     if cfg_state["BT"] != cfg_out["BT"]:

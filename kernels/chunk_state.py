@@ -376,7 +376,8 @@ def chunk_states(
     B, H, T, Dk = k.shape
     Dv = v.shape[-1]
     k, v = k.contiguous(), v.contiguous()
-    cfg = config or select_config("chunk_state", Dk, k.dtype, k.device)
+    rows = H * (B if cu_seqlens is None else cu_seqlens.numel() - 1)
+    cfg = config or state_config(Dk, Dv, rows, k.dtype, k.device)
     cu, offsets, indices, NT, n_seq = packed_layout(cu_seqlens, T, B, H, cfg["BT"])
     f32 = dict(dtype=torch.float32, device=k.device)
     h = torch.empty(B, H, NT, Dk, Dv, dtype=state_dtype, device=k.device)
@@ -483,6 +484,19 @@ def split_count(programs: int, n_chunks: int, sms: int | None, min_chunks: int =
     if sms is None or programs >= sms:
         return 1
     return max(1, min(-(-2 * sms // programs), n_chunks // min_chunks))
+
+
+def state_config(Dk: int, Dv: int, rows: int, dtype: torch.dtype, device) -> dict:
+    """The config of a state pass over `rows` (batch, head) rows: "chunk_state"'s, or
+    "chunk_state_wide"'s (wider value tiles, same BT) when the narrow tiles' programs would
+    be more than 4 per SM of `device`'s (4-warp programs: beyond 4 per SM they take turns on
+    the schedulers, so the SM issues all their instructions and the wider tiles' fewer win;
+    configs.py has the numbers). Off a GPU (no SM count): the narrow config."""
+    cfg = select_config("chunk_state", Dk, dtype, device)
+    sms = multiprocessor_count(device)
+    if sms is not None and triton.cdiv(Dk, cfg["BK"]) * triton.cdiv(Dv, cfg["BV"]) * rows > 4 * sms:
+        return select_config("chunk_state_wide", Dk, dtype, device)
+    return cfg
 
 
 def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:

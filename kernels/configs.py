@@ -34,6 +34,7 @@ DIM_NAMES = {
     "favor": ("BD", "BM"),            # input dim whole, random features tiled (looped)
     # the two-phase forward tiles both head dims: blocks of BK, whatever the head dim
     "chunk_state": ("BK", "BV"),      # one Dk block per program, Dv tiled
+    "chunk_state_wide": ("BK", "BV"),  # chunk_state with wider value tiles, for many programs (`state_config`)
     "chunk_state_merge": ("BK", "BV"),  # split-T's merge: chunk_state's tiles (it gets its config)
     "chunk_decay": ("BK", "BV"),      # chunk_state's decays: one chunk per program (BK, BV unused)
     "chunk_output": ("BK", "BV"),     # Dk looped in blocks of BK, Dv tiled
@@ -133,8 +134,20 @@ NUM_STAGES = {"mma16": 2, "sm90": 2, "fp32": 1, "sm75": 1}
 #   output 32 x 64 on 8 warps 97 registers, 2 CTAs, 1,312 for 2 value tiles per chunk (16 x 32:
 #   1,616 for each of 4). Without divisibility both take 175-230 registers (1 CTA), no spills.
 #   The same blocks on sm_80 spill 56-86 instructions even aligned: Ampere keeps mma16.
+#   Output with 64-wide Dk blocks would issue less (bf16: 1,219 instructions for 1,315, 98
+#   registers) but spills 68 in fp16 (fp32 states) on sm_90; BV = 128 (one value tile) needs
+#   159-165 registers on 8 warps: 1 CTA, 1,589.
+#   chunk_state_wide (sm90): 32 x 64 state tiles, for launches of many programs
+#   (`chunk_state.state_config`). At B * H = 64 (H200, D = 128, bf16, per-token decay) the
+#   32 x 32 tiles give 1,024 programs of 70 registers: 7 CTAs per SM, so 2 waves, each warp
+#   sharing its scheduler with 6 others (173 instructions per chunk, ~355 us of issue against
+#   225 us of HBM); 32 x 64 tiles give 512 programs of 96 registers, 5 CTAs, one wave of at
+#   most 4 per SM (233 per chunk: 137 us, HBM-bound). At B * H = 16 the 256 narrow programs
+#   leave the schedulers idle and the wide ones would need split-T's merge: narrow there.
 _TWO_PHASE: dict[str, dict[str, tuple[int, int, int, int]]] = {
     "chunk_state": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
+    "chunk_state_wide": {"mma16": (64, 32, 32, 4), "sm90": (64, 32, 64, 4), "fp32": (32, 32, 32, 4),
+                         "sm75": (32, 32, 32, 4)},
     "chunk_state_merge": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
     "chunk_decay": {"mma16": (64, 32, 32, 1), "fp32": (32, 32, 32, 1), "sm75": (32, 32, 32, 1)},
     "chunk_dqk": {"mma16": (64, 16, 16, 4), "sm90": (64, 64, 32, 8), "fp32": (32, 32, 32, 4),

@@ -408,6 +408,31 @@ def test_split_state_pass_equals_one_walk(case):
             assert rel(a, b) < 1e-6, (splits, name, rel(a, b))
 
 
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reversed"])
+def test_wide_state_tiles_equal_the_narrow_ones(reverse):
+    """The sm_90 config `state_config` picks for launches of many programs (value tiles of 64,
+    "chunk_state_wide") walks the same states as the narrow one: entry states, final states and
+    z, forward and reversed (key scales, z weights), a per-token decay with a reset, Dv = 100
+    (two wide value tiles, the last one masked), fp32 and fp16 in the interpreter."""
+    wide = K.select_config("chunk_state_wide", 128, torch.bfloat16, K.TARGETS["sm_90"])
+    narrow = K.select_config("chunk_state", 128, torch.bfloat16, K.TARGETS["sm_90"])
+    assert wide["BV"] > narrow["BV"] and wide["BT"] == narrow["BT"]
+    for dtype in (torch.float32, torch.float16):
+        x = make_inputs(2, 1, 150, 48, 100, "token-reset", True, True, dtype, seed=11)
+        d = _on_device(x)
+        kw = dict(log_decay=d["g"], initial_state=(d["S0"], d["z0"]), store_final_state=True, reverse=reverse,
+                  track_z=True)
+        if reverse:
+            gen = torch.Generator().manual_seed(12)
+            kw.update(key_scale=(torch.rand(2, 1, 150, generator=gen) + 0.5).to(DEVICE),
+                      z_weights=torch.randn(2, 1, 150, generator=gen).to(DEVICE))
+        want = K.chunk_states(d["k"], d["v"], config=dict(narrow, num_stages=1), **kw)
+        got = K.chunk_states(d["k"], d["v"], config=dict(wide, num_stages=1), **kw)
+        for name, a, b in zip(("h", "hz", "S_T", "z_T"), got, want):
+            assert a.shape == b.shape and a.dtype == b.dtype, name
+            assert rel(a, b) < 1e-6, (dtype, name, rel(a, b))
+
+
 def test_split_count_fills_the_gpu_only_when_the_grid_does_not():
     """One run off a GPU or when the programs occupy every SM; else about two programs per
     SM, runs of at least 16 chunks; packed sequences are not split."""

@@ -249,7 +249,7 @@ def _results_the_pages_load() -> list[str]:
 def test_installed_copy_loads_every_result_a_page_reads(installed):
     python, env, home = installed
     names = _results_the_pages_load()
-    assert {"mqar.json", "crossover_cpu.json", "charlm.json", "perf_model.json"} <= set(names), names
+    assert {"mqar_zoology.json", "crossover_cpu.json", "charlm.json", "perf_model.json"} <= set(names), names
     code = textwrap.dedent("""
         import json, sys
         from linattn_lib.results import load_result, result_path
