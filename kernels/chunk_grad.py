@@ -320,7 +320,7 @@ def chunk_bwd_two_phase(
     """
     B, H, T, Dk = q.shape
     cfg_s = state_config(Dk, v.shape[-1], H * (B if cu_seqlens is None else cu_seqlens.numel() - 1), q.dtype,
-                         q.device)
+                         q.device, den is not None)
     cfg_dqk = select_config("chunk_dqk", Dk, q.dtype, q.device)
     cfg_dv = select_config("chunk_dv", Dk, q.dtype, q.device)
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))

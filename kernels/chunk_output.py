@@ -199,7 +199,7 @@ def chunk_fwd_two_phase(
     B, H, _, Dk = q.shape
     if configs is None:
         rows = H * (B if cu_seqlens is None else cu_seqlens.numel() - 1)
-        configs = (state_config(Dk, v.shape[-1], rows, q.dtype, q.device),
+        configs = (state_config(Dk, v.shape[-1], rows, q.dtype, q.device, normalize),
                    select_config("chunk_output", Dk, q.dtype, q.device))
     cfg_state, cfg_out = configs
     if cfg_state["BT"] != cfg_out["BT"]:

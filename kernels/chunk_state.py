@@ -377,7 +377,7 @@ def chunk_states(
     Dv = v.shape[-1]
     k, v = k.contiguous(), v.contiguous()
     rows = H * (B if cu_seqlens is None else cu_seqlens.numel() - 1)
-    cfg = config or state_config(Dk, Dv, rows, k.dtype, k.device)
+    cfg = config or state_config(Dk, Dv, rows, k.dtype, k.device, track_z)
     cu, offsets, indices, NT, n_seq = packed_layout(cu_seqlens, T, B, H, cfg["BT"])
     f32 = dict(dtype=torch.float32, device=k.device)
     h = torch.empty(B, H, NT, Dk, Dv, dtype=state_dtype, device=k.device)
@@ -486,15 +486,24 @@ def split_count(programs: int, n_chunks: int, sms: int | None, min_chunks: int =
     return max(1, min(-(-2 * sms // programs), n_chunks // min_chunks))
 
 
-def state_config(Dk: int, Dv: int, rows: int, dtype: torch.dtype, device) -> dict:
-    """The config of a state pass over `rows` (batch, head) rows: "chunk_state"'s, or
-    "chunk_state_wide"'s (wider value tiles, same BT) when the narrow tiles' programs would
-    be more than 4 per SM of `device`'s (4-warp programs: beyond 4 per SM they take turns on
-    the schedulers, so the SM issues all their instructions and the wider tiles' fewer win;
-    configs.py has the numbers). Off a GPU (no SM count): the narrow config."""
+def state_config(Dk: int, Dv: int, rows: int, dtype: torch.dtype, device, track_z: bool = True) -> dict:
+    """The config of a state pass over `rows` (batch, head) rows, by how many programs the
+    narrow tiles ("chunk_state") give per SM of `device`: 1 to 2, "chunk_state_few" (the
+    same tiles on 8 warps: the schedulers would otherwise idle, each warp waiting on its own
+    chain; below 1 split-T makes about 2 per SM of the narrow ones, `split_count`, whose
+    rounding up can leave 3 on some SMs); more than 4, "chunk_state_wide" (wider value tiles, same BT: beyond 4 4-warp
+    programs per SM they take turns on the schedulers, so the SM issues all their
+    instructions and the wider tiles' fewer win); else the narrow config. z's column of
+    programs counts when `track_z`. configs.py has the numbers. Off a GPU (no SM count):
+    the narrow config."""
     cfg = select_config("chunk_state", Dk, dtype, device)
     sms = multiprocessor_count(device)
-    if sms is not None and triton.cdiv(Dk, cfg["BK"]) * triton.cdiv(Dv, cfg["BV"]) * rows > 4 * sms:
+    if sms is None:
+        return cfg
+    programs = triton.cdiv(Dk, cfg["BK"]) * (triton.cdiv(Dv, cfg["BV"]) + int(track_z)) * rows
+    if sms <= programs <= 2 * sms:
+        return select_config("chunk_state_few", Dk, dtype, device)
+    if programs > 4 * sms:
         return select_config("chunk_state_wide", Dk, dtype, device)
     return cfg
 

@@ -35,6 +35,7 @@ DIM_NAMES = {
     # the two-phase forward tiles both head dims: blocks of BK, whatever the head dim
     "chunk_state": ("BK", "BV"),      # one Dk block per program, Dv tiled
     "chunk_state_wide": ("BK", "BV"),  # chunk_state with wider value tiles, for many programs (`state_config`)
+    "chunk_state_few": ("BK", "BV"),  # chunk_state on 8 warps, for launches of few programs (`state_config`)
     "chunk_state_merge": ("BK", "BV"),  # split-T's merge: chunk_state's tiles (it gets its config)
     "chunk_decay": ("BK", "BV"),      # chunk_state's decays: one chunk per program (BK, BV unused)
     "chunk_output": ("BK", "BV"),     # Dk looped in blocks of BK, Dv tiled
@@ -144,10 +145,21 @@ NUM_STAGES = {"mma16": 2, "sm90": 2, "fp32": 1, "sm75": 1}
 #   225 us of HBM); 32 x 64 tiles give 512 programs of 96 registers, 5 CTAs, one wave of at
 #   most 4 per SM (233 per chunk: 137 us, HBM-bound). At B * H = 16 the 256 narrow programs
 #   leave the schedulers idle and the wide ones would need split-T's merge: narrow there.
+#   chunk_state_few (mma16, sm90): the narrow tiles on 8 warps, for launches of at most 2
+#   programs per SM (B * H = 16 at D = 128 on 132 SMs without z: 256 programs; with z's
+#   column 320, narrow). There each scheduler has 2 warps and a warp issues at most one
+#   instruction per ~4 cycles: the walk is bound by its chain, and 8 warps split the tile's
+#   loads, decays and stores between twice as many warps (the loop's one tl.dot spreads
+#   over warps [2, 4]). sm_90, bf16, D = 128, per-token decay, SASS per chunk (4 -> 8
+#   warps): forward 173 -> 112, reversed 186 -> 115; 40 registers. Folding z into the
+#   programs of value tile 0 (a product with ones) would give 256 programs when normalised
+#   too, but a second tl.dot in the loop makes Triton put all 8 warps along M = 32 (six
+#   repeat the rows of two), and in a branch of its own the key tile is no longer pipelined.
 _TWO_PHASE: dict[str, dict[str, tuple[int, int, int, int]]] = {
     "chunk_state": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
     "chunk_state_wide": {"mma16": (64, 32, 32, 4), "sm90": (64, 32, 64, 4), "fp32": (32, 32, 32, 4),
                          "sm75": (32, 32, 32, 4)},
+    "chunk_state_few": {"mma16": (64, 32, 32, 8), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
     "chunk_state_merge": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
     "chunk_decay": {"mma16": (64, 32, 32, 1), "fp32": (32, 32, 32, 1), "sm75": (32, 32, 32, 1)},
     "chunk_dqk": {"mma16": (64, 16, 16, 4), "sm90": (64, 64, 32, 8), "fp32": (32, 32, 32, 4),

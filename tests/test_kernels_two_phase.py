@@ -409,14 +409,16 @@ def test_split_state_pass_equals_one_walk(case):
 
 
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reversed"])
-def test_wide_state_tiles_equal_the_narrow_ones(reverse):
-    """The sm_90 config `state_config` picks for launches of many programs (value tiles of 64,
-    "chunk_state_wide") walks the same states as the narrow one: entry states, final states and
-    z, forward and reversed (key scales, z weights), a per-token decay with a reset, Dv = 100
-    (two wide value tiles, the last one masked), fp32 and fp16 in the interpreter."""
-    wide = K.select_config("chunk_state_wide", 128, torch.bfloat16, K.TARGETS["sm_90"])
+@pytest.mark.parametrize("name", ["chunk_state_wide", "chunk_state_few"])
+def test_wide_state_tiles_equal_the_narrow_ones(reverse, name):
+    """The sm_90 configs `state_config` picks for launches of many programs (value tiles of 64,
+    "chunk_state_wide") and of few (8 warps, "chunk_state_few") walk the same states as the
+    narrow one: entry states, final states and z, forward and reversed (key scales, z
+    weights), a per-token decay with a reset, Dv = 100 (the last value tile masked), fp32 and
+    fp16 in the interpreter."""
+    wide = K.select_config(name, 128, torch.bfloat16, K.TARGETS["sm_90"])
     narrow = K.select_config("chunk_state", 128, torch.bfloat16, K.TARGETS["sm_90"])
-    assert wide["BV"] > narrow["BV"] and wide["BT"] == narrow["BT"]
+    assert (wide["BV"], wide["num_warps"]) != (narrow["BV"], narrow["num_warps"]) and wide["BT"] == narrow["BT"]
     for dtype in (torch.float32, torch.float16):
         x = make_inputs(2, 1, 150, 48, 100, "token-reset", True, True, dtype, seed=11)
         d = _on_device(x)
@@ -460,3 +462,20 @@ def test_split_engine_forward_and_backward(monkeypatch):
     assert sorted(g3) == sorted(g1)
     for name in g1:
         assert rel(g3[name], g1[name]) < 1e-5, (name, rel(g3[name], g1[name]))
+
+
+def test_state_config_follows_the_programs_per_sm(monkeypatch):
+    """`state_config` on an sm_90 of 132 SMs at D = 128: 8 warps for 1 to 2 narrow programs
+    per SM (B * H = 16 without z: 256 programs), the narrow config below (split-T's) and up
+    to 4 (B * H = 32 without z, B * H = 16 with z's column: 320), the wide tiles beyond
+    (B * H = 64); off a GPU always the narrow config."""
+    pick = lambda rows, z: K.chunk_state.state_config(128, 128, rows, torch.bfloat16, "cuda", z)
+    narrow = K.select_config("chunk_state", 128, torch.bfloat16, K.TARGETS["sm_90"])
+    monkeypatch.setattr(K.configs, "device_capability", lambda d: K.TARGETS["sm_90"])
+    monkeypatch.setattr(K.chunk_state, "multiprocessor_count", lambda d: None)
+    assert pick(16, False) == narrow
+    monkeypatch.setattr(K.chunk_state, "multiprocessor_count", lambda d: 132)
+    assert pick(16, False) == K.select_config("chunk_state_few", 128, torch.bfloat16, K.TARGETS["sm_90"])
+    assert pick(16, False)["num_warps"] == 8
+    assert pick(32, False) == narrow and pick(16, True) == narrow and pick(4, False) == narrow
+    assert pick(64, False) == K.select_config("chunk_state_wide", 128, torch.bfloat16, K.TARGETS["sm_90"])
