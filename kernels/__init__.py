@@ -83,6 +83,7 @@ KERNELS = {
     "chunk_state": (chunk_state_kernel, _chunk_state_spec),
     "chunk_state_wide": (chunk_state_kernel, _chunk_state_spec),
     "chunk_state_few": (chunk_state_kernel, _chunk_state_spec),
+    "chunk_state_few_wide": (chunk_state_kernel, _chunk_state_spec),
     "chunk_state_merge": (chunk_state_merge_kernel, _chunk_state_merge_spec),
     "chunk_decay": (chunk_decay_kernel, _chunk_decay_spec),
     "chunk_output": (chunk_output_kernel, _chunk_output_spec),

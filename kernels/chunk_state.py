@@ -487,25 +487,33 @@ def split_count(programs: int, n_chunks: int, sms: int | None, min_chunks: int =
 
 
 def state_config(Dk: int, Dv: int, rows: int, dtype: torch.dtype, device, track_z: bool = True) -> dict:
-    """The config of a state pass over `rows` (batch, head) rows, by how many programs the
-    narrow tiles ("chunk_state") give per SM of `device`: 1 to 2, "chunk_state_few" (the
-    same tiles on 8 warps: the schedulers would otherwise idle, each warp waiting on its own
-    chain; below 1 split-T makes about 2 per SM of the narrow ones, `split_count`, whose
-    rounding up can leave 3 on some SMs); more than 4, "chunk_state_wide" (wider value tiles, same BT: beyond 4 4-warp
-    programs per SM they take turns on the schedulers, so the SM issues all their
-    instructions and the wider tiles' fewer win); else the narrow config. z's column of
-    programs counts when `track_z`. configs.py has the numbers. Off a GPU (no SM count):
-    the narrow config."""
-    cfg = select_config("chunk_state", Dk, dtype, device)
+    """The config of a state pass over `rows` (batch, head) rows, by how many programs it
+    launches per SM of `device` (z's column of programs counted when `track_z`):
+
+    1 to 2    8 warps a program: "chunk_state_few" (the narrow tiles), else
+              "chunk_state_few_wide" (wider value tiles, fewer programs) if that brings
+              the count into this range. Each scheduler would otherwise hold 2 warps, each
+              waiting on its own chain; 8 share a tile's loads, decays and stores;
+    below 1   the narrow config: split-T makes about 2 per SM of those (`split_count`,
+              whose rounding up can leave 3 on some SMs);
+    above 4   "chunk_state_wide" (4 warps, wider value tiles, same BT): beyond 4 4-warp
+              programs per SM they take turns on the schedulers, so the SM issues all
+              their instructions and the wider tiles' fewer win;
+    else      the narrow config, "chunk_state".
+
+    configs.py has the numbers. Off a GPU (no SM count): the narrow config."""
+    narrow = select_config("chunk_state", Dk, dtype, device)
     sms = multiprocessor_count(device)
     if sms is None:
-        return cfg
-    programs = triton.cdiv(Dk, cfg["BK"]) * (triton.cdiv(Dv, cfg["BV"]) + int(track_z)) * rows
-    if sms <= programs <= 2 * sms:
-        return select_config("chunk_state_few", Dk, dtype, device)
-    if programs > 4 * sms:
+        return narrow
+    count = lambda cfg: triton.cdiv(Dk, cfg["BK"]) * (triton.cdiv(Dv, cfg["BV"]) + int(track_z)) * rows
+    for name in ("chunk_state_few", "chunk_state_few_wide"):
+        cfg = select_config(name, Dk, dtype, device)
+        if count(narrow) >= sms and sms <= count(cfg) <= 2 * sms:
+            return cfg
+    if count(narrow) > 4 * sms:
         return select_config("chunk_state_wide", Dk, dtype, device)
-    return cfg
+    return narrow
 
 
 def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:

@@ -36,6 +36,7 @@ DIM_NAMES = {
     "chunk_state": ("BK", "BV"),      # one Dk block per program, Dv tiled
     "chunk_state_wide": ("BK", "BV"),  # chunk_state with wider value tiles, for many programs (`state_config`)
     "chunk_state_few": ("BK", "BV"),  # chunk_state on 8 warps, for launches of few programs (`state_config`)
+    "chunk_state_few_wide": ("BK", "BV"),  # chunk_state_wide's tiles on 8 warps, likewise
     "chunk_state_merge": ("BK", "BV"),  # split-T's merge: chunk_state's tiles (it gets its config)
     "chunk_decay": ("BK", "BV"),      # chunk_state's decays: one chunk per program (BK, BV unused)
     "chunk_output": ("BK", "BV"),     # Dk looped in blocks of BK, Dv tiled
@@ -155,11 +156,17 @@ NUM_STAGES = {"mma16": 2, "sm90": 2, "fp32": 1, "sm75": 1}
 #   programs of value tile 0 (a product with ones) would give 256 programs when normalised
 #   too, but a second tl.dot in the loop makes Triton put all 8 warps along M = 32 (six
 #   repeat the rows of two), and in a branch of its own the key tile is no longer pipelined.
+#   chunk_state_few_wide (sm90): chunk_state_wide's 32 x 64 tiles on 8 warps, for the
+#   normalised pass at B * H = 16 (4 x 3 x 16 = 192 programs with z's column, where the
+#   narrow tiles give 320): SASS per chunk, no decay, 148 -> 125 forward, 169 -> 134
+#   reversed; per-head decay 184 -> 156, 224 -> 177.
 _TWO_PHASE: dict[str, dict[str, tuple[int, int, int, int]]] = {
     "chunk_state": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
     "chunk_state_wide": {"mma16": (64, 32, 32, 4), "sm90": (64, 32, 64, 4), "fp32": (32, 32, 32, 4),
                          "sm75": (32, 32, 32, 4)},
     "chunk_state_few": {"mma16": (64, 32, 32, 8), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
+    "chunk_state_few_wide": {"mma16": (64, 32, 32, 8), "sm90": (64, 32, 64, 8), "fp32": (32, 32, 32, 4),
+                             "sm75": (32, 32, 32, 4)},
     "chunk_state_merge": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
     "chunk_decay": {"mma16": (64, 32, 32, 1), "fp32": (32, 32, 32, 1), "sm75": (32, 32, 32, 1)},
     "chunk_dqk": {"mma16": (64, 16, 16, 4), "sm90": (64, 64, 32, 8), "fp32": (32, 32, 32, 4),

@@ -90,7 +90,7 @@ GATE_DTYPE = "bf16"
 PARALLEL_KERNELS = ("chunk_output", "chunk_dqk", "chunk_dv", "chunk_bwd_prep")
 MIN_CTAS = 2
 # Kernels whose loops load tiles that feed tl.dot: those loads must be software-pipelined.
-PIPELINED_KERNELS = ("chunk_state", "chunk_state_wide", "chunk_state_few", "chunk_output", "chunk_dqk", "chunk_dv")
+PIPELINED_KERNELS = ("chunk_state", "chunk_state_wide", "chunk_state_few", "chunk_state_few_wide", "chunk_output", "chunk_dqk", "chunk_dv")
 
 
 def _kernels():

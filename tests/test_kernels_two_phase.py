@@ -409,7 +409,7 @@ def test_split_state_pass_equals_one_walk(case):
 
 
 @pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reversed"])
-@pytest.mark.parametrize("name", ["chunk_state_wide", "chunk_state_few"])
+@pytest.mark.parametrize("name", ["chunk_state_wide", "chunk_state_few", "chunk_state_few_wide"])
 def test_wide_state_tiles_equal_the_narrow_ones(reverse, name):
     """The sm_90 configs `state_config` picks for launches of many programs (value tiles of 64,
     "chunk_state_wide") and of few (8 warps, "chunk_state_few") walk the same states as the
@@ -465,10 +465,11 @@ def test_split_engine_forward_and_backward(monkeypatch):
 
 
 def test_state_config_follows_the_programs_per_sm(monkeypatch):
-    """`state_config` on an sm_90 of 132 SMs at D = 128: 8 warps for 1 to 2 narrow programs
-    per SM (B * H = 16 without z: 256 programs), the narrow config below (split-T's) and up
-    to 4 (B * H = 32 without z, B * H = 16 with z's column: 320), the wide tiles beyond
-    (B * H = 64); off a GPU always the narrow config."""
+    """`state_config` on an sm_90 of 132 SMs at D = 128: 8 warps for 1 to 2 programs per SM
+    (B * H = 16: 256 narrow programs without z; with z's column the narrow tiles give 320,
+    the wide ones 192; B * H = 32 without z: 512 narrow, 256 wide), the narrow config below
+    (split-T's), the wide tiles on 4 warps beyond (B * H = 64); off a GPU always the narrow
+    config."""
     pick = lambda rows, z: K.chunk_state.state_config(128, 128, rows, torch.bfloat16, "cuda", z)
     narrow = K.select_config("chunk_state", 128, torch.bfloat16, K.TARGETS["sm_90"])
     monkeypatch.setattr(K.configs, "device_capability", lambda d: K.TARGETS["sm_90"])
@@ -477,5 +478,7 @@ def test_state_config_follows_the_programs_per_sm(monkeypatch):
     monkeypatch.setattr(K.chunk_state, "multiprocessor_count", lambda d: 132)
     assert pick(16, False) == K.select_config("chunk_state_few", 128, torch.bfloat16, K.TARGETS["sm_90"])
     assert pick(16, False)["num_warps"] == 8
-    assert pick(32, False) == narrow and pick(16, True) == narrow and pick(4, False) == narrow
+    few_wide = K.select_config("chunk_state_few_wide", 128, torch.bfloat16, K.TARGETS["sm_90"])
+    assert pick(16, True) == few_wide and pick(32, False) == few_wide
+    assert pick(4, False) == narrow and pick(4, True) == narrow
     assert pick(64, False) == K.select_config("chunk_state_wide", 128, torch.bfloat16, K.TARGETS["sm_90"])
