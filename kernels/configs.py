@@ -145,8 +145,8 @@ NUM_STAGES = {"mma16": 2, "sm90": 2, "fp32": 1, "sm75": 1}
 #   sharing its scheduler with 6 others (173 instructions per chunk, ~355 us of issue against
 #   225 us of HBM); 32 x 64 tiles give 512 programs of 96 registers, 5 CTAs, one wave of at
 #   most 4 per SM (233 per chunk: 137 us, HBM-bound). At B * H = 16 the 256 narrow programs
-#   leave the schedulers idle and the wide ones would need split-T's merge: narrow there.
-#   chunk_state_few (mma16, sm90): the narrow tiles on 8 warps, for launches of at most 2
+#   of 4 warps leave the schedulers idle: the two configs below.
+#   chunk_state_few (mma16, sm90): the narrow tiles on 8 warps, for launches of 1 to 2
 #   programs per SM (B * H = 16 at D = 128 on 132 SMs without z: 256 programs; with z's
 #   column 320, narrow). There each scheduler has 2 warps and a warp issues at most one
 #   instruction per ~4 cycles: the walk is bound by its chain, and 8 warps split the tile's
