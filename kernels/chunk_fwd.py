@@ -123,12 +123,10 @@ def _gap(hi_a, lo_a, hi_b, lo_b):
 
 
 @triton.jit
-def _head_log_decays(g, o_t, REVERSE: tl.constexpr):
-    """chunk_log_decays when every token decays by the same g_h: a sum over n tokens is n g_h
-    (one rounding, no scan). The first n tokens are real, the rest padding (g = 0); with
-    g_h = 0 every decay is 0, whatever n."""
-    g_h = tl.min(g, axis=0)
-    n = tl.sum(tl.where(g < 0, 1.0, 0.0), axis=0)
+def head_log_decays(g_h, n, o_t, REVERSE: tl.constexpr):
+    """chunk_log_decays when every token decays by the same g_h (a scalar): a sum over m tokens
+    is m g_h (one rounding, no scan). The first n tokens of the chunk are real, the rest
+    padding (n a scalar, 0 <= n <= BT); with g_h = 0 every decay is 0, whatever n."""
     i = o_t.to(tl.float32)
     gc = tl.minimum(i + 1.0, n) * g_h                   # g_start + ... + g_i
     after = tl.maximum(n - 1.0 - i, 0.0) * g_h          # g_{j+1} + ... + g_last
@@ -170,8 +168,9 @@ def chunk_log_decays(g, o_t, BT: tl.constexpr, REVERSE: tl.constexpr, PER_HEAD: 
     sequential state kernel uses only the 1-d decays: lo is not compiled there.) All are
     <= 0 (L is clamped: its exact value is), so exp never overflows.
     """
-    if PER_HEAD:
-        return _head_log_decays(g, o_t, REVERSE)
+    if PER_HEAD:  # the real tokens are those with g < 0 (with g_h = 0 the count does not matter)
+        n = tl.sum(tl.where(g < 0, 1.0, 0.0), axis=0)
+        return head_log_decays(tl.min(g, axis=0), n, o_t, REVERSE)
     g_last = tl.sum(g, axis=0)
     gc = tl.cumsum(g, axis=0)                           # g_start + ... + g_i
     g_next = _shifted(g, o_t, BT)                       # g_next[j] = g_{j+1}, 0 at the end

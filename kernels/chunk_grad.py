@@ -31,7 +31,10 @@ of dO). The products that carry r or e (W with k and q, the state terms) are fp3
 (tf32 for 16-bit inputs, fp32 range); dO v^T and q k^T run in the input dtype. (Phase 1's
 product is the exception for bf16, whose range is fp32's: its scaled queries are rounded to
 bf16, as the forward's decayed keys are; see chunk_state.py.) dq, dk, dv are written in the
-input dtype directly.
+input dtype directly. For bf16 inputs the per-chunk states are stored in bf16 between the
+kernels, as fla stores its forward's (half the bytes of the largest tensors), and so are the
+state gradients unless the log-decay's gradient is asked for (`chunk_bwd_two_phase`): the
+products that read them take them back to fp32 (tf32).
 
 Masks select, they do not multiply, and the dead tail (tokens from `lengths`: past the last
 nonzero cotangent) is read as 0, as in the forward kernels.
@@ -42,8 +45,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import chunk_log_decays
-from .chunk_state import chunk_states, load_log_decay, state_config
+from .chunk_state import chunk_decays_at, chunk_states, state_config
 from .configs import dot_precision, launchable, select_config
 from .sequences import chunk_of_program, first_chunk, packed_layout, sequence_rows
 
@@ -104,17 +106,16 @@ def _dqk_products(do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_k, m_k, Dk,
         dH = tl.load(dh_ptr + s_off, mask=m_kv, other=0.0)
         A = tl.dot(do, tl.trans(v), acc=A, input_precision=DOT_PREC)
         dqS = tl.dot(do.to(tl.float32), tl.trans(S), acc=dqS, input_precision=DOT_PREC)
-        dkH = tl.dot(v.to(tl.float32), tl.trans(dH), acc=dkH, input_precision=DOT_PREC)
+        dkH = tl.dot(v.to(tl.float32), tl.trans(dH.to(tl.float32)), acc=dkH, input_precision=DOT_PREC)
     return A, dqS, dkH
 
 
 @triton.jit
-def _decays(g_ptr, i_h, row0, t, m_t, o_t, BT: tl.constexpr, DECAY: tl.constexpr):
-    """exp(L) on the causal triangle (0 off it), exp(gc) and exp(a) of one chunk."""
+def _decays(g_ptr, i_h, row0, i_n, t, T_live, o_t, BT: tl.constexpr, DECAY: tl.constexpr):
+    """exp(L) on the causal triangle (0 off it), exp(gc) and exp(a) of chunk i_n."""
     visible = o_t[:, None] >= o_t[None, :]
     if DECAY > 0:
-        g = load_log_decay(g_ptr, i_h, row0, t, m_t, DECAY)
-        L, q_log, k_log, _ = chunk_log_decays(g, o_t, BT, False, DECAY == 1)
+        L, q_log, k_log, _ = chunk_decays_at(g_ptr, i_h, row0, i_n, t, T_live, BT, False, DECAY)
         return tl.where(visible, tl.exp(L), 0.0), tl.exp(q_log), tl.exp(k_log)
     else:
         ones = tl.full([BT], 1.0, dtype=tl.float32)
@@ -125,8 +126,9 @@ def _decays(g_ptr, i_h, row0, t, m_t, o_t, BT: tl.constexpr, DECAY: tl.constexpr
 def _chunk_program(cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT: tl.constexpr, HAS_LEN: tl.constexpr,
                    IS_VARLEN: tl.constexpr):
     """Where a parallel program's chunk is: (row of its sequence's first token, head, index of
-    its per-chunk states, its tokens t, which of them are read (m_t) and stored (m_out)).
-    With HAS_LEN the tokens from len on are read as 0, and their gradients stored as 0."""
+    its per-chunk states, its index i_n in the sequence, its tokens t, the bound below which
+    they are read (T_live) and stored (T_seq)). With HAS_LEN the tokens from len on are read
+    as 0, and their gradients stored as 0."""
     i_hb = tl.program_id(2).to(tl.int64)
     i_seq, i_h, i_n = chunk_of_program(tl.program_id(1), i_hb, ci_ptr, H, IS_VARLEN)
     row0, T_seq = sequence_rows(i_seq, i_h, cu_ptr, T, H, IS_VARLEN)
@@ -135,7 +137,7 @@ def _chunk_program(cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT: tl.constexpr, 
         T_live = tl.minimum(T_seq, tl.load(len_ptr + i_hb))
     i_s = first_chunk(i_seq, i_h, co_ptr, NT, H, IS_VARLEN) + i_n
     t = i_n * BT + tl.arange(0, BT)
-    return row0, i_h, i_s, t, t < T_live, t < T_seq
+    return row0, i_h, i_s, i_n, t, T_live, T_seq
 
 
 @triton.jit
@@ -146,21 +148,22 @@ def chunk_dqk_kernel(
     h_ptr, hz_ptr,                # forward entry states (B, H, NT, Dk, Dv), (B, H, NT, Dk) fp32
     dh_ptr, dhz_ptr,              # state gradients leaving each chunk, same shapes
     dq_ptr, dk_ptr,               # out, the input dtype
-    dg_ptr,                       # out (NK, B, H, T) fp32: q . dq - k . dk over this Dk block
+    dg_ptr,                       # out (NK, B, H, T) fp32: q . dq - k . dk over this Dk block (DG)
     cu_ptr, co_ptr, ci_ptr, len_ptr,
     T, H, Dk, Dv, NT, n_rows,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr, DG: tl.constexpr,
     NORMALIZE: tl.constexpr, HAS_LEN: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_k = tl.program_id(0)
-    row0, i_h, i_s, t, m_t, m_out = _chunk_program(cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT,
-                                                   HAS_LEN, IS_VARLEN)
+    row0, i_h, i_s, i_n, t, T_live, T_seq = _chunk_program(cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT,
+                                                           HAS_LEN, IS_VARLEN)
+    m_t, m_out = t < T_live, t < T_seq
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < Dk
     A, dqS, dkH = _dqk_products(do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_k, m_k, Dk, Dv,
                                 BT, BK, BV, DOT_PREC)
-    M, q_decay, k_decay = _decays(g_ptr, i_h, row0, t, m_t, o_t, BT, DECAY)
+    M, q_decay, k_decay = _decays(g_ptr, i_h, row0, i_n, t, T_live, o_t, BT, DECAY)
     if NORMALIZE:
         r = tl.load(r_ptr + row0 + t, mask=m_t, other=0.0)
         e = tl.load(e_ptr + row0 + t, mask=m_t, other=0.0)
@@ -180,7 +183,7 @@ def chunk_dqk_kernel(
     m_tk = m_out[:, None] & m_k[None, :]
     tl.store(dq_ptr + (row0 + t)[:, None] * Dk + o_k[None, :], dq.to(dq_ptr.dtype.element_ty), mask=m_tk)
     tl.store(dk_ptr + (row0 + t)[:, None] * Dk + o_k[None, :], dk.to(dk_ptr.dtype.element_ty), mask=m_tk)
-    if DECAY > 0:
+    if DG:
         dg = tl.sum(tl.where(m_t[:, None] & m_k[None, :], q * dq - k * dk, 0.0), axis=1)
         tl.store(dg_ptr + i_k * n_rows + row0 + t, dg, mask=m_out)
 
@@ -189,7 +192,7 @@ def chunk_dqk_kernel(
 def chunk_dv_kernel(
     q_ptr, k_ptr, do_ptr,         # (B, H, T, Dk) x 2, (B, H, T, Dv); contiguous, one dtype
     g_ptr, r_ptr,                 # log-decay (DECAY); 1 / den (B, H, T) fp32 (NORMALIZE)
-    dh_ptr,                       # state gradients leaving each chunk (B, H, NT, Dk, Dv) fp32
+    dh_ptr,                       # state gradients leaving each chunk (B, H, NT, Dk, Dv) fp32 or bf16
     dv_ptr,                       # out, the input dtype
     cu_ptr, co_ptr, ci_ptr, len_ptr,
     T, H, Dk, Dv, NT,
@@ -197,8 +200,9 @@ def chunk_dv_kernel(
     NORMALIZE: tl.constexpr, HAS_LEN: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_v = tl.program_id(0)
-    row0, i_h, i_s, t, m_t, m_out = _chunk_program(cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT,
-                                                   HAS_LEN, IS_VARLEN)
+    row0, i_h, i_s, i_n, t, T_live, T_seq = _chunk_program(cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT,
+                                                           HAS_LEN, IS_VARLEN)
+    m_t, m_out = t < T_live, t < T_seq
     o_t = tl.arange(0, BT)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < Dv
@@ -212,8 +216,8 @@ def chunk_dv_kernel(
         dH = tl.load(dh_ptr + i_s * Dk * Dv + o_k[:, None] * Dv + o_v[None, :],
                      mask=m_k[:, None] & m_v[None, :], other=0.0)
         P = tl.dot(q, tl.trans(k), acc=P, input_precision=DOT_PREC)
-        kH = tl.dot(k.to(tl.float32), dH, acc=kH, input_precision=DOT_PREC)
-    M, _, k_decay = _decays(g_ptr, i_h, row0, t, m_t, o_t, BT, DECAY)
+        kH = tl.dot(k.to(tl.float32), dH.to(tl.float32), acc=kH, input_precision=DOT_PREC)
+    M, _, k_decay = _decays(g_ptr, i_h, row0, i_n, t, T_live, o_t, BT, DECAY)
     P = M * P
     if NORMALIZE:
         P = P * tl.load(r_ptr + row0 + t, mask=m_t, other=0.0)[:, None]
@@ -250,9 +254,10 @@ def chunk_bwd_prep(do: torch.Tensor, o: torch.Tensor | None, den: torch.Tensor |
 
 def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, g: torch.Tensor | None,
               r: torch.Tensor | None, e: torch.Tensor | None, states: tuple, grads: tuple, layout: tuple,
-              lengths: torch.Tensor | None, cfg: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+              lengths: torch.Tensor | None, cfg: dict, need_dg: bool = True
+              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch `chunk_dqk_kernel`: dq, dk (input dtype) and the per-token q . dq - k . dk
-    summed over Dk (fp32; None without a decay).
+    summed over Dk (fp32; None without a decay or unless need_dg).
 
     g: fp32 log-decay or None; r, e: from `chunk_bwd_prep` (None unnormalised); states (h, hz)
     and grads (dh, dhz): the forward's entry states and the state gradients (chunk_states,
@@ -263,12 +268,12 @@ def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tenso
     cu, offsets, indices, NT = layout
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     NK = triton.cdiv(Dk, cfg["BK"])
-    dg = torch.empty(NK, B, H, T, dtype=torch.float32, device=q.device) if g is not None else None
+    dg = torch.empty(NK, B, H, T, dtype=torch.float32, device=q.device) if g is not None and need_dg else None
     ptrs = [g, r, e, *states, *grads, dq, dk, dg, cu, offsets, indices, lengths]
     launchable(chunk_dqk_kernel, q.device)[(NK, NT, B * H)](
         q, k, v, do, *(p if p is not None else dq for p in ptrs), T, H, Dk, Dv, NT, B * H * T,
         BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"], DECAY=0 if g is None else (1 if g.dim() == 1 else 2),
-        NORMALIZE=r is not None, HAS_LEN=lengths is not None, IS_VARLEN=cu is not None,
+        DG=dg is not None, NORMALIZE=r is not None, HAS_LEN=lengths is not None, IS_VARLEN=cu is not None,
         DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return dq, dk, None if dg is None else dg.sum(0)
 
@@ -303,6 +308,8 @@ def chunk_bwd_two_phase(
     skip_dead_tail: bool = False,
     cu_seqlens: torch.Tensor | None = None,
     need_initial_state_grad: bool = False,
+    need_log_decay_grad: bool = True,
+    state_dtype: torch.dtype | None = None,
 ) -> dict:
     """The causal backward in two phases. Returns {"dq", "dk", "dv", "dg_token", "dS0", "dz0"}.
 
@@ -310,9 +317,12 @@ def chunk_bwd_two_phase(
     forward's output and d + eps) when the forward was normalised; log_decay None, (H,) or
     (B, H, T); initial_state (S0, z0 or None) as given to the forward; final_state_grad (dS_T,
     dz_T or None) fp32. dq, dk, dv come in the input dtype. dg_token (fp32, (B, H, T), None
-    without a decay) is q_t . dq_t - k_t . dk_t: the log-decay gradient is its suffix sum
-    (plus the final state's term), taken by the caller. dS0 / dz0 (fp32, None unless asked)
-    are the gradients of the initial state. skip_dead_tail: the tokens after the last nonzero
+    without a decay or unless need_log_decay_grad) is q_t . dq_t - k_t . dk_t: the log-decay
+    gradient is its suffix sum (plus the final state's term), taken by the caller. dS0 / dz0
+    (fp32, None unless asked) are the gradients of the initial state. state_dtype: the dtype
+    the per-chunk entry states, and the state gradients unless dg_token is asked for, are
+    stored in between the kernels (accumulated in fp32 either way); None: bf16 for bf16
+    inputs, fp32 otherwise (as `chunk_fwd_two_phase`). skip_dead_tail: the tokens after the last nonzero
     cotangent of each (batch, head) are read as 0 and their gradients are exactly 0 -- right
     only without a final-state gradient, which every token reaches (whatever those tokens
     hold, padding, NaN or inf, then never meets a zero in a matmul). cu_seqlens: packed
@@ -328,15 +338,22 @@ def chunk_bwd_two_phase(
     normalize = den is not None
     kw = dict(log_decay=log_decay, track_z=normalize, config=cfg_s, lengths=lengths, cu_seqlens=cu_seqlens)
     # The forward's entry states again, stored as the forward stored them (bf16 for bf16 inputs):
-    # dq's inter-chunk term then sees the very state the output was computed from.
-    h_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
-    h, hz, _, _ = chunk_states(k, v, initial_state=initial_state, state_dtype=h_dtype, **kw)
+    # dq's inter-chunk term then sees the very state the output was computed from. The state
+    # gradients are stored so too unless the log-decay's gradient is asked for: dk and dv take
+    # less error from their rounding than from their own (tests/test_kernels_two_phase.py),
+    # but the suffix sums of q . dq - k . dk would take twice the error that the rounded
+    # entry states give them.
+    if state_dtype is None:
+        state_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    need_dg = log_decay is not None and need_log_decay_grad
+    h, hz, _, _ = chunk_states(k, v, initial_state=initial_state, state_dtype=state_dtype, **kw)
     dh, dhz, dS0, dz0 = chunk_states(q, do, initial_state=final_state_grad, reverse=True, key_scale=r,
-                                     z_weights=e, store_final_state=need_initial_state_grad, **kw)
+                                     z_weights=e, store_final_state=need_initial_state_grad,
+                                     state_dtype=torch.float32 if need_dg else state_dtype, **kw)
     cu, offsets, indices, NT, _ = packed_layout(cu_seqlens, T, B, H, cfg_s["BT"])
     layout = (cu, offsets, indices, NT)
     g = log_decay.to(torch.float32).contiguous() if log_decay is not None else None
-    dq, dk, dg = chunk_dqk(q, k, v, do, g, r, e, (h, hz), (dh, dhz), layout, lengths, cfg_dqk)
+    dq, dk, dg = chunk_dqk(q, k, v, do, g, r, e, (h, hz), (dh, dhz), layout, lengths, cfg_dqk, need_dg)
     dv = chunk_dv(q, k, do, g, r, dh, layout, lengths, cfg_dv)
     return {"dq": dq, "dk": dk, "dv": dv, "dg_token": dg, "dS0": dS0, "dz0": dz0}
 
@@ -367,6 +384,7 @@ def compile_spec_dqk(cfg: dict, dtype: str) -> tuple[dict, dict]:
     signature, constexprs = _spec(names, dtype, cfg, ["T", "H", "Dk", "Dv", "NT", "n_rows"])
     if dtype == "bf16":  # bf16 inputs read bf16 entry states (chunk_bwd_two_phase)
         signature["h_ptr"] = "*bf16"
+    signature["DG"], constexprs["DG"] = "constexpr", True
     return signature, constexprs
 
 

@@ -36,8 +36,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import chunk_log_decays
-from .chunk_state import chunk_states, load_log_decay, state_config
+from .chunk_state import chunk_decays_at, chunk_states, state_config
 from .configs import dot_precision, launchable, select_config
 from .sequences import chunk_of_program, first_chunk, packed_layout, sequence_rows
 
@@ -105,8 +104,7 @@ def chunk_output_kernel(
                                 Dk, Dv, BT, BK, BV, NORMALIZE, DOT_PREC)
     v = tl.load(v_ptr + (row0 + t)[:, None] * Dv + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
     if DECAY > 0:
-        g = load_log_decay(g_ptr, i_h, row0, t, m_t, DECAY)
-        L, q_log, _, _ = chunk_log_decays(g, o_t, BT, False, DECAY == 1)
+        L, q_log, _, _ = chunk_decays_at(g_ptr, i_h, row0, i_n, t, T_seq, BT, False, DECAY)
         A = A * tl.exp(L)                   # L <= 0 (0 outside the causal triangle)
         q_decay = tl.exp(q_log)
         o = o * q_decay[:, None]

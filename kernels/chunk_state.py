@@ -24,11 +24,12 @@ on the tensor cores (input dtype in, fp32 accumulator: the state itself); z is s
 the fp32 decayed keys.
 
 z. The normaliser state has programs of its own: the grid has one more column of value
-tiles, and a program of that column walks z (a row sum of the decayed keys per chunk) while
-every other walks its state tile. When every program summed its slice of z next to the
-product (and value tile 0 stored it), the row sums' shuffles and adds were ~70 of the ~235
-SASS instructions per chunk of the loop, on the sequential chain; an extra column of ones
-in the value tile would make it BV + 1 wide, the next power of two: twice the matmul.
+tiles, and a program of that column walks z (the decayed keys summed per chunk) while every
+other walks its state tile. When every program summed its slice of z next to the product
+(and value tile 0 stored it), the row sums' shuffles and adds were ~70 of the ~235 SASS
+instructions per chunk of the loop, on the sequential chain; an extra column of ones in the
+value tile would make it BV + 1 wide, the next power of two: twice the matmul. z's own walk
+sums on the tensor cores too, against a narrow tile of weights (`_walk_z`).
 
 Decays off the chain. What a chunk's decays are does not depend on the state, only on the
 log-decays of its own tokens: `chunk_decay_kernel` computes them for every chunk at once, one
@@ -57,7 +58,7 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import chunk_log_decays
+from .chunk_fwd import chunk_log_decays, head_log_decays
 from .configs import dot_precision, launchable, multiprocessor_count, select_config
 from .sequences import chunk_of_program, first_chunk, packed_layout, sequence_rows
 
@@ -71,6 +72,20 @@ def load_log_decay(g_ptr, i_h, row0, t, m_t, DECAY: tl.constexpr):
     else:
         g = tl.load(g_ptr + row0 + t, mask=m_t, other=0.0).to(tl.float32)
     return g
+
+
+@triton.jit
+def chunk_decays_at(g_ptr, i_h, row0, i_n, t, T_live, BT: tl.constexpr, REVERSE: tl.constexpr,
+                    DECAY: tl.constexpr):
+    """`chunk_log_decays` of chunk i_n (tokens t = i_n BT + arange(BT), rows row0 + t) of head
+    i_h, the tokens from T_live on read as padding. A decay per head is one scalar load, its
+    count of real tokens from T_live: no reduction over the chunk."""
+    if DECAY == 1:
+        n = tl.minimum(tl.maximum(T_live - i_n * BT, 0), BT).to(tl.float32)
+        return head_log_decays(tl.load(g_ptr + i_h).to(tl.float32), n, t - i_n * BT, REVERSE)
+    else:
+        g = load_log_decay(g_ptr, i_h, row0, t, t < T_live, DECAY)
+        return chunk_log_decays(g, t - i_n * BT, BT, REVERSE, False)
 
 
 @triton.jit
@@ -90,8 +105,7 @@ def chunk_decay_kernel(g_ptr, len_ptr, ka_ptr, gl_ptr, cu_ptr, co_ptr, ci_ptr, T
     c = first_chunk(i_seq, i_h, co_ptr, NT, H, IS_VARLEN) + i_n
     o_t = tl.arange(0, BT)
     t = i_n * BT + o_t
-    g = load_log_decay(g_ptr, i_h, row0, t, t < T_seq, DECAY)
-    _, _, k_log, g_last = chunk_log_decays(g, o_t, BT, REVERSE, DECAY == 1)
+    _, _, k_log, g_last = chunk_decays_at(g_ptr, i_h, row0, i_n, t, T_seq, BT, REVERSE, DECAY)
     tl.store(ka_ptr + c * BT + o_t, tl.exp(k_log))     # k_log <= 0
     tl.store(gl_ptr + c, g_last)
 
@@ -188,33 +202,54 @@ def _walk_S(k_ptr, v_ptr, ka_ptr, gl_ptr, r_ptr, h_ptr, s0_ptr, st_ptr, lg_ptr, 
 @triton.jit
 def _walk_z(k_ptr, ka_ptr, gl_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr, i_nh, i_st, row0, T_seq, n_lo, n_hi, c0,
             first, o_k, m_k, Dk, BT: tl.constexpr, BK: tl.constexpr, DECAY: tl.constexpr,
-            HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, REVERSE: tl.constexpr, HAS_W: tl.constexpr):
+            HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, REVERSE: tl.constexpr, HAS_W: tl.constexpr,
+            DOT_PREC: tl.constexpr):
     """The (BK,) normaliser state across chunks n_lo ... n_hi - 1, z <- exp(g_last) z + sum_j
     exp(a_j) w_j k_j (w = 1 forward, dL/dden reversed), fp32, stored on entry to every chunk;
-    started and ended as _walk_S's."""
-    z = tl.zeros([BK], dtype=tl.float32)
+    started and ended as _walk_S's.
+
+    For 16-bit inputs the sum over the chunk's keys is a product on the tensor cores, k^T
+    (BK x BT) times a (BT x ZW) matrix whose every column holds the weights exp(a_j) w_j, into
+    a (BK x ZW) fp32 accumulator of ZW equal columns, the first of which is stored. (The
+    weights meet bf16 keys in bf16, as _walk_S's decayed keys are rounded, and fp16 keys in
+    tf32: w may be below fp16's range.) Summed with tl.sum, the keys' rows, spread over the
+    warps, took shuffles and two barriers per chunk on the walk's chain, and z's walk was the
+    longer of the two: sm_90 bf16 SASS per chunk 156 (the state tile's 140) with a per-head
+    decay, 125 (94) without; 104 and 49 as a product. fp32 inputs keep the sum (true fp32)."""
+    ZW: tl.constexpr = 16                   # the narrowest product the tensor cores take
+    col = tl.arange(0, ZW)
+    z_off = o_k[:, None] + 0 * col[None, :]
+    m_z = m_k[:, None] & (col[None, :] == 0)
+    Z = tl.zeros([BK, ZW], dtype=tl.float32)
     if HAS_S0:
-        z = tl.load(z0_ptr + i_nh * Dk + o_k, mask=m_k & first, other=0.0).to(tl.float32)
+        z0 = tl.load(z0_ptr + i_nh * Dk + o_k, mask=m_k & first, other=0.0).to(tl.float32)
+        Z += z0[:, None]
     o_t = tl.arange(0, BT)
     n, step = _first_step(n_lo, n_hi, REVERSE)
     g_next = _chunk_decay(gl_ptr, c0 + n - step, -1, n_hi - n_lo, step, DECAY)
     for i in range(0, n_hi - n_lo):
         g_last = g_next
         g_next = _chunk_decay(gl_ptr, c0 + n, i, n_hi - n_lo, step, DECAY)
-        tl.store(hz_ptr + (c0 + n) * Dk + o_k, z, mask=m_k)
+        tl.store(hz_ptr + (c0 + n) * Dk + z_off, Z, mask=m_z)
         t = n * BT + o_t
         k, _, ea, _, w = _chunk_inputs(k_ptr, k_ptr, ka_ptr, w_ptr, w_ptr, row0, t, t < T_seq, c0 + n, o_k, m_k,
                                        o_k, m_k, Dk, Dk, BT, DECAY, False, HAS_W, False)
-        k_s = k.to(tl.float32)
+        weight = tl.full([BT], 1.0, dtype=tl.float32)
         if DECAY > 0:
-            k_s = k_s * ea[:, None]
-            z = z * tl.exp(g_last)
+            weight = ea
+            Z = Z * tl.exp(g_last)
         if HAS_W:
-            k_s = k_s * w[:, None]
-        z = z + tl.sum(k_s, axis=0)
+            weight = weight * w
+        E = weight[:, None] + tl.zeros([BT, ZW], dtype=tl.float32)
+        if k.dtype == tl.bfloat16:  # the weights rounded to bf16, as _walk_S rounds its decayed keys
+            Z = tl.dot(tl.trans(k), E.to(tl.bfloat16), acc=Z)
+        elif k.dtype == tl.float16:  # e (HAS_W) may be below fp16's range: tf32
+            Z = tl.dot(tl.trans(k.to(tl.float32)), E, acc=Z, input_precision=DOT_PREC)
+        else:  # true fp32: on CUDA cores, where the reduction costs less than a product would
+            Z += tl.sum(k * weight[:, None], axis=0)[:, None]
         n += step
     if STORE_ST:
-        tl.store(zt_ptr + i_st * Dk + o_k, z, mask=m_k)
+        tl.store(zt_ptr + i_st * Dk + z_off, Z, mask=m_z)
 
 
 @triton.jit
@@ -263,7 +298,7 @@ def chunk_state_kernel(
     m_v = o_v < Dv
     if HAS_Z and i_v == tl.cdiv(Dv, BV):
         _walk_z(k_ptr, ka_ptr, gl_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr, i_nh, i_st, row0, T_seq, n_lo, n_hi, c0,
-                first, o_k, m_k, Dk, BT, BK, DECAY, HAS_S0, STORE_ST, REVERSE, HAS_W)
+                first, o_k, m_k, Dk, BT, BK, DECAY, HAS_S0, STORE_ST, REVERSE, HAS_W, DOT_PREC)
     else:
         _walk_S(k_ptr, v_ptr, ka_ptr, gl_ptr, r_ptr, h_ptr, s0_ptr, st_ptr, lg_ptr, lr_ptr, i_nh, i_st, row0, T_seq,
                 n_lo, n_hi, c0, first, (i_k == 0) & (i_v == 0), o_k, o_v, m_k, m_v, Dk, Dv, BT, BK, BV, DECAY,

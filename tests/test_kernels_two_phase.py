@@ -297,6 +297,63 @@ def test_two_phase_backward_against_float64(case):
         assert err < _tol(name, dtype), f"d{name}: rel {err:.2e}"
 
 
+def test_state_gradients_stored_in_16_bits_without_a_decay_gradient():
+    """chunk_bwd_two_phase with 16-bit storage (fp16 here, the interpreter has no bf16): asked
+    for the log-decay's gradient it keeps the state gradients in fp32 -- dk and dv, which
+    read only those, equal the fp32-storage ones bit for bit --; not asked, dg_token is None
+    and dk, dv (from 16-bit state gradients) stay within the fp16 tolerance of float64."""
+    x = make_inputs(1, 2, 130, 48, 40, "head", True, False, torch.float16, seed=3)
+    w, _, _ = _cotangents(x, 1, True)
+    want = _reference_grads(x, True, w, torch.zeros(1, 2, 48, 40), torch.zeros(1, 2, 48))
+    d = _on_device(x)
+    o, den, _, _ = K.chunk_fwd_two_phase(d["q"], d["k"], d["v"], log_decay=d["g"])
+    run = lambda **kw: K.chunk_bwd_two_phase(d["q"], d["k"], d["v"], w.to(DEVICE, o.dtype), o=o, den=den,
+                                             log_decay=d["g"], **kw)
+    full, with_dg = run(), run(state_dtype=torch.float16)
+    without_dg = run(state_dtype=torch.float16, need_log_decay_grad=False)
+    assert torch.equal(with_dg["dk"], full["dk"]) and torch.equal(with_dg["dv"], full["dv"])
+    assert with_dg["dg_token"] is not None and without_dg["dg_token"] is None
+    assert not torch.equal(without_dg["dk"], full["dk"])
+    for name in ("q", "k", "v"):
+        err = rel(without_dg["d" + name], want[name])
+        assert err < GRAD_TOL[torch.float16], f"d{name}: rel {err:.2e}"
+
+
+def test_bf16_state_gradients_cost_dk_and_dv_less_than_their_own_rounding():
+    """Why bf16 inputs may store the state gradients in bf16 (chunk_bwd_two_phase), in float64
+    on the backward's chunk formulas (module docstring of kernels/chunk_grad.py; no kernel):
+    rounding every dH_n to bf16 moves dk and dv by less than rounding dk and dv themselves to
+    bf16 does, while it doubles the error of the log-decay's gradient left by the bf16 entry
+    states -- which is why that case keeps them in fp32."""
+    gen = torch.Generator().manual_seed(0)
+    T, D, C = 1024, 64, 64
+    bf = lambda t: t.to(torch.bfloat16).double()
+    q, k, v, do = (bf(torch.randn(T // C, C, D, generator=gen, dtype=torch.float64) / D**0.25) for _ in range(4))
+    g = torch.nn.functional.logsigmoid(torch.randn(T // C, C, generator=gen, dtype=torch.float64) + 4)
+    gc = g.cumsum(1)                                    # chunk start -> token i
+    a = gc[:, -1:] - gc                                 # token j -> chunk end
+    E = torch.where(torch.ones(C, C, dtype=torch.bool).tril(), (gc[:, :, None] - gc[:, None, :]).exp(), 0.0)
+    S, dH = torch.zeros(T // C, D, D, dtype=torch.float64), torch.zeros(T // C, D, D, dtype=torch.float64)
+    for n in range(1, T // C):                          # entry states, and gradients leaving each chunk
+        S[n] = gc[n - 1, -1].exp() * S[n - 1] + (a[n - 1].exp()[:, None] * k[n - 1]).T @ v[n - 1]
+        m = T // C - 1 - n
+        dH[m] = gc[m + 1, -1].exp() * dH[m + 1] + (gc[m + 1].exp()[:, None] * q[m + 1]).T @ do[m + 1]
+
+    def grads(S, dH):
+        W = E * (do @ v.transpose(1, 2))
+        dq = W @ k + gc.exp()[..., None] * (do @ S.transpose(1, 2))
+        dk = W.transpose(1, 2) @ q + a.exp()[..., None] * (v @ dH.transpose(1, 2))
+        dv = (E * (q @ k.transpose(1, 2))).transpose(1, 2) @ do + a.exp()[..., None] * (k @ dH)
+        dG = ((q * dq).sum(-1) - (k * dk).sum(-1)).flatten().flip(0).cumsum(0).flip(0)
+        return dk, dv, dG
+
+    exact, rounded = grads(S, dH), grads(bf(S), bf(dH))
+    for x, y in zip(exact[:2], rounded[:2]):
+        assert rel(y, x) < 0.7 * rel(bf(x), x)
+    entry_only = grads(bf(S), dH)[2]
+    assert rel(rounded[2], exact[2]) > 1.5 * rel(entry_only, exact[2])
+
+
 # ------------------------------------------------------------------ packed sequences
 
 

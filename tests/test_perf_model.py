@@ -361,3 +361,20 @@ def test_compare_compiles_the_kernels(monkeypatch):
     assert fla_h["kernel"] == "chunk_fwd_kernel_h" and fla_h["steps"] == T // 64 and fla_h["instr_per_step"] > 20
     text = " ".join(pm.assumptions(pm.GPUS["H100 SXM"]))
     assert "3.35 TB/s" in text and ("compiled from its source" in text or "BY ANALOGY" in text)
+
+
+@needs_compiler
+@pytest.mark.parametrize("normalize,decay", [(True, None), (True, "head"), (False, "token")])
+def test_the_benchmarked_variants_fit_two_ctas_per_sm(normalize, decay):
+    """The compile gates (tests/test_kernels_compile.py) build each parallel kernel's heaviest
+    variant; the benchmark shape runs lighter ones (16-bit state gradients without a decay
+    gradient, no decay, ...), which may allocate registers differently: each of those fits
+    two CTAs per SM on sm_90 too (bf16, B = 1, H = 16, T = 16384, D = 128)."""
+    parallel = ("chunk_output_kernel", "chunk_dqk_kernel", "chunk_dv_kernel", "chunk_bwd_prep_kernel")
+    cen = pm.census(1, 16, 16384, 128, normalize=normalize, decay=decay, target="sm_90", sms=132)
+    calls = [c for part in cen.values() for c in part if c.kernel in parallel]
+    assert {c.kernel for c in calls} >= set(parallel[1:3])
+    for call in calls:
+        s = pm.sass_stats_of(call, "sm_90")
+        fit = ka.ctas_per_sm(s.registers, call.num_warps, s.shared_bytes, "sm_90")
+        assert fit.ctas >= 2, (call.kernel, s.registers, s.shared_bytes)

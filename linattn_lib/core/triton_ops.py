@@ -213,7 +213,7 @@ def causal_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, S0: Tenso
         q, k, v, do, o=o if normalize else None, den=den if normalize else None, log_decay=g,
         initial_state=(S0, z0) if S0 is not None else None, final_state_grad=end_state,
         skip_dead_tail=end_state is None and cu_seqlens is None,
-        need_initial_state_grad=need_S0 or need_z0, cu_seqlens=cu_seqlens,
+        need_initial_state_grad=need_S0 or need_z0, need_log_decay_grad=need_g, cu_seqlens=cu_seqlens,
     )
     dg = None
     if need_g:
