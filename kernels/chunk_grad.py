@@ -22,7 +22,7 @@ den_i), both fp32, formed by `chunk_bwd_prep_kernel`, the gradient is linear att
              dv_j = sum_i exp(L_ij) r_i (q_i . k_j) dO_i + exp(a_j) k_j dH_n   chunk_dv_kernel
 
 and the log-decay's gradient, dL/dG_t = q_t . dq_t - k_t . dk_t, summed over the tokens after
-each (a suffix sum, in torch). The dqk kernel forms the row products from its fp32 dq, dk
+each (a suffix sum, decay_grad_kernel). The dqk kernel forms the row products from its fp32 dq, dk
 before they are rounded, one partial per Dk block.
 
 Precision. 1 / den and dL/dden are fp32 and never meet fp16: dO / den underflows fp16 for a
@@ -227,6 +227,48 @@ def chunk_dv_kernel(
              mask=m_out[:, None] & m_v[None, :])
 
 
+@triton.jit
+def decay_grad_kernel(part_ptr, end_ptr, dg_ptr, cu_ptr, T, H, n_rows, NK,
+                      BT: tl.constexpr, HAS_END: tl.constexpr, IS_VARLEN: tl.constexpr):
+    """The log-decay's gradient for the tokens of one (sequence, head) (program (sequence,
+    head)): dL/dG_t = the sum over s >= t in the sequence of r_s = q_s . dq_s - k_s . dk_s, the
+    NK key blocks' partials of chunk_dqk_kernel ((NK, rows) fp32) added here, plus the final
+    state's term end[sequence H + head] (HAS_END). Walked from the sequence's end in blocks of
+    BT tokens: each a reversed scan plus the sum of the blocks after it, so that every entry is
+    a sum of exactly its own terms (no difference of larger sums)."""
+    i_seq = tl.program_id(0).to(tl.int64)
+    i_h = tl.program_id(1)
+    row0, T_seq = sequence_rows(i_seq, i_h, cu_ptr, T, H, IS_VARLEN)
+    after = 0.0
+    if HAS_END:
+        after = tl.load(end_ptr + i_seq * H + i_h)
+    for i in range(0, tl.cdiv(T_seq, BT)):
+        t = T_seq - (i + 1) * BT + tl.arange(0, BT)
+        r = tl.zeros([BT], dtype=tl.float32)
+        for j in range(0, NK):
+            r += tl.load(part_ptr + j * n_rows + row0 + t, mask=t >= 0, other=0.0)
+        tl.store(dg_ptr + row0 + t, tl.cumsum(r, axis=0, reverse=True) + after, mask=t >= 0)
+        after += tl.sum(r, axis=0)
+
+
+def decay_grad(parts: torch.Tensor, end: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None,
+               config: dict | None = None) -> torch.Tensor:
+    """Launch `decay_grad_kernel`: dL/dG (B, H, T) fp32 from the per-block partials (NK, B, H,
+    T) of q . dq - k . dk, summed after each token within its sequence; end (sequences, H)
+    fp32 or None: the final state's term, added to every token of its sequence."""
+    NK, B, H, T = parts.shape
+    cfg = config or select_config("decay_grad", 1, torch.float32, parts.device)
+    dg = torch.empty(B, H, T, dtype=torch.float32, device=parts.device)
+    n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
+    cu = None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous()
+    if dg.numel() and n_seq:
+        launchable(decay_grad_kernel, parts.device)[(n_seq, H)](
+            parts.contiguous(), end.contiguous() if end is not None else dg, dg, cu if cu is not None else dg, T, H,
+            B * H * T, NK, BT=cfg["BT"], HAS_END=end is not None, IS_VARLEN=cu is not None,
+            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    return dg
+
+
 def chunk_bwd_prep(do: torch.Tensor, o: torch.Tensor | None, den: torch.Tensor | None, *,
                    find_lengths: bool = False, config: dict | None = None) -> tuple:
     """Launch `chunk_bwd_prep_kernel`: (r, e, lengths).
@@ -256,8 +298,9 @@ def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tenso
               r: torch.Tensor | None, e: torch.Tensor | None, states: tuple, grads: tuple, layout: tuple,
               lengths: torch.Tensor | None, cfg: dict, need_dg: bool = True
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Launch `chunk_dqk_kernel`: dq, dk (input dtype) and the per-token q . dq - k . dk
-    summed over Dk (fp32; None without a decay or unless need_dg).
+    """Launch `chunk_dqk_kernel`: dq, dk (input dtype) and the per-token q . dq - k . dk, one
+    partial per block of Dk ((NK, B, H, T) fp32, for `decay_grad`; None without a decay or
+    unless need_dg).
 
     g: fp32 log-decay or None; r, e: from `chunk_bwd_prep` (None unnormalised); states (h, hz)
     and grads (dh, dhz): the forward's entry states and the state gradients (chunk_states,
@@ -275,7 +318,7 @@ def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tenso
         BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"], DECAY=0 if g is None else (1 if g.dim() == 1 else 2),
         DG=dg is not None, NORMALIZE=r is not None, HAS_LEN=lengths is not None, IS_VARLEN=cu is not None,
         DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return dq, dk, None if dg is None else dg.sum(0)
+    return dq, dk, dg
 
 
 def chunk_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, g: torch.Tensor | None, r: torch.Tensor | None,
@@ -309,24 +352,27 @@ def chunk_bwd_two_phase(
     cu_seqlens: torch.Tensor | None = None,
     need_initial_state_grad: bool = False,
     need_log_decay_grad: bool = True,
+    log_decay_end: torch.Tensor | None = None,
     state_dtype: torch.dtype | None = None,
 ) -> dict:
-    """The causal backward in two phases. Returns {"dq", "dk", "dv", "dg_token", "dS0", "dz0"}.
+    """The causal backward in two phases. Returns {"dq", "dk", "dv", "dG", "dS0", "dz0"}.
 
     q, k, v, do: as the forward's inputs and its output cotangent (one dtype); o and den (the
     forward's output and d + eps) when the forward was normalised; log_decay None, (H,) or
     (B, H, T); initial_state (S0, z0 or None) as given to the forward; final_state_grad (dS_T,
-    dz_T or None) fp32. dq, dk, dv come in the input dtype. dg_token (fp32, (B, H, T), None
-    without a decay or unless need_log_decay_grad) is q_t . dq_t - k_t . dk_t: the log-decay
-    gradient is its suffix sum (plus the final state's term), taken by the caller. dS0 / dz0
-    (fp32, None unless asked) are the gradients of the initial state. state_dtype: the dtype
-    the per-chunk entry states, and the state gradients unless dg_token is asked for, are
+    dz_T or None) fp32. dq, dk, dv come in the input dtype. dG (fp32, (B, H, T), None without a
+    decay or unless need_log_decay_grad) is the gradient of the log-decay of each token, the
+    sum of q_s . dq_s - k_s . dk_s over the tokens s from it to its sequence's end, plus
+    log_decay_end ((sequences, H) fp32: <dS_T, S_T> + <dz_T, z_T>, the final state's term, or
+    None); a decay per head is the sum over its tokens, taken by the caller. dS0 / dz0 (fp32,
+    None unless asked) are the gradients of the initial state. state_dtype: the dtype the
+    per-chunk entry states, and the state gradients unless dG is asked for, are
     stored in between the kernels (accumulated in fp32 either way); None: bf16 for bf16
-    inputs, fp32 otherwise (as `chunk_fwd_two_phase`). skip_dead_tail: the tokens after the last nonzero
-    cotangent of each (batch, head) are read as 0 and their gradients are exactly 0 -- right
-    only without a final-state gradient, which every token reaches (whatever those tokens
-    hold, padding, NaN or inf, then never meets a zero in a matmul). cu_seqlens: packed
-    sequences (sequences.py; no dead tail).
+    inputs, fp32 otherwise (as `chunk_fwd_two_phase`). skip_dead_tail: the tokens after the
+    last nonzero cotangent of each (batch, head) are read as 0 and their gradients are
+    exactly 0 -- right only without a final-state gradient, which every token reaches
+    (whatever those tokens hold, padding, NaN or inf, then never meets a zero in a matmul).
+    cu_seqlens: packed sequences (sequences.py; no dead tail).
     """
     B, H, T, Dk = q.shape
     cfg_s = state_config(Dk, v.shape[-1], H * (B if cu_seqlens is None else cu_seqlens.numel() - 1), q.dtype,
@@ -355,7 +401,8 @@ def chunk_bwd_two_phase(
     g = log_decay.to(torch.float32).contiguous() if log_decay is not None else None
     dq, dk, dg = chunk_dqk(q, k, v, do, g, r, e, (h, hz), (dh, dhz), layout, lengths, cfg_dqk, need_dg)
     dv = chunk_dv(q, k, do, g, r, dh, layout, lengths, cfg_dv)
-    return {"dq": dq, "dk": dk, "dv": dv, "dg_token": dg, "dS0": dS0, "dz0": dz0}
+    dG = decay_grad(dg, log_decay_end, cu_seqlens) if dg is not None else None
+    return {"dq": dq, "dk": dk, "dv": dv, "dG": dG, "dS0": dS0, "dz0": dz0}
 
 
 def compile_spec_prep(cfg: dict, dtype: str) -> tuple[dict, dict]:
@@ -393,3 +440,13 @@ def compile_spec_dv(cfg: dict, dtype: str) -> tuple[dict, dict]:
     names = ["q_ptr", "k_ptr", "do_ptr", "g_ptr", "r_ptr", "dh_ptr", "dv_ptr", "cu_ptr", "co_ptr", "ci_ptr",
              "len_ptr"]
     return _spec(names, dtype, cfg, ["T", "H", "Dk", "Dv", "NT"])
+
+
+def compile_spec_decay_grad(cfg: dict, dtype: str) -> tuple[dict, dict]:
+    """Signature and constexprs of `decay_grad_kernel` (fp32 whatever `dtype`; packed, with a
+    final-state term)."""
+    signature = {"part_ptr": "*fp32", "end_ptr": "*fp32", "dg_ptr": "*fp32", "cu_ptr": "*i32", "T": "i32",
+                 "H": "i32", "n_rows": "i32", "NK": "i32"}
+    constexprs = {"BT": cfg["BT"], "HAS_END": True, "IS_VARLEN": True}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    return signature, constexprs

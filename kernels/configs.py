@@ -43,6 +43,7 @@ DIM_NAMES = {
     "chunk_dqk": ("BK", "BV"),        # two-phase backward: Dk tiled, Dv looped in blocks of BV
     "chunk_dv": ("BK", "BV"),         # Dv tiled, Dk looped in blocks of BK
     "chunk_bwd_prep": ("BV", "BK"),   # BT rows per program, Dv whole (BK unused)
+    "decay_grad": ("BK", "BV"),       # the log-decay's gradient: blocks of BT tokens (BK, BV unused)
     # the delta rule: the two state kernels hold Dk whole (BK) and multiply in blocks of BKW;
     # the parallel ones walk Dk in blocks of BK; all tile the values by BV
     **{name: ("BK", "BV") for name in ("delta_wy", "delta_state", "delta_output", "delta_bwd_state",
@@ -160,6 +161,10 @@ NUM_STAGES = {"mma16": 2, "sm90": 2, "fp32": 1, "sm75": 1}
 #   normalised pass at B * H = 16 (4 x 3 x 16 = 192 programs with z's column, where the
 #   narrow tiles give 320): SASS per chunk, no decay, 148 -> 125 forward, 169 -> 134
 #   reversed; per-head decay 184 -> 156, 224 -> 177.
+#   decay_grad: one program per (sequence, head) walks its tokens from the end in blocks of BT
+#   (BK, BV unused): 4096-token blocks on 8 warps, 4 steps of ~500 SASS instructions at
+#   T = 16384 (blocks of 1024 on 4 warps: 16 of 469, a chain the model puts at 20 us for the 16
+#   rows of the benchmark, more than the four torch ops it replaces).
 _TWO_PHASE: dict[str, dict[str, tuple[int, int, int, int]]] = {
     "chunk_state": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
     "chunk_state_wide": {"mma16": (64, 32, 32, 4), "sm90": (64, 32, 64, 4), "fp32": (32, 32, 32, 4),
@@ -169,6 +174,7 @@ _TWO_PHASE: dict[str, dict[str, tuple[int, int, int, int]]] = {
                              "sm75": (32, 32, 32, 4)},
     "chunk_state_merge": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
     "chunk_decay": {"mma16": (64, 32, 32, 1), "fp32": (32, 32, 32, 1), "sm75": (32, 32, 32, 1)},
+    "decay_grad": {cls: (4096, 32, 32, 8) for cls in ("mma16", "fp32", "sm75")},
     "chunk_dqk": {"mma16": (64, 16, 16, 4), "sm90": (64, 64, 32, 8), "fp32": (32, 32, 32, 4),
                   "sm75": (32, 32, 16, 4)},
     "chunk_dv": {"mma16": (64, 32, 64, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},

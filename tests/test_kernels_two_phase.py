@@ -300,7 +300,7 @@ def test_two_phase_backward_against_float64(case):
 def test_state_gradients_stored_in_16_bits_without_a_decay_gradient():
     """chunk_bwd_two_phase with 16-bit storage (fp16 here, the interpreter has no bf16): asked
     for the log-decay's gradient it keeps the state gradients in fp32 -- dk and dv, which
-    read only those, equal the fp32-storage ones bit for bit --; not asked, dg_token is None
+    read only those, equal the fp32-storage ones bit for bit --; not asked, dG is None
     and dk, dv (from 16-bit state gradients) stay within the fp16 tolerance of float64."""
     x = make_inputs(1, 2, 130, 48, 40, "head", True, False, torch.float16, seed=3)
     w, _, _ = _cotangents(x, 1, True)
@@ -312,11 +312,31 @@ def test_state_gradients_stored_in_16_bits_without_a_decay_gradient():
     full, with_dg = run(), run(state_dtype=torch.float16)
     without_dg = run(state_dtype=torch.float16, need_log_decay_grad=False)
     assert torch.equal(with_dg["dk"], full["dk"]) and torch.equal(with_dg["dv"], full["dv"])
-    assert with_dg["dg_token"] is not None and without_dg["dg_token"] is None
+    assert with_dg["dG"] is not None and without_dg["dG"] is None
     assert not torch.equal(without_dg["dk"], full["dk"])
     for name in ("q", "k", "v"):
         err = rel(without_dg["d" + name], want[name])
         assert err < GRAD_TOL[torch.float16], f"d{name}: rel {err:.2e}"
+
+
+def test_decay_grad_sums_each_sequence_from_its_end():
+    """decay_grad: dG_t = the key blocks' partials summed, then over the tokens from t to the
+    end of t's sequence, plus the final state's term of that sequence -- against float64, for
+    batched rows and for packed sequences (one empty, one of one token, lengths across the
+    blocks of 16 tokens the config walks)."""
+    gen = torch.Generator().manual_seed(4)
+    cfg = dict(BT=16, BK=32, BV=32, num_warps=4, num_stages=1)
+    suffix = lambda x: x.double().sum(0).flip(-1).cumsum(-1).flip(-1)
+    parts, end = torch.randn(2, 2, 3, 50, generator=gen), torch.randn(2, 3, generator=gen)
+    got = K.decay_grad(parts.to(DEVICE), end.to(DEVICE), config=cfg)
+    assert got.shape == (2, 3, 50) and rel(got, suffix(parts) + end.double()[..., None]) < 1e-6
+    assert rel(K.decay_grad(parts.to(DEVICE), None, config=cfg), suffix(parts)) < 1e-6
+    cu = torch.tensor([0, 17, 17, 49, 50], dtype=torch.int32)
+    packed, end = torch.randn(2, 1, 3, 50, generator=gen), torch.randn(4, 3, generator=gen)
+    got = K.decay_grad(packed.to(DEVICE), end.to(DEVICE), cu.to(DEVICE), config=cfg)
+    for i, (a, b) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        want = suffix(packed[..., a:b]) + end.double()[i, :, None]
+        assert rel(got[..., a:b], want) < 1e-6, i
 
 
 def test_bf16_state_gradients_cost_dk_and_dv_less_than_their_own_rounding():

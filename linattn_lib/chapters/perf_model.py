@@ -302,14 +302,14 @@ REREAD: dict[str, dict[str, tuple[int, ...]]] = {
     "chunk_output_kernel": {"q_ptr": (0,), "k_ptr": (0,), "hz_ptr": (0,), "g_ptr": (0,)},
     "chunk_dqk_kernel": {"v_ptr": (0,), "do_ptr": (0,), "r_ptr": (0,), "e_ptr": (0,), "g_ptr": (0,)},
     "chunk_dv_kernel": {"q_ptr": (0,), "k_ptr": (0,), "r_ptr": (0,), "g_ptr": (0,)}, "chunk_bwd_prep_kernel": {},
-    **perf_fla.REREAD,
+    "decay_grad_kernel": {}, **perf_fla.REREAD,
 }
 
 # kernel -> sequential steps of one program (trips of its main loop), from its arguments
 STEPS: dict[str, Callable[[dict], int]] = {
     "chunk_state_kernel": lambda a: a["NS"], "chunk_state_merge_kernel": lambda a: a["NS"],  # chunks per run
     "chunk_output_kernel": lambda a: _cdiv(a["Dk"], a["BK"]), "chunk_dqk_kernel": lambda a: _cdiv(a["Dv"], a["BV"]),
-    "chunk_dv_kernel": lambda a: _cdiv(a["Dk"], a["BK"]),
+    "chunk_dv_kernel": lambda a: _cdiv(a["Dk"], a["BK"]), "decay_grad_kernel": lambda a: _cdiv(a["T"], a["BT"]),
     **perf_fla.STEPS,
 }
 

@@ -36,7 +36,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
-from .state import DEFAULT_EPS, LinearAttentionState, suffix_sum
+from .state import DEFAULT_EPS, LinearAttentionState
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -145,29 +145,15 @@ def _state_grads(dS: Tensor | None, dz: Tensor | None, S: Tensor, z: Tensor | No
     return dS, dz
 
 
-def _log_decay_grad(r: Tensor, g: Tensor, dS_T, S_T, dz_T, z_T, cu_seqlens: Tensor | None = None) -> Tensor:
-    """dL/dg from r_t = q_t . dq_t - k_t . dk_t (fp32, from the kernels), in g's dtype and shape.
-
-    dL/dG_t = r_t (+ <dS_T, S_T> + <dz_T, z_T> at a sequence's last token), and g_s enters
-    every G_t with t >= s in its sequence: a suffix sum (per packed sequence).
-    """
-    if dS_T is not None:
-        end = (dS_T * S_T).sum((-2, -1))
-        if dz_T is not None:
-            end = end + (dz_T * z_T).sum(-1)
-    if cu_seqlens is None:
-        if dS_T is not None:
-            r[..., -1] += end
-        dg = suffix_sum(r)
-    else:
-        dg = torch.zeros_like(r)
-        bounds = cu_seqlens.tolist()
-        for i, (a, b) in enumerate(zip(bounds[:-1], bounds[1:])):
-            if b > a:
-                if dS_T is not None:
-                    r[0, :, b - 1] += end[i]
-                dg[..., a:b] = suffix_sum(r[..., a:b])
-    return (dg.sum((0, 2)) if g.dim() == 1 else dg).to(g.dtype)
+def _final_state_term(dS_T: Tensor | None, S_T, dz_T, z_T) -> Tensor | None:
+    """<dS_T, S_T> (+ <dz_T, z_T>) per (sequence, head), fp32: what the final state adds to the
+    gradient of every log-decay of its sequence (None without a final-state gradient)."""
+    if dS_T is None:
+        return None
+    end = (dS_T * S_T).sum((-2, -1))
+    if dz_T is not None:
+        end = end + (dz_T * z_T).sum(-1)
+    return end.float()
 
 
 def causal_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, S0: Tensor | None, z0: Tensor | None,
@@ -214,10 +200,11 @@ def causal_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, S0: Tenso
         initial_state=(S0, z0) if S0 is not None else None, final_state_grad=end_state,
         skip_dead_tail=end_state is None and cu_seqlens is None,
         need_initial_state_grad=need_S0 or need_z0, need_log_decay_grad=need_g, cu_seqlens=cu_seqlens,
+        log_decay_end=_final_state_term(dS_T, S_T, dz_T, z_T) if need_g else None,
     )
     dg = None
-    if need_g:
-        dg = _log_decay_grad(out["dg_token"], g, dS_T, S_T, dz_T, z_T, cu_seqlens)
+    if need_g:  # a decay per head: the sum of its tokens' gradients
+        dg = (out["dG"].sum((0, 2)) if g.dim() == 1 else out["dG"]).to(g.dtype)
     dS0 = out["dS0"].to(S0.dtype) if need_S0 else None
     dz0 = out["dz0"].to(z0.dtype) if (need_z0 and out["dz0"] is not None) else None
     return (out["dq"] if need_q else None, out["dk"] if need_k else None, out["dv"] if need_v else None,
