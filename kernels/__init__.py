@@ -9,8 +9,8 @@ wrappers live in `linattn_lib/core/triton_ops.py`.
                      chunk_state_merge_kernel  split-T: runs of chunks walked in parallel, merged
                      chunk_decay_kernel    every chunk's decays, in parallel, before the state pass
     chunk_output.py  chunk_output_kernel   phase 2: all chunks' outputs in parallel; chunk_fwd_two_phase
-    chunk_grad.py    chunk_bwd_prep_kernel, chunk_dqk_kernel, chunk_dv_kernel, decay_grad_kernel
-                                           the two-phase backward (phase 1 is chunk_state reversed),
+    chunk_grad.py    chunk_bwd_prep_kernel (live_length_kernel), chunk_dqk_kernel, chunk_dv_kernel,
+                     decay_grad_kernel     the two-phase backward (phase 1 is chunk_state reversed),
                                            the log-decay's gradient; chunk_bwd_two_phase
     sequences.py     where a program's tokens and states are: batched or packed (cu_seqlens)
     chunk_fwd.py     chunk_fwd_kernel      causal forward in one pass; run backwards in time it gives dV
@@ -39,10 +39,12 @@ from .chunk_grad import (
     chunk_dv_kernel,
     decay_grad,
     decay_grad_kernel,
+    live_length_kernel,
 )
 from .chunk_grad import compile_spec_decay_grad as _decay_grad_spec
 from .chunk_grad import compile_spec_dqk as _chunk_dqk_spec
 from .chunk_grad import compile_spec_dv as _chunk_dv_spec
+from .chunk_grad import compile_spec_live_length as _live_length_spec
 from .chunk_grad import compile_spec_prep as _chunk_prep_spec
 from .chunk_output import chunk_fwd_two_phase, chunk_output, chunk_output_kernel
 from .chunk_output import compile_spec as _chunk_output_spec
@@ -91,6 +93,7 @@ KERNELS = {
     "chunk_decay": (chunk_decay_kernel, _chunk_decay_spec),
     "chunk_output": (chunk_output_kernel, _chunk_output_spec),
     "chunk_bwd_prep": (chunk_bwd_prep_kernel, _chunk_prep_spec),
+    "live_length": (live_length_kernel, _live_length_spec),
     "chunk_dqk": (chunk_dqk_kernel, _chunk_dqk_spec),
     "chunk_dv": (chunk_dv_kernel, _chunk_dv_spec),
     "decay_grad": (decay_grad_kernel, _decay_grad_spec),

@@ -83,6 +83,27 @@ def chunk_bwd_prep_kernel(do_ptr, o_ptr, den_ptr, r_ptr, e_ptr, len_ptr, T, Dv,
 
 
 @triton.jit
+def live_length_kernel(do_ptr, len_ptr, T, Dv, P, BT: tl.constexpr, BV: tl.constexpr):
+    """len[b, h] = 1 + the last token whose dO is not all zero (atomic max; len must start at
+    0), as chunk_bwd_prep_kernel's FIND_LEN finds it but read from the end: program p of a
+    row's P reads its blocks of BT tokens p, p + P, ... counted from the last one, and stops
+    at the first that holds a nonzero row. A row with no dead tail is read P blocks deep, not
+    all of it (where r and e are not needed: the unnormalised backward)."""
+    i_bh = tl.program_id(1).to(tl.int64)
+    cols = tl.arange(0, BV)
+    n = tl.cdiv(T, BT) - 1 - tl.program_id(0)
+    last = -1
+    while (last < 0) & (n >= 0):
+        t = n * BT + tl.arange(0, BT)
+        m = (t < T)[:, None] & (cols < Dv)[None, :]
+        do = tl.load(do_ptr + (i_bh * T + t)[:, None] * Dv + cols[None, :], mask=m, other=0.0)
+        used = tl.max((do != 0).to(tl.int32), axis=1) > 0
+        last = tl.max(tl.where(used, t, -1), axis=0)
+        n -= P
+    tl.atomic_max(len_ptr + i_bh, last + 1)
+
+
+@triton.jit
 def _load_rows(ptr, row0, t, m_t, o_c, m_c, D):
     """A (BT x block) tile of a (rows x D) tensor; 0 outside the masks."""
     return tl.load(ptr + (row0 + t)[:, None] * D + o_c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.0)
@@ -269,28 +290,37 @@ def decay_grad(parts: torch.Tensor, end: torch.Tensor | None, cu_seqlens: torch.
     return dg
 
 
+LIVE_LENGTH_PROGRAMS = 16
+
+
 def chunk_bwd_prep(do: torch.Tensor, o: torch.Tensor | None, den: torch.Tensor | None, *,
                    find_lengths: bool = False, config: dict | None = None) -> tuple:
     """Launch `chunk_bwd_prep_kernel`: (r, e, lengths).
 
     r, e: 1 / den and dL/dden = -(dO . o) / den, fp32 (B, H, T), when den is given (else
     None). lengths: (B, H) int32, 1 + the last position whose cotangent is not zero (0 if
-    none), when find_lengths (else None). dO is read once for both."""
+    none), when find_lengths (else None). dO is read once for both; for the lengths alone,
+    from the end of each row (`live_length_kernel`, LIVE_LENGTH_PROGRAMS programs a row)."""
     B, H, T, Dv = do.shape
     normalize = den is not None
-    cfg = config or select_config("chunk_bwd_prep", Dv, do.dtype, do.device)
+    cfg = config or select_config("chunk_bwd_prep" if normalize else "live_length", Dv, do.dtype, do.device)
     r = e = lengths = None
     if normalize:
         r = torch.empty(B, H, T, dtype=torch.float32, device=do.device)
         e = torch.empty_like(r)
     if find_lengths:
         lengths = torch.zeros(B, H, dtype=torch.int32, device=do.device)
-    if B * H * T and (normalize or find_lengths):
+    if B * H * T and normalize:
         dummy = do
         launchable(chunk_bwd_prep_kernel, do.device)[(triton.cdiv(T, cfg["BT"]), B * H)](
             do.contiguous(), *(x.contiguous() if x is not None else dummy for x in (o, den, r, e, lengths)),
             T, Dv, BT=cfg["BT"], BV=cfg["BV"], NORMALIZE=normalize, FIND_LEN=find_lengths,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    elif B * H * T and find_lengths:
+        P = min(triton.cdiv(T, cfg["BT"]), LIVE_LENGTH_PROGRAMS)
+        launchable(live_length_kernel, do.device)[(P, B * H)](
+            do.contiguous(), lengths, T, Dv, P, BT=cfg["BT"], BV=cfg["BV"], num_warps=cfg["num_warps"],
+            num_stages=1)
     return r, e, lengths
 
 
@@ -448,5 +478,13 @@ def compile_spec_decay_grad(cfg: dict, dtype: str) -> tuple[dict, dict]:
     signature = {"part_ptr": "*fp32", "end_ptr": "*fp32", "dg_ptr": "*fp32", "cu_ptr": "*i32", "T": "i32",
                  "H": "i32", "n_rows": "i32", "NK": "i32"}
     constexprs = {"BT": cfg["BT"], "HAS_END": True, "IS_VARLEN": True}
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
+    return signature, constexprs
+
+
+def compile_spec_live_length(cfg: dict, dtype: str) -> tuple[dict, dict]:
+    """Signature and constexprs of `live_length_kernel`."""
+    signature = {"do_ptr": f"*{dtype}", "len_ptr": "*i32", "T": "i32", "Dv": "i32", "P": "i32"}
+    constexprs = {"BT": cfg["BT"], "BV": cfg["BV"]}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return signature, constexprs

@@ -43,6 +43,7 @@ DIM_NAMES = {
     "chunk_dqk": ("BK", "BV"),        # two-phase backward: Dk tiled, Dv looped in blocks of BV
     "chunk_dv": ("BK", "BV"),         # Dv tiled, Dk looped in blocks of BK
     "chunk_bwd_prep": ("BV", "BK"),   # BT rows per program, Dv whole (BK unused)
+    "live_length": ("BV", "BK"),      # chunk_bwd_prep's blocks of dO, read from the end (its config)
     "decay_grad": ("BK", "BV"),       # the log-decay's gradient: blocks of BT tokens (BK, BV unused)
     # the delta rule: the two state kernels hold Dk whole (BK) and multiply in blocks of BKW;
     # the parallel ones walk Dk in blocks of BK; all tile the values by BV
@@ -183,6 +184,7 @@ _TWO_PHASE: dict[str, dict[str, tuple[int, int, int, int]]] = {
 }
 for _kernel, _classes in _TWO_PHASE.items():
     _TABLE[_kernel] = {cls: dict.fromkeys(WHOLE_DIMS, entry) for cls, entry in _classes.items()}
+_TABLE["live_length"] = _TABLE["chunk_bwd_prep"]  # the same blocks of dO, read from the end
 
 # The delta rule (delta_rule.py): class -> (BT, BK, BV, num_warps), all kernels of one class
 # sharing BT. BK: the Dk block of the loops; the two state kernels hold Dk whole (padded) and

@@ -319,6 +319,29 @@ def test_state_gradients_stored_in_16_bits_without_a_decay_gradient():
         assert err < GRAD_TOL[torch.float16], f"d{name}: rel {err:.2e}"
 
 
+@pytest.mark.parametrize("programs", [2, 16])
+def test_dead_tail_lengths_read_from_the_end_equal_the_full_scan(monkeypatch, programs):
+    """The lengths of chunk_bwd_prep (1 + the last token whose dO is not all zero): read from
+    the end (unnormalised, live_length_kernel, with fewer programs a row than blocks and more)
+    as the full scan beside r and e (normalised) finds them -- rows with no dead tail, a tail
+    across blocks of 16, one nonzero element at token 0, a NaN (not zero), no live token."""
+    monkeypatch.setattr(K.chunk_grad, "LIVE_LENGTH_PROGRAMS", programs)
+    gen = torch.Generator().manual_seed(6)
+    last = [99, 40, 0, 63, -1, 16]
+    do = torch.randn(1, len(last), 100, 24, generator=gen)
+    for h, t in enumerate(last):
+        do[0, h, t + 1:] = 0
+    do[0, 2, 0], do[0, 2, 0, 5] = 0, 1.0
+    do[0, 3, 63], do[0, 3, 63, 7] = 0, float("nan")
+    cfg = dict(BT=16, BK=16, BV=32, num_warps=4, num_stages=1)
+    d = do.to(DEVICE)
+    _, _, from_end = K.chunk_bwd_prep(d, None, None, find_lengths=True, config=cfg)
+    _, _, scanned = K.chunk_bwd_prep(d, d, torch.ones(1, len(last), 100, device=DEVICE), find_lengths=True,
+                                     config=cfg)
+    want = torch.tensor([last], dtype=torch.int32) + 1
+    assert torch.equal(from_end.cpu(), want) and torch.equal(scanned.cpu(), want)
+
+
 def test_decay_grad_sums_each_sequence_from_its_end():
     """decay_grad: dG_t = the key blocks' partials summed, then over the tokens from t to the
     end of t's sequence, plus the final state's term of that sequence -- against float64, for

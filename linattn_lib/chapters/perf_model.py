@@ -39,6 +39,7 @@ import re
 import subprocess
 import sys
 import tempfile
+import textwrap
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
 from typing import Any
@@ -302,15 +303,17 @@ REREAD: dict[str, dict[str, tuple[int, ...]]] = {
     "chunk_output_kernel": {"q_ptr": (0,), "k_ptr": (0,), "hz_ptr": (0,), "g_ptr": (0,)},
     "chunk_dqk_kernel": {"v_ptr": (0,), "do_ptr": (0,), "r_ptr": (0,), "e_ptr": (0,), "g_ptr": (0,)},
     "chunk_dv_kernel": {"q_ptr": (0,), "k_ptr": (0,), "r_ptr": (0,), "g_ptr": (0,)}, "chunk_bwd_prep_kernel": {},
-    "decay_grad_kernel": {}, **perf_fla.REREAD,
+    "decay_grad_kernel": {}, "live_length_kernel": {}, **perf_fla.REREAD,
 }
+# kernel -> {argument: the fraction read} of kernels that stop early (the census has no dead tail: P blocks a row)
+PART_READ = {"live_length_kernel": {"do_ptr": lambda a: min(1.0, a["P"] * a["BT"] / a["T"])}}
 
 # kernel -> sequential steps of one program (trips of its main loop), from its arguments
 STEPS: dict[str, Callable[[dict], int]] = {
     "chunk_state_kernel": lambda a: a["NS"], "chunk_state_merge_kernel": lambda a: a["NS"],  # chunks per run
     "chunk_output_kernel": lambda a: _cdiv(a["Dk"], a["BK"]), "chunk_dqk_kernel": lambda a: _cdiv(a["Dv"], a["BV"]),
     "chunk_dv_kernel": lambda a: _cdiv(a["Dk"], a["BK"]), "decay_grad_kernel": lambda a: _cdiv(a["T"], a["BT"]),
-    **perf_fla.STEPS,
+    "live_length_kernel": lambda a: 1, **perf_fla.STEPS,
 }
 
 
@@ -351,14 +354,14 @@ def traffic(call: Call, slots: int) -> tuple[int, int]:
     if call.fn is None and "in" in call.args:  # an eager op: its inputs, then its outputs
         b = sum(_nbytes(t) for part in ("in", "out") for t in {id(t): t for t in call.args[part]}.values())
         return b, b
-    rules, seen = REREAD.get(call.kernel, {}), {}
+    rules, part, seen = REREAD.get(call.kernel, {}), PART_READ.get(call.kernel, {}), {}
     for name, val in call.args.items():
         if isinstance(val, torch.Tensor):
             axes = rules.get(name, ())
             rep = math.prod(call.grid[a] for a in axes)
             spread = 1 + sum((call.grid[a] - 1) * math.prod(call.grid[:a]) for a in axes)
             if id(val) not in seen or rep < seen[id(val)][1]:
-                seen[id(val)] = (_nbytes(val), rep, spread)
+                seen[id(val)] = (int(_nbytes(val) * part.get(name, lambda a: 1)(call.args)), rep, spread)
     hbm = sum(size * (1 if spread <= slots else rep) for size, rep, spread in seen.values())
     return hbm, sum(size * rep for size, rep, _ in seen.values())
 
@@ -548,9 +551,8 @@ def _detail(rows: list[dict]) -> list[str]:
     """Per-kernel lines of a `predict` table, the eager torch ops summed into one."""
     ops = [r for r in rows if not r["programs"]]
     if ops:
-        rows = [r for r in rows if r["programs"]] + [{"kernel": f"torch ops x{len(ops)}", "grid": (), "bound": "hbm",
-                                                      "bytes_hbm": sum(r["bytes_hbm"] for r in ops),
-                                                      "time": total_time(ops)}]
+        summed = {"bytes_hbm": sum(r["bytes_hbm"] for r in ops), "time": total_time(ops), "bound": "hbm"}
+        rows = [r for r in rows if r["programs"]] + [{"kernel": f"torch ops x{len(ops)}", "grid": (), **summed}]
     return [f"    {r['kernel'].replace('_kernel', '').removeprefix('chunk_')[:20]:20} "
             f"{'x'.join(map(str, r['grid'])):>10} {r.get('ctas_per_sm', ''):>3} {r.get('steps', ''):>4} "
             f"{r.get('instr_per_step', ''):>5} {r.get('instr_per_warp', ''):>6} {r['bytes_hbm'] / 2**20:>7.0f} "
@@ -584,8 +586,6 @@ def report(B: int, T: int, H: int, D: int, gpu: GPU | str = "H100 SXM", *, detai
 def main(argv: list[str] | None = None) -> None:
     """`python -m linattn_lib.chapters.perf_model [--detail]`: B in {1, 4}, H 16, T 16384, D 128,
     on each GPU of `GPUS`; fla's source from $LINATTN_FLA_SOURCE (`perf_fla.fla_source`)."""
-    import textwrap
-
     detail = "--detail" in (sys.argv[1:] if argv is None else argv)
     for i, gpu in enumerate(GPUS.values()):
         print(f"{gpu.name}, predicted by the model (bf16){', assuming:' if i == 0 else ''}")
