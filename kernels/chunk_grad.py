@@ -206,7 +206,7 @@ def chunk_dqk_kernel(
     tl.store(dk_ptr + (row0 + t)[:, None] * Dk + o_k[None, :], dk.to(dk_ptr.dtype.element_ty), mask=m_tk)
     if DG:
         dg = tl.sum(tl.where(m_t[:, None] & m_k[None, :], q * dq - k * dk, 0.0), axis=1)
-        tl.store(dg_ptr + i_k * n_rows + row0 + t, dg, mask=m_out)
+        tl.store(dg_ptr + i_k.to(tl.int64) * n_rows + row0 + t, dg, mask=m_out)
 
 
 @triton.jit
@@ -258,7 +258,7 @@ def decay_grad_kernel(part_ptr, end_ptr, dg_ptr, cu_ptr, T, H, n_rows, NK,
     BT tokens: each a reversed scan plus the sum of the blocks after it, so that every entry is
     a sum of exactly its own terms (no difference of larger sums)."""
     i_seq = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1)
+    i_h = tl.program_id(1).to(tl.int64)
     row0, T_seq = sequence_rows(i_seq, i_h, cu_ptr, T, H, IS_VARLEN)
     after = 0.0
     if HAS_END:
@@ -266,8 +266,10 @@ def decay_grad_kernel(part_ptr, end_ptr, dg_ptr, cu_ptr, T, H, n_rows, NK,
     for i in range(0, tl.cdiv(T_seq, BT)):
         t = T_seq - (i + 1) * BT + tl.arange(0, BT)
         r = tl.zeros([BT], dtype=tl.float32)
-        for j in range(0, NK):
-            r += tl.load(part_ptr + j * n_rows + row0 + t, mask=t >= 0, other=0.0)
+        part = part_ptr + row0 + t
+        for _ in range(0, NK):              # the pointer steps by n_rows: 64-bit addresses
+            r += tl.load(part, mask=t >= 0, other=0.0)
+            part += n_rows
         tl.store(dg_ptr + row0 + t, tl.cumsum(r, axis=0, reverse=True) + after, mask=t >= 0)
         after += tl.sum(r, axis=0)
 

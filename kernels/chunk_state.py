@@ -20,8 +20,9 @@ with a_j = g_{j+1} + ... + g_last summed from its own terms and g_last the sum o
 Phase 1 is still sequential over the chunks, but light -- one (BK x BT) @ (BT x BV) product
 per chunk, no scores -- and its grid also splits Dk: one program per (Dk tile, Dv tile,
 batch * head). The keys, decayed in fp32 and rounded back to the input dtype, meet the values
-on the tensor cores (input dtype in, fp32 accumulator: the state itself); z is summed from
-the fp32 decayed keys.
+on the tensor cores (input dtype in, fp32 accumulator: the state itself); z sums the keys
+against their decays on the tensor cores too (in bf16 for bf16 inputs, tf32 for fp16; fp32
+inputs sum in true fp32: `_walk_z`).
 
 z. The normaliser state has programs of its own: the grid has one more column of value
 tiles, and a program of that column walks z (the decayed keys summed per chunk) while every
