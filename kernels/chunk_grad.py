@@ -206,7 +206,7 @@ def chunk_dqk_kernel(
     tl.store(dk_ptr + (row0 + t)[:, None] * Dk + o_k[None, :], dk.to(dk_ptr.dtype.element_ty), mask=m_tk)
     if DG:
         dg = tl.sum(tl.where(m_t[:, None] & m_k[None, :], q * dq - k * dk, 0.0), axis=1)
-        tl.store(dg_ptr + i_k.to(tl.int64) * n_rows + row0 + t, dg, mask=m_out)
+        tl.store(dg_ptr + i_k * n_rows + row0 + t, dg, mask=m_out)
 
 
 @triton.jit
