@@ -5,9 +5,10 @@ kernels, a decoding step and the fused FAVOR+ feature map. Each module holds its
 that picks a config and starts them; nothing is launched at import time. The autograd
 wrappers live in `linattn_lib/core/triton_ops.py`.
 
+    chunk_decay.py   chunk_decay_kernel    every chunk's decays, in parallel, before the kernels
+                                           that need them; chunk_decays
     chunk_state.py   chunk_state_kernel    causal forward, phase 1: every chunk's entry state;
                      chunk_state_merge_kernel  split-T: runs of chunks walked in parallel, merged
-                     chunk_decay_kernel    every chunk's decays, in parallel, before the state pass
     chunk_output.py  chunk_output_kernel   phase 2: all chunks' outputs in parallel; chunk_fwd_two_phase
     chunk_grad.py    chunk_bwd_prep_kernel (live_length_kernel), chunk_dqk_kernel, chunk_dv_kernel,
                      decay_grad_kernel     the two-phase backward (phase 1 is chunk_state reversed),
@@ -27,6 +28,8 @@ gives the signature of its heaviest variant: tests/test_kernels_compile.py compi
 GPU target in `TARGETS`, each config `select_config` can pick there (`selectable_configs`),
 ahead of time and without a GPU, and checks it fits `SMEM_LIMITS`.
 """
+from .chunk_decay import chunk_decay_kernel, chunk_decays
+from .chunk_decay import compile_spec as _chunk_decay_spec
 from .chunk_fwd import chunk_fwd, chunk_fwd_kernel
 from .chunk_fwd import compile_spec as _chunk_fwd_spec
 from .chunk_grad import (
@@ -48,9 +51,8 @@ from .chunk_grad import compile_spec_live_length as _live_length_spec
 from .chunk_grad import compile_spec_prep as _chunk_prep_spec
 from .chunk_output import chunk_fwd_two_phase, chunk_output, chunk_output_kernel
 from .chunk_output import compile_spec as _chunk_output_spec
-from .chunk_state import chunk_decay_kernel, chunk_state_kernel, chunk_state_merge_kernel, chunk_states, split_count
+from .chunk_state import chunk_state_kernel, chunk_state_merge_kernel, chunk_states, split_count
 from .chunk_state import compile_spec as _chunk_state_spec
-from .chunk_state import compile_spec_decay as _chunk_decay_spec
 from .chunk_state import compile_spec_merge as _chunk_state_merge_spec
 from .configs import (
     CONFIGS,
@@ -115,6 +117,7 @@ __all__ = [
     "WHOLE_DIMS",
     "chunk_bwd_prep",
     "chunk_bwd_two_phase",
+    "chunk_decays",
     "chunk_dqk",
     "chunk_dv",
     "chunk_fwd",

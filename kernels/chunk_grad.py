@@ -45,7 +45,8 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_state import chunk_decays_at, chunk_states, state_config
+from .chunk_decay import chunk_decays, chunk_decays_at
+from .chunk_state import chunk_states, state_config
 from .configs import dot_precision, launchable, select_config
 from .sequences import chunk_of_program, first_chunk, packed_layout, sequence_rows
 
@@ -424,13 +425,15 @@ def chunk_bwd_two_phase(
     if state_dtype is None:
         state_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
     need_dg = log_decay is not None and need_log_decay_grad
+    cu, offsets, indices, NT, _ = packed_layout(cu_seqlens, T, B, H, cfg_s["BT"])
+    layout = (cu, offsets, indices, NT)
+    g = log_decay.to(torch.float32).contiguous() if log_decay is not None else None
+    if g is not None:  # both walks' decays in one launch
+        kw["decays"] = chunk_decays(g, B, H, T, cfg_s["BT"], layout=layout, lengths=lengths, to_start=True)
     h, hz, _, _ = chunk_states(k, v, initial_state=initial_state, state_dtype=state_dtype, **kw)
     dh, dhz, dS0, dz0 = chunk_states(q, do, initial_state=final_state_grad, reverse=True, key_scale=r,
                                      z_weights=e, store_final_state=need_initial_state_grad,
                                      state_dtype=torch.float32 if need_dg else state_dtype, **kw)
-    cu, offsets, indices, NT, _ = packed_layout(cu_seqlens, T, B, H, cfg_s["BT"])
-    layout = (cu, offsets, indices, NT)
-    g = log_decay.to(torch.float32).contiguous() if log_decay is not None else None
     dq, dk, dg = chunk_dqk(q, k, v, do, g, r, e, (h, hz), (dh, dhz), layout, lengths, cfg_dqk, need_dg)
     dv = chunk_dv(q, k, do, g, r, dh, layout, lengths, cfg_dv)
     dG = decay_grad(dg, log_decay_end, cu_seqlens) if dg is not None else None

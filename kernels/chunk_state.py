@@ -32,15 +32,13 @@ instructions per chunk of the loop, on the sequential chain; an extra column of 
 value tile would make it BV + 1 wide, the next power of two: twice the matmul. z's own walk
 sums on the tensor cores too, against a narrow tile of weights (`_walk_z`).
 
-Decays off the chain. What a chunk's decays are does not depend on the state, only on the
-log-decays of its own tokens: `chunk_decay_kernel` computes them for every chunk at once, one
-program per chunk, before the walk -- exp(a_j) of each key (BT fp32 per chunk) and g_last --
-and the walk loads them (the vector with its tiles, g_last one chunk ahead: a scalar load
-that the software pipeliner leaves alone would stall the chain for its latency). Done in
-the loop, the sum, the shift and the scan of `chunk_log_decays` and their exps were ~75 of
-the ~248 SASS instructions per chunk with a per-token decay (sm_90, bf16: 173 without them),
-and a per-head decay cost as much (its counts are reductions too). The pre-pass costs a
-launch and B * H * T * 4 bytes written and read: ~1 MiB at the benchmark shape, ~1 us.
+Decays off the chain. What a chunk's decays are does not depend on the state: the walk loads
+them from `chunk_decays` (chunk_decay.py), computed for every chunk at once before it --
+exp(a_j) of each key with its tiles, the decay across the chunk exp(g_last) one chunk ahead
+(a scalar load that the software pipeliner leaves alone would stall the chain for its
+latency). Taking the exp of g_last on the chain cost 5 of the per-token walk's 112 SASS
+instructions per chunk (sm_90, bf16), and forming the decayed bf16 keys through fp32 8 more
+(`_decayed_bf16`).
 
 The state gradient (reversed, keys scaled by r = 1 / den) multiplies in fp32 (tf32) for fp16
 inputs, where dO / den may be below the smallest fp16; bf16 has the range of fp32, so there
@@ -59,56 +57,9 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_fwd import chunk_log_decays, head_log_decays
+from .chunk_decay import ChunkDecays, chunk_decays
 from .configs import dot_precision, launchable, multiprocessor_count, select_config
-from .sequences import chunk_of_program, first_chunk, packed_layout, sequence_rows
-
-
-@triton.jit
-def load_log_decay(g_ptr, i_h, row0, t, m_t, DECAY: tl.constexpr):
-    """The fp32 log-decays of tokens t (rows row0 + t) of head i_h; 0 for padded tokens (they
-    decay nothing)."""
-    if DECAY == 1:
-        g = tl.where(m_t, tl.load(g_ptr + i_h).to(tl.float32), 0.0)
-    else:
-        g = tl.load(g_ptr + row0 + t, mask=m_t, other=0.0).to(tl.float32)
-    return g
-
-
-@triton.jit
-def chunk_decays_at(g_ptr, i_h, row0, i_n, t, T_live, BT: tl.constexpr, REVERSE: tl.constexpr,
-                    DECAY: tl.constexpr):
-    """`chunk_log_decays` of chunk i_n (tokens t = i_n BT + arange(BT), rows row0 + t) of head
-    i_h, the tokens from T_live on read as padding. A decay per head is one scalar load, its
-    count of real tokens from T_live: no reduction over the chunk."""
-    if DECAY == 1:
-        n = tl.minimum(tl.maximum(T_live - i_n * BT, 0), BT).to(tl.float32)
-        return head_log_decays(tl.load(g_ptr + i_h).to(tl.float32), n, t - i_n * BT, REVERSE)
-    else:
-        g = load_log_decay(g_ptr, i_h, row0, t, t < T_live, DECAY)
-        return chunk_log_decays(g, t - i_n * BT, BT, REVERSE, False)
-
-
-@triton.jit
-def chunk_decay_kernel(g_ptr, len_ptr, ka_ptr, gl_ptr, cu_ptr, co_ptr, ci_ptr, T, H, NT,
-                       BT: tl.constexpr, DECAY: tl.constexpr, REVERSE: tl.constexpr, HAS_LEN: tl.constexpr,
-                       IS_VARLEN: tl.constexpr):
-    """The decays a state pass needs, for every chunk at once (program (chunk, b H + h)):
-    exp(a_j) of each key (from key j to the chunk end; to the chunk start, reversed) into
-    ka[c BT + j], the log-decay across the chunk g_last into gl[c], c the chunk's index in the
-    per-chunk states; read as `chunk_state_kernel` reads its tokens (HAS_LEN: from len on as
-    padding, g = 0)."""
-    i_hb = tl.program_id(1).to(tl.int64)
-    i_seq, i_h, i_n = chunk_of_program(tl.program_id(0), i_hb, ci_ptr, H, IS_VARLEN)
-    row0, T_seq = sequence_rows(i_seq, i_h, cu_ptr, T, H, IS_VARLEN)
-    if HAS_LEN:
-        T_seq = tl.minimum(T_seq, tl.load(len_ptr + i_hb))
-    c = first_chunk(i_seq, i_h, co_ptr, NT, H, IS_VARLEN) + i_n
-    o_t = tl.arange(0, BT)
-    t = i_n * BT + o_t
-    _, _, k_log, g_last = chunk_decays_at(g_ptr, i_h, row0, i_n, t, T_seq, BT, REVERSE, DECAY)
-    tl.store(ka_ptr + c * BT + o_t, tl.exp(k_log))     # k_log <= 0
-    tl.store(gl_ptr + c, g_last)
+from .sequences import first_chunk, packed_layout, sequence_rows
 
 
 @triton.jit
@@ -135,12 +86,24 @@ def _chunk_inputs(k_ptr, v_ptr, ka_ptr, r_ptr, w_ptr, row0, t, m_t, c, o_k, m_k,
 
 @triton.jit
 def _chunk_decay(gl_ptr, c, i, n_chunks, step, DECAY: tl.constexpr):
-    """g_last of chunk c + step, the walk's chunk after c, when its step i + 1 of n_chunks
-    exists (else 0; 0 without a decay). The walk loads it one step ahead: a scalar load the
-    software pipeliner leaves alone would stall the chain for its latency every chunk."""
+    """The decay exp(g_last) of chunk c + step, the walk's chunk after c, when its step i + 1
+    of n_chunks exists (else 1; 1 without a decay). The walk loads it one step ahead: a scalar
+    load the software pipeliner leaves alone would stall the chain for its latency every chunk."""
     if DECAY > 0:
-        return tl.load(gl_ptr + c + step, mask=i + 1 < n_chunks, other=0.0)
-    return 0.0
+        return tl.load(gl_ptr + c + step, mask=i + 1 < n_chunks, other=1.0)
+    return 1.0
+
+
+@triton.jit
+def _decayed_bf16(k, ea):
+    """(k ea).to(bf16) of bf16 keys k (BT x BK) and fp32 decays ea (BT,), in bf16 pairs (HMUL2,
+    HFMA2) rather than through fp32: ea = hi + lo, two bf16, and k hi + (k lo) is rounded once
+    by a fused multiply-add (k lo, ~2^-9 of the product, adds ~2^-18 of error). Unpacking to
+    fp32, scaling and packing again cost 8 more SASS instructions a chunk on the walk's chain
+    (sm_90: 113 against 105; test_decayed_bf16_keys_are_rounded_once checks the rounding)."""
+    hi = ea.to(tl.bfloat16)
+    lo = (ea - hi.to(tl.float32)).to(tl.bfloat16)
+    return tl.fma(k, hi[:, None], k * lo[:, None])
 
 
 @triton.jit
@@ -162,19 +125,20 @@ def _walk_S(k_ptr, v_ptr, ka_ptr, gl_ptr, r_ptr, h_ptr, s0_ptr, st_ptr, lg_ptr, 
     ends in row i_st of st. Reversed (the state gradient) the keys are scaled by r (1 / den)
     and the product is fp32 (tf32) for fp16 inputs: dO / den may be below the smallest fp16
     (bf16, with fp32's range, rounds them to bf16).
-    Split (IS_SPLIT, with a decay), the `lead` program of the run also stores the log-decay
-    walked before each chunk (lg) and the run's total (row i_st of lr), for the merge."""
+    Split (IS_SPLIT, with a decay), the `lead` program of the run also stores the decay
+    walked before each chunk (lg) and the run's total (row i_st of lr), for the merge.
+    Decayed bf16 keys are formed in bf16 pairs (`_decayed_bf16`)."""
     m_kv = m_k[:, None] & m_v[None, :]
     kv_off = o_k[:, None] * Dv + o_v[None, :]
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_S0:
         S = tl.load(s0_ptr + i_nh * Dk * Dv + kv_off, mask=m_kv & first, other=0.0).to(tl.float32)
-    walked = 0.0                            # log-decay since the start of the walk (split)
+    walked = 1.0                            # decay since the start of the walk (split)
     o_t = tl.arange(0, BT)
     n, step = _first_step(n_lo, n_hi, REVERSE)
     g_next = _chunk_decay(gl_ptr, c0 + n - step, -1, n_hi - n_lo, step, DECAY)
     for i in range(0, n_hi - n_lo):
-        g_last = g_next
+        d_last = g_next
         g_next = _chunk_decay(gl_ptr, c0 + n, i, n_hi - n_lo, step, DECAY)
         tl.store(h_ptr + (c0 + n) * Dk * Dv + kv_off, S.to(h_ptr.dtype.element_ty), mask=m_kv)
         t = n * BT + o_t
@@ -183,15 +147,17 @@ def _walk_S(k_ptr, v_ptr, ka_ptr, gl_ptr, r_ptr, h_ptr, s0_ptr, st_ptr, lg_ptr, 
         k_s = k.to(tl.float32)
         if DECAY > 0:
             k_s = k_s * ea[:, None]                 # |exp(a_j) k_j| <= |k_j|: fits the input dtype
-            S = S * tl.exp(g_last)
+            S = S * d_last
         if IS_SPLIT and DECAY > 0:
             tl.store(lg_ptr + c0 + n, walked, mask=lead)
-            walked += g_last
+            walked *= d_last
         n += step
         if HAS_R and k.dtype != tl.bfloat16:
             S = tl.dot(tl.trans(k_s * r[:, None]), v.to(tl.float32), acc=S, input_precision=DOT_PREC)
         elif HAS_R:
             S = tl.dot(tl.trans((k_s * r[:, None]).to(k.dtype)), v, acc=S, input_precision=DOT_PREC)
+        elif DECAY > 0 and k.dtype == tl.bfloat16:
+            S = tl.dot(tl.trans(_decayed_bf16(k, ea)), v, acc=S, input_precision=DOT_PREC)
         else:
             S = tl.dot(tl.trans(k_s.to(k.dtype)), v, acc=S, input_precision=DOT_PREC)
     if STORE_ST:
@@ -229,7 +195,7 @@ def _walk_z(k_ptr, ka_ptr, gl_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr, i_nh, i_st, ro
     n, step = _first_step(n_lo, n_hi, REVERSE)
     g_next = _chunk_decay(gl_ptr, c0 + n - step, -1, n_hi - n_lo, step, DECAY)
     for i in range(0, n_hi - n_lo):
-        g_last = g_next
+        d_last = g_next
         g_next = _chunk_decay(gl_ptr, c0 + n, i, n_hi - n_lo, step, DECAY)
         tl.store(hz_ptr + (c0 + n) * Dk + z_off, Z, mask=m_z)
         t = n * BT + o_t
@@ -238,7 +204,7 @@ def _walk_z(k_ptr, ka_ptr, gl_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr, i_nh, i_st, ro
         weight = tl.full([BT], 1.0, dtype=tl.float32)
         if DECAY > 0:
             weight = ea
-            Z = Z * tl.exp(g_last)
+            Z = Z * d_last
         if HAS_W:
             weight = weight * w
         E = weight[:, None] + tl.zeros([BT, ZW], dtype=tl.float32)
@@ -256,12 +222,12 @@ def _walk_z(k_ptr, ka_ptr, gl_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr, i_nh, i_st, ro
 @triton.jit
 def chunk_state_kernel(
     k_ptr, v_ptr,             # (B, H, T, Dk), (B, H, T, Dv) contiguous
-    ka_ptr, gl_ptr,           # DECAY: every chunk's exp(a) of its keys and g_last (chunk_decay_kernel), fp32
+    ka_ptr, gl_ptr,           # DECAY: every chunk's exp(a) of its keys and exp(g_last) (chunk_decay_kernel)
     r_ptr, w_ptr,             # (B, H, T) fp32 key scales (HAS_R) and z weights (HAS_W)
     h_ptr, hz_ptr,            # out: per-chunk states (B, H, NT, Dk, Dv) and (B, H, NT, Dk)
     s0_ptr, z0_ptr,           # initial state (B, H, Dk, Dv), (B, H, Dk) fp32 (HAS_S0)
     st_ptr, zt_ptr,           # final state, same shapes, fp32 (STORE_ST); split: each run's end
-    lg_ptr, lr_ptr,           # split, with a decay: log-decay walked before each chunk, per run
+    lg_ptr, lr_ptr,           # split, with a decay: decay walked before each chunk, per run
     cu_ptr, co_ptr, len_ptr,  # packed sequences (IS_VARLEN, sequences.py); live lengths (HAS_LEN)
     T, H, Dk, Dv, NT,
     NS, n_splits,             # split-T (IS_SPLIT): chunks per run, runs per sequence
@@ -320,7 +286,7 @@ def _merge_tile(h_ptr, e_ptr, lg_ptr, lr_ptr, st_ptr, i_nh, i_s, p, n_splits, NT
         else:
             q = j
         if DECAY > 0:
-            E = E * tl.exp(tl.load(lr_ptr + row + q))
+            E = E * tl.load(lr_ptr + row + q)
         E += tl.load(e_ptr + (row + q) * Dk * Dv + off, mask=m, other=0.0)
     lo = i_s * NS
     hi = tl.where(p > 0, tl.minimum(lo + NS, NT), lo)   # the run walked first is right already
@@ -328,12 +294,12 @@ def _merge_tile(h_ptr, e_ptr, lg_ptr, lr_ptr, st_ptr, i_nh, i_s, p, n_splits, NT
         c = i_nh * NT + n
         a = 1.0
         if DECAY > 0:
-            a = tl.exp(tl.load(lg_ptr + c))
+            a = tl.load(lg_ptr + c)
         x = tl.load(h_ptr + c * Dk * Dv + off, mask=m, other=0.0).to(tl.float32)
         tl.store(h_ptr + c * Dk * Dv + off, (x + a * E).to(h_ptr.dtype.element_ty), mask=m)
     if STORE_ST:                            # the last run walked ends in the final state
         if DECAY > 0:
-            E = E * tl.exp(tl.load(lr_ptr + row + i_s))
+            E = E * tl.load(lr_ptr + row + i_s)
         E += tl.load(e_ptr + (row + i_s) * Dk * Dv + off, mask=m, other=0.0)
         tl.store(st_ptr + i_nh * Dk * Dv + off, E, mask=m & (p == n_splits - 1))
 
@@ -342,7 +308,7 @@ def _merge_tile(h_ptr, e_ptr, lg_ptr, lr_ptr, st_ptr, i_nh, i_s, p, n_splits, NT
 def chunk_state_merge_kernel(
     h_ptr, hz_ptr,            # in/out: per-chunk states (B, H, NT, Dk, Dv), (B, H, NT, Dk), run-local
     e_ptr, ez_ptr,            # each run's end state, (B H n_splits, Dk, Dv) and (.., Dk), fp32
-    lg_ptr, lr_ptr,           # log-decay walked before each chunk (B H NT), per run (B H n_splits)
+    lg_ptr, lr_ptr,           # decay walked before each chunk (B H NT), per run (B H n_splits)
     st_ptr, zt_ptr,           # out: final state (B H, Dk, Dv), (B H, Dk), fp32 (STORE_ST)
     H, Dk, Dv, NT, NS, n_splits,
     BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr, HAS_Z: tl.constexpr,
@@ -388,6 +354,7 @@ def chunk_states(
     cu_seqlens: torch.Tensor | None = None,
     state_dtype: torch.dtype = torch.float32,
     splits: int | None = None,
+    decays: ChunkDecays | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Launch `chunk_state_kernel`. Returns (h, hz, S_final, z_final), fp32 but for h, which
     has `state_dtype` (the state itself is accumulated in fp32 either way).
@@ -407,7 +374,8 @@ def chunk_states(
     sequences (sequences.py): B = 1, NT counts the chunks of all sequences, and the initial
     and final states have one row per sequence, (N, H, ...). splits: walk the chunks in this
     many runs in parallel and merge them (split-T, below; batched only); None: as many as
-    `split_count` says the GPU needs, 1 off a GPU.
+    `split_count` says the GPU needs, 1 off a GPU. decays: `chunk_decays` of log_decay with
+    this pass's chunks and lengths (its kr reversed, else its ka), if already computed.
     """
     B, H, T, Dk = k.shape
     Dv = v.shape[-1]
@@ -436,8 +404,9 @@ def chunk_states(
     walked = (torch.empty(B * H * NT, **f32), torch.empty(B * H * splits, **f32)) if split and g is not None \
         else (None, None)
     decay = 0 if g is None else (1 if g.dim() == 1 else 2)
-    decays = _chunk_decays(g, lengths, (cu, offsets, indices), B, H, T, NT, cfg["BT"], reverse) if decay \
-        else (None, None)
+    decays = decays or (decay and chunk_decays(g, B, H, T, cfg["BT"], layout=(cu, offsets, indices, NT),
+                                               lengths=lengths, to_end=not reverse, to_start=reverse))
+    decays = ((decays.kr if reverse else decays.ka), decays.gl) if decay else (None, None)
     ptrs = [*decays, r, w, h, hz, S0, z0, S_T, z_T, *walked, cu, offsets, lengths]
     launchable(chunk_state_kernel, k.device)[(*tiles, n_seq * H * splits)](
         k, v, *(p if p is not None else h for p in ptrs),  # h stands in for pointers never touched
@@ -450,23 +419,6 @@ def chunk_states(
         return h, hz, S_T, z_T
     return (h, hz, *_merge_runs(h, hz, (S_T, z_T), walked, tiles, NS, splits, cfg, decay, store_final_state,
                                 reverse))
-
-
-def _chunk_decays(g: torch.Tensor, lengths: torch.Tensor | None, layout: tuple, B: int, H: int, T: int, NT: int,
-                  BT: int, reverse: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Launch `chunk_decay_kernel`: (exp(a) of every key, (B H NT BT,); g_last of every chunk,
-    (B H NT,)), fp32, NT chunks per (batch, head) row (all of them when packed, B = 1)."""
-    cu, offsets, indices = layout
-    ka = torch.empty(B * H * NT * BT, dtype=torch.float32, device=g.device)
-    gl = torch.empty(B * H * NT, dtype=torch.float32, device=g.device)
-    if ka.numel():
-        ptrs = [lengths, ka, gl, cu, offsets, indices]
-        cfg = select_config("chunk_decay", BT, g.dtype, g.device)
-        launchable(chunk_decay_kernel, g.device)[(NT, B * H)](
-            g, *(p if p is not None else ka for p in ptrs), T, H, NT, BT=BT, DECAY=1 if g.dim() == 1 else 2,
-            REVERSE=reverse, HAS_LEN=lengths is not None, IS_VARLEN=cu is not None,
-            num_warps=cfg["num_warps"], num_stages=1)
-    return ka, gl
 
 
 def _runs(splits: int | None, packed: bool, programs: int, NT: int, device) -> tuple[int, int]:
@@ -579,15 +531,5 @@ def compile_spec_merge(cfg: dict, dtype: str) -> tuple[dict, dict]:
                  "H": "i32", "Dk": "i32", "Dv": "i32", "NT": "i32", "NS": "i32", "n_splits": "i32"}
     constexprs = {"BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2, "HAS_Z": True, "STORE_ST": True,
                   "REVERSE": False}
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return signature, constexprs
-
-
-def compile_spec_decay(cfg: dict, dtype: str) -> tuple[dict, dict]:
-    """Signature and constexprs of `chunk_decay_kernel`'s heaviest variant (a log-decay per
-    token, the backward's dead tail, reversed); its inputs are fp32 whatever `dtype`."""
-    signature = {"g_ptr": "*fp32", "len_ptr": "*i32", "ka_ptr": "*fp32", "gl_ptr": "*fp32", "cu_ptr": "*i32",
-                 "co_ptr": "*i32", "ci_ptr": "*i32", "T": "i32", "H": "i32", "NT": "i32"}
-    constexprs = {"BT": cfg["BT"], "DECAY": 2, "REVERSE": True, "HAS_LEN": True, "IS_VARLEN": False}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return signature, constexprs

@@ -46,8 +46,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .chunk_decay import load_log_decay
 from .chunk_fwd import chunk_log_decays
-from .chunk_state import load_log_decay
 from .configs import dot_precision, launchable, select_config, signature_of
 
 # --- configs ---

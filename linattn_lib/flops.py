@@ -291,45 +291,52 @@ def two_phase_forward_traffic(
     state_bytes: int = 4, normalize: bool = True, decay: str | None = None,
 ) -> dict[str, Cost]:
     """Bytes moved and tensor-core FLOPs of one (batch, head) of the two-phase forward,
-    {"chunk_state": Cost, "chunk_output": Cost}, counted the way the kernels issue them.
+    {"chunk_decay": Cost, "chunk_state": Cost, "chunk_output": Cost}, counted the way the
+    kernels issue them (as `chunk_fwd_two_phase` launches them).
 
     With NT = ceil(T / BT) chunks, n_k = ceil(Dk / BK) key blocks and n_v = ceil(Dv / BV)
     value tiles (each kernel's own BK, BV; one BT) and b bytes per input element:
 
+    chunk_decay   with a decay only (else no bytes): reads it once per chunk (a decay per
+                  head: one scalar) or token, stores every chunk's BT key decays and its
+                  decay across the chunk, and with a decay per token two fp32 prefix sums
+                  per token of the chunk (padding included), for the output kernel.
     chunk_state   its n_k n_v state programs read k n_v times and v n_k times and store
                   NT entry states of Dk Dv values (`state_bytes` each); with the normaliser
                   n_k more programs (one per key block) read k once more and store NT fp32 z's of Dk values.
+                  Every one of them reads the key decays and chunk decays back.
                   One (BK x BT) @ (BT x BV) product per chunk and state program.
     chunk_output  each of its n_v NT programs reads q and k of its chunk (so q and k n_v
                   times in all), its block of the state (all of them once), z (Dk fp32 per
-                  program), its value tile; stores o, and den (fp32) once.
+                  program), its value tile, and the decay (one scalar per head) or the two
+                  prefix sums of its chunk; stores o, and den (fp32) once.
                   Per key block two products (scores, q S), then one (scores @ v).
 
-    decay: None, "head" (one scalar, one load per program and chunk it is read in: counted
-    as 4 bytes per load) or "token" (fp32 per token, read by every output program that
-    reads its chunk). Before the state programs walk, `chunk_decay_kernel` reads it once per
-    chunk (the scalar) or token and stores every chunk's BT key decays and its g_last (fp32),
-    which every state program reads back.
+    decay: None, "head" or "token" (fp32 log-decays).
     """
     BT, K1, V1 = state_config["BT"], state_config["BK"], state_config["BV"]
     K2, V2 = output_config["BK"], output_config["BV"]
     if output_config["BT"] != BT:
         raise ValueError("two_phase_forward_traffic: the two phases share one chunk length")
+    if decay not in (None, "head", "token"):
+        raise ValueError(f"decay must be None, 'head' or 'token', got {decay!r}")
     NT, nk, nv = math.ceil(T / BT), math.ceil(Dk / K1), math.ceil(Dv / V1)
     walkers = nk * nv + (nk if normalize else 0)        # programs that walk the sequence
-    decays = NT * BT * 4 + NT * 4                       # chunk_decay_kernel's output
-    g_state = 0 if decay is None else {"head": NT * 4, "token": T * 4}[decay] + (1 + walkers) * decays
-    state_in = nv * T * Dk * dtype_bytes + nk * T * Dv * dtype_bytes + g_state
+    walk_decays = 0 if decay is None else NT * BT * 4 + NT * 4    # read back by every walker
+    prefix = 2 * NT * BT * 4 if decay == "token" else 0
+    pre_pass = 0 if decay is None else {"head": NT * 4, "token": T * 4}[decay] + walk_decays + prefix
+    state_in = nv * T * Dk * dtype_bytes + nk * T * Dv * dtype_bytes + walkers * walk_decays
     state_in += T * Dk * dtype_bytes if normalize else 0    # the z programs: k once more
     state_out = NT * Dk * Dv * state_bytes + (NT * Dk * 4 if normalize else 0)
     state_flops = nk * nv * NT * matmul_flops(K1, BT, V1)
     nv2, nk2 = math.ceil(Dv / V2), math.ceil(Dk / K2)
-    g_out = {None: 0, "head": nv2 * NT * 4, "token": nv2 * T * 4}[decay]
+    g_out = {None: 0, "head": nv2 * NT * 4, "token": nv2 * prefix}[decay]
     out_in = (nv2 * 2 * T * Dk * dtype_bytes + NT * Dk * Dv * state_bytes + T * Dv * dtype_bytes + g_out
               + (nv2 * NT * Dk * 4 if normalize else 0))
     out_out = T * Dv * dtype_bytes + (T * 4 if normalize else 0)
     out_flops = nv2 * NT * (nk2 * (matmul_flops(BT, K2, BT) + matmul_flops(BT, K2, V2)) + matmul_flops(BT, BT, V2))
-    return {"chunk_state": Cost(flops=state_flops, bytes=state_in + state_out),
+    return {"chunk_decay": Cost(flops=0, bytes=pre_pass),
+            "chunk_state": Cost(flops=state_flops, bytes=state_in + state_out),
             "chunk_output": Cost(flops=out_flops, bytes=out_in + out_out)}
 
 

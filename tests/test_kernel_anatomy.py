@@ -111,11 +111,13 @@ def test_two_phase_traffic_model_matches_the_interpreter(B, H, T, dk, dv, decay,
     v = torch.randn(B, H, T, dv, generator=gen)
     g = {None: None, "token": -torch.rand(B, H, T, generator=gen), "head": -torch.rand(H, generator=gen)}[decay]
     cs, co = (K.select_config(n, dk, torch.float32, None) for n in ("chunk_state", "chunk_output"))
+    with ka.count_interpreter_traffic() as t_decay:  # as chunk_fwd_two_phase launches them
+        decays = None if g is None else K.chunk_decays(g, B, H, T, cs["BT"], prefix=True)
     with ka.count_interpreter_traffic() as t_state:
-        h, hz, _, _ = K.chunk_states(k, v, log_decay=g, track_z=normalize)
+        h, hz, _, _ = K.chunk_states(k, v, log_decay=g, track_z=normalize, decays=decays)
     with ka.count_interpreter_traffic() as t_out:
-        K.chunk_output(q, k, v, h, hz, log_decay=g, normalize=normalize)
+        K.chunk_output(q, k, v, h, hz, log_decay=g, normalize=normalize, decays=decays)
     model = two_phase_forward_traffic(T, dk, dv, cs, co, 4, normalize=normalize, decay=decay)
-    for t, name in ((t_state, "chunk_state"), (t_out, "chunk_output")):
+    for t, name in ((t_decay, "chunk_decay"), (t_state, "chunk_state"), (t_out, "chunk_output")):
         assert t.bytes == B * H * model[name].bytes, name
         assert t.dot_flops == B * H * model[name].flops, name

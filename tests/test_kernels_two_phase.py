@@ -362,6 +362,36 @@ def test_decay_grad_sums_each_sequence_from_its_end():
         assert rel(got[..., a:b], want) < 1e-6, i
 
 
+def test_decayed_bf16_keys_are_rounded_once():
+    """The state walk forms its decayed bf16 keys in bf16 pairs (`_decayed_bf16`: ea = hi + lo,
+    then fma(k, hi, (k lo) rounded)), which the interpreter cannot run; emulated here in exact
+    arithmetic, it is (k ea) rounded once to bf16 but for a rare tie, within half a bf16 ulp
+    and a hair -- where rounding ea to bf16 first (one product, k hi) is off a quarter of the
+    time (seed 0), by up to 1.3 ulp."""
+    gen = torch.Generator().manual_seed(0)
+    k = torch.randn(1 << 16, generator=gen).to(torch.bfloat16)
+    ea = torch.exp(-8 * torch.rand(1 << 16, generator=gen))      # fp32 decays in (e^-8, 1]
+    hi = ea.to(torch.bfloat16)
+    lo = (ea - hi.float()).to(torch.bfloat16)
+    k_lo = (k.float() * lo.float()).to(torch.bfloat16)           # a product of two bf16 is exact in fp32
+    exact = k.double() * ea.double()
+    fused = _round_bf16(k.double() * hi.double() + k_lo.double())  # one rounding, as HFMA2's
+    once = _round_bf16(exact)
+    assert (fused != once).float().mean() < 1e-3
+    ulp = lambda x: 2.0 ** (torch.floor(torch.log2(x.abs())) - 7)  # noqa: E731
+    nz = exact != 0
+    assert ((fused - exact).abs()[nz] / ulp(exact[nz])).max() < 0.5 + 2 ** -6
+    rounded_ea = (k.float() * hi.float()).to(torch.bfloat16).double()
+    assert (rounded_ea != once).float().mean() > 0.2
+    assert ((rounded_ea - exact).abs()[nz] / ulp(exact[nz])).max() > 0.75
+
+
+def _round_bf16(x: torch.Tensor) -> torch.Tensor:
+    """float64 to the nearest bf16 (ties to even), in one rounding (as float64, exactly)."""
+    m, e = torch.frexp(x)                           # x = m 2^e, 0.5 <= |m| < 1
+    return torch.ldexp(torch.round(torch.ldexp(m, torch.full_like(e, 8))), e - 8)
+
+
 def test_bf16_state_gradients_cost_dk_and_dv_less_than_their_own_rounding():
     """Why bf16 inputs may store the state gradients in bf16 (chunk_bwd_two_phase), in float64
     on the backward's chunk formulas (module docstring of kernels/chunk_grad.py; no kernel):

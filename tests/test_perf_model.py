@@ -169,9 +169,13 @@ def test_census_of_each_compared_op(normalize, decay):
     cen = pm.census(B, H, T, D, normalize=normalize, decay=decay)
     state = next(c for c in cen["forward"] if c.kernel == "chunk_state_kernel")
     assert state.args["DECAY"] == pm.DECAYS.index(decay) and state.args["HAS_Z"] == normalize
-    # a decay's exps are taken before each state pass, for all chunks at once (chunk_decay_kernel)
+    # a decay's exps are taken for all chunks at once (chunk_decay_kernel) before the forward,
+    # and once for both walks of the backward
     decays = [c for part in cen.values() for c in part if c.kernel == "chunk_decay_kernel"]
-    assert len(decays) == (0 if decay is None else 3) and cen["forward"][-2] is state
+    assert [c.kernel for c in cen["backward"]].count("chunk_decay_kernel") == (decay is not None)
+    assert len(decays) == (0 if decay is None else 2) and cen["forward"][-2] is state
+    if decay is not None:  # the output kernel's prefix sums are made with the walk's decays
+        assert decays[0].args["PREFIX"] == (decay == "token") and decays[1].args["KA"] and decays[1].args["KR"]
     if decay is not None:
         assert decays[0].args["g_ptr"].shape == ((H,) if decay == "head" else (B, H, T))
         assert state.args["ka_ptr"].shape == (B * H * -(-T // state.args["BT"]) * state.args["BT"],)
