@@ -19,7 +19,7 @@ NB ?=
 MATHJAX_VERSION := 3.2.2
 MATHJAX_DIR := book/_static/mathjax
 
-.PHONY: help install lint book book-clean test browser-deps lab execute bench gpu-check mathjax repo-url clean distclean
+.PHONY: help install lint book book-clean test browser-deps lab execute bench gpu-check gpu-rehearsal mathjax repo-url clean distclean
 
 help:  ## list the targets
 	@grep -E '^[a-z.-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -61,6 +61,19 @@ book-clean: $(STAMP)  ## rebuild every page of the HTML book from scratch
 test: $(STAMP) browser-deps book  ## run the library tests, check every notebook's outputs (nbval) and read the built book in Chromium
 	LINATTN_BOOK_HTML=_build/html LINATTN_REQUIRE_BROWSER=1 CHROMIUM=$(CHROMIUM) \
 		$(BIN)/python -m pytest -p no:cacheprovider --durations=25 --nbval tests book || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
+
+# The GPU machine's software, rehearsed on the CPU: a venv with only what that bare machine has
+# (torch, Triton 3.6.0, numpy, einops, pytest; not this project, not the book tools), in which
+# the checkout runs from source with PYTHONPATH, exactly as it must run there.
+GPU_VENV := .venv-gpu
+GPU_PY := $(GPU_VENV)/bin/python
+$(GPU_VENV)/.installed: constraints-gpu.txt
+	$(PYTHON) -m venv $(GPU_VENV)
+	$(GPU_PY) -m pip install -q -c constraints-gpu.txt torch triton numpy einops pytest
+	@touch $@
+
+gpu-rehearsal: $(GPU_VENV)/.installed  ## rehearse the GPU check on the CPU under the GPU machine's Triton (no GPU needed)
+	PYTHONPATH=$(CURDIR) $(GPU_PY) -m linattn_lib.experiments.gpu_check --dry-run
 
 # Debian's chromium for the browser test (Playwright drives it; `playwright install` is not
 # used), plus a CJK font so that the glossary's Chinese shows in the screenshots. apt-get runs
