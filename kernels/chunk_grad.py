@@ -113,10 +113,11 @@ def _load_rows(ptr, row0, t, m_t, o_c, m_c, D):
 @triton.jit
 def _dqk_products(do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_k, m_k, Dk, Dv,
                   BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Over the blocks of Dv: dO v^T (BT x BT), dO S_n^T and v dH_n^T (BT x BK, fp32)."""
+    """Over the blocks of Dv: dO v^T (BT x BT), dO S_n^T (BT x BK) and dH_n v^T (BK x BT: dk's
+    state term, transposed like dk), fp32."""
     A = tl.zeros([BT, BT], dtype=tl.float32)
     dqS = tl.zeros([BT, BK], dtype=tl.float32)
-    dkH = tl.zeros([BT, BK], dtype=tl.float32)
+    dkH = tl.zeros([BK, BT], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(Dv, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < Dv
@@ -128,17 +129,26 @@ def _dqk_products(do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_k, m_k, Dk,
         dH = tl.load(dh_ptr + s_off, mask=m_kv, other=0.0)
         A = tl.dot(do, tl.trans(v), acc=A, input_precision=DOT_PREC)
         dqS = tl.dot(do.to(tl.float32), tl.trans(S), acc=dqS, input_precision=DOT_PREC)
-        dkH = tl.dot(v.to(tl.float32), tl.trans(dH.to(tl.float32)), acc=dkH, input_precision=DOT_PREC)
+        dkH = tl.dot(dH.to(tl.float32), tl.trans(v.to(tl.float32)), acc=dkH, input_precision=DOT_PREC)
     return A, dqS, dkH
 
 
 @triton.jit
-def _decays(g_ptr, i_h, row0, i_n, t, T_live, o_t, BT: tl.constexpr, DECAY: tl.constexpr):
-    """exp(L) on the causal triangle (0 off it), exp(gc) and exp(a) of chunk i_n."""
-    visible = o_t[:, None] >= o_t[None, :]
+def _decays(g_ptr, i_h, row0, i_n, t, T_live, o_t, BT: tl.constexpr, DECAY: tl.constexpr,
+            TRANSPOSED: tl.constexpr = False):
+    """exp(L) on the causal triangle (0 off it), exp(gc) and exp(a) of chunk i_n. TRANSPOSED:
+    exp(L)^T (row j, column i), for products that give the keys' rows: the reversed decays of
+    `chunk_log_decays`, whose L[j, i] = g_{j+1} + ... + g_i (i > j) is the forward L[i, j],
+    computed by the same operations (their 1-d decays come swapped)."""
+    if TRANSPOSED:
+        visible = o_t[:, None] <= o_t[None, :]
+    else:
+        visible = o_t[:, None] >= o_t[None, :]
     if DECAY > 0:
-        L, q_log, k_log, _ = chunk_decays_at(g_ptr, i_h, row0, i_n, t, T_live, BT, False, DECAY)
-        return tl.where(visible, tl.exp(L), 0.0), tl.exp(q_log), tl.exp(k_log)
+        L, first, second, _ = chunk_decays_at(g_ptr, i_h, row0, i_n, t, T_live, BT, TRANSPOSED, DECAY)
+        if TRANSPOSED:
+            return tl.where(visible, tl.exp(L), 0.0), tl.exp(second), tl.exp(first)
+        return tl.where(visible, tl.exp(L), 0.0), tl.exp(first), tl.exp(second)
     else:
         ones = tl.full([BT], 1.0, dtype=tl.float32)
         return tl.where(visible, 1.0, 0.0), ones, ones
@@ -193,21 +203,29 @@ def chunk_dqk_kernel(
         z = tl.load(hz_ptr + i_s * Dk + o_k, mask=m_k, other=0.0)
         dz = tl.load(dhz_ptr + i_s * Dk + o_k, mask=m_k, other=0.0)
         dq_state = r[:, None] * dqS + e[:, None] * z[None, :]
-        dk_state = dkH + dz[None, :]
+        dk_state = dkH + dz[:, None]
     else:
         W = M * A
         dq_state = dqS
         dk_state = dkH
-    q = _load_rows(q_ptr, row0, t, m_t, o_k, m_k, Dk).to(tl.float32)
+    # dk = W^T q, computed transposed as q^T W (BK x BT) from a transposed load of q and stored
+    # through transposed pointers: a tl.dot of tl.trans(W), W a dot result, is miscompiled on
+    # Hopper by Triton 3.4 <= v < 3.7.1 (fla #640; tests/test_kernels_dot_transpose.py).
+    rows = (row0 + t) * Dk
+    m_kt = m_k[:, None] & m_t[None, :]
+    qT = tl.load(q_ptr + rows[None, :] + o_k[:, None], mask=m_kt, other=0.0).to(tl.float32)
+    dkT = tl.dot(qT, W, acc=k_decay[None, :] * dk_state, input_precision=DOT_PREC)
+    tl.store(dk_ptr + rows[None, :] + o_k[:, None], dkT.to(dk_ptr.dtype.element_ty), mask=m_k[:, None] & m_out[None, :])
+    if DG:
+        kT = tl.load(k_ptr + rows[None, :] + o_k[:, None], mask=m_kt, other=0.0).to(tl.float32)
+        kdk = tl.where(m_t, tl.sum(kT * dkT, axis=0), 0.0)   # padded keys: 0 (kT), selected out
     k = _load_rows(k_ptr, row0, t, m_t, o_k, m_k, Dk).to(tl.float32)
     dq = tl.dot(W, k, acc=q_decay[:, None] * dq_state, input_precision=DOT_PREC)
-    dk = tl.dot(tl.trans(W), q, acc=k_decay[:, None] * dk_state, input_precision=DOT_PREC)
-    m_tk = m_out[:, None] & m_k[None, :]
-    tl.store(dq_ptr + (row0 + t)[:, None] * Dk + o_k[None, :], dq.to(dq_ptr.dtype.element_ty), mask=m_tk)
-    tl.store(dk_ptr + (row0 + t)[:, None] * Dk + o_k[None, :], dk.to(dk_ptr.dtype.element_ty), mask=m_tk)
+    tl.store(dq_ptr + rows[:, None] + o_k[None, :], dq.to(dq_ptr.dtype.element_ty), mask=m_out[:, None] & m_k[None, :])
     if DG:
-        dg = tl.sum(tl.where(m_t[:, None] & m_k[None, :], q * dq - k * dk, 0.0), axis=1)
-        tl.store(dg_ptr + i_k * n_rows + row0 + t, dg, mask=m_out)
+        q = _load_rows(q_ptr, row0, t, m_t, o_k, m_k, Dk).to(tl.float32)
+        qdq = tl.where(m_t, tl.sum(q * dq, axis=1), 0.0)
+        tl.store(dg_ptr + i_k * n_rows + row0 + t, qdq - kdk, mask=m_out)
 
 
 @triton.jit
@@ -228,7 +246,9 @@ def chunk_dv_kernel(
     o_t = tl.arange(0, BT)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < Dv
-    P = tl.zeros([BT, BT], dtype=tl.float32)      # q_i . k_j
+    # P^T (row j, column i: k_j . q_i), computed as K Q^T from the loaded tiles: dv = P^T dO
+    # then takes no transpose of a dot result (fla #640, see chunk_dqk_kernel)
+    Pt = tl.zeros([BT, BT], dtype=tl.float32)
     kH = tl.zeros([BT, BV], dtype=tl.float32)     # k_j dH_n
     for i_k in range(0, tl.cdiv(Dk, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
@@ -237,14 +257,14 @@ def chunk_dv_kernel(
         k = _load_rows(k_ptr, row0, t, m_t, o_k, m_k, Dk)
         dH = tl.load(dh_ptr + i_s * Dk * Dv + o_k[:, None] * Dv + o_v[None, :],
                      mask=m_k[:, None] & m_v[None, :], other=0.0)
-        P = tl.dot(q, tl.trans(k), acc=P, input_precision=DOT_PREC)
+        Pt = tl.dot(k, tl.trans(q), acc=Pt, input_precision=DOT_PREC)
         kH = tl.dot(k.to(tl.float32), dH.to(tl.float32), acc=kH, input_precision=DOT_PREC)
-    M, _, k_decay = _decays(g_ptr, i_h, row0, i_n, t, T_live, o_t, BT, DECAY)
-    P = M * P
+    Mt, _, k_decay = _decays(g_ptr, i_h, row0, i_n, t, T_live, o_t, BT, DECAY, True)
+    Pt = Mt * Pt
     if NORMALIZE:
-        P = P * tl.load(r_ptr + row0 + t, mask=m_t, other=0.0)[:, None]
+        Pt = Pt * tl.load(r_ptr + row0 + t, mask=m_t, other=0.0)[None, :]
     do = _load_rows(do_ptr, row0, t, m_t, o_v, m_v, Dv).to(tl.float32)
-    dv = tl.dot(tl.trans(P), do, acc=k_decay[:, None] * kH, input_precision=DOT_PREC)
+    dv = tl.dot(Pt, do, acc=k_decay[:, None] * kH, input_precision=DOT_PREC)
     tl.store(dv_ptr + (row0 + t)[:, None] * Dv + o_v[None, :], dv.to(dv_ptr.dtype.element_ty),
              mask=m_out[:, None] & m_v[None, :])
 

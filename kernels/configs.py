@@ -69,7 +69,13 @@ DIM_NAMES = {
 # (`run_config_sweep`); its numbers should replace this evidence.
 _TABLE: dict[str, dict[str, dict[int, tuple[int, ...]]]] = {
     "chunk_fwd": {
+        # sm90: under Triton 3.6.0 (the GPU machine's) mma16's 64: (32, 32, 8) spilled 4 STL/LDL
+        # and 128: (32, 16, 8) 14 as the JIT compiles them (bf16, sm_90; none under 3.7.1);
+        # 16 x 32 on 8 warps spills none under either, aligned or not (D = 64: 178 / 208
+        # registers aligned, 3.7.1 / 3.6.0; D = 128: 226 / 242), and issues fewer SASS
+        # instructions per output (1,056 for 16 x 32 at D = 64 against 1,384-1,424 for 32 x 16)
         "mma16": {64: (32, 32, 8), 128: (32, 16, 8), 256: (32, 16, 8)},
+        "sm90": {64: (16, 32, 8), 128: (16, 32, 8), 256: (32, 16, 8)},
         "fp32": {64: (16, 32, 8), 128: (16, 16, 8), 256: (16, 16, 8)},
         "sm75": {64: (16, 32, 8), 128: (16, 16, 8), 256: (16, 16, 8)},
     },
@@ -80,8 +86,10 @@ _TABLE: dict[str, dict[str, dict[int, tuple[int, ...]]]] = {
         "sm75": {64: (32, 64, 8), 128: (32, 32, 8), 256: (16, 16, 8)},
     },
     "noncausal_output": {
+        # fp32 128: (32, 64, 8) spilled 118 STL/LDL on sm_90 under Triton 3.6.0 (72 registers, none
+        # under 3.7.1); (16, 32, 8), 256's config, 43-47 registers under both, no spills
         "mma16": {64: (64, 64, 8), 128: (64, 64, 8), 256: (64, 32, 8)},
-        "fp32": {64: (32, 64, 8), 128: (32, 64, 8), 256: (16, 32, 8)},
+        "fp32": {64: (32, 64, 8), 128: (16, 32, 8), 256: (16, 32, 8)},
         "sm75": {64: (32, 64, 8), 128: (32, 64, 8), 256: (16, 32, 8)},
     },
     "decode": {  # one token: BT is unused; the state streams through in tiles of BV columns
@@ -137,6 +145,18 @@ NUM_STAGES = {"mma16": 2, "sm90": 2, "fp32": 1, "sm75": 1}
 #   SASS instructions for 2 blocks per chunk (16 x 16 on 4 warps: 1,712 for each of 8 blocks);
 #   output 32 x 64 on 8 warps 97 registers, 2 CTAs, 1,312 for 2 value tiles per chunk (16 x 32:
 #   1,616 for each of 4). Without divisibility both take 175-230 registers (1 CTA), no spills.
+#   dqk since it stopped transposing W (dk = q^T W stored transposed, fla #640: chunk_grad.py),
+#   measured with the compile test's jobs (bf16, sm_90, D = 128; Triton 3.7.1 / 3.6.0): as the
+#   JIT compiles it at head dims that are multiples of 16, 122 / 126 registers (2 CTAs, 2-6
+#   registers below the 128 of the cliff; 1,696 / 1,704 SASS instructions); the sequence
+#   length's divisibility (T, NT, n_rows) changes nothing. At head dims that are not multiples
+#   of 16 (pointers aligned or not) 255 / 255 registers, no spills, 1 CTA per SM and 3,256 /
+#   3,304 instructions: the unvectorised loads cost twice the instructions, so the second CTA
+#   would not hide them either. Accepted: such head dims are rare, the launcher could pad them
+#   (as the delta rule's do), and there the kernel still runs without spilling. If a Triton
+#   release puts the aligned variant over 128, tests/test_kernels_compile.py's gate
+#   (`test_gate_parallel_kernels_fit_two_ctas_per_sm`) fails: 64 x 32 blocks (140 registers
+#   aligned) do not fit 8 warps either, so the way back is 4 warps.
 #   The same blocks on sm_80 spill 56-86 instructions even aligned: Ampere keeps mma16.
 #   Output with 64-wide Dk blocks would issue less (bf16: 1,219 instructions for 1,315, 98
 #   registers) but spills 68 in fp16 (fp32 states) on sm_90; BV = 128 (one value tile) needs
@@ -282,6 +302,48 @@ def device_capability(device: torch.device | str | None) -> Capability:
     if device.type != "cuda":
         return None
     return tuple(torch.cuda.get_device_capability(device))
+
+
+# Triton releases that miscompile a tl.dot of the transpose of another tl.dot's result on Hopper
+# (fla-org/flash-linear-attention#640: wrong gradients at BK = 64; fixed in 3.7.1). The kernels
+# that still hold the pattern (tests/test_kernels_dot_transpose.py finds them) refuse there:
+# the delta rule's backward (A^T dO, ds^T Q, (A^-1)^T dU, ...; its `launch`). Rewriting them as
+# chunk_grad.py's were (transposed products from the loaded tiles, transposed outputs through
+# transposed pointers) would lift the refusal.
+TRANSPOSED_DOT_BAD = ((3, 4, 0), (3, 7, 1))
+TRANSPOSED_DOT_KERNELS = ("delta_bwd_state", "delta_bwd_dqk", "delta_bwd_wy")
+
+
+def triton_version() -> tuple[int, int, int]:
+    """(major, minor, patch) of the installed Triton ("3.6.0+git..." -> (3, 6, 0))."""
+    import re
+
+    import triton
+
+    nums = [int(x) for x in re.findall(r"\d+", triton.__version__.split("+")[0])[:3]]
+    return tuple(nums + [0] * (3 - len(nums)))
+
+
+def miscompiles_transposed_dots(capability: Capability, version: tuple | None = None) -> bool:
+    """Whether Triton `version` (default: the installed one) miscompiles a dot of a transposed
+    dot result on a GPU of `capability` (None: CPU, the interpreter: never)."""
+    if capability is None or tuple(capability)[0] != 9:
+        return False
+    lo, hi = TRANSPOSED_DOT_BAD
+    return lo <= (version or triton_version()) < hi
+
+
+def refuse_transposed_dots(what: str, device) -> None:
+    """Raise where `what` (a kernel that feeds a dot with a transposed dot result) would be
+    miscompiled: Hopper with Triton in [3.4, 3.7.1). A Python check, no synchronisation."""
+    cap = device_capability(device)
+    if miscompiles_transposed_dots(cap):
+        import triton
+
+        raise RuntimeError(
+            f"{what}: Triton {triton.__version__} miscompiles this kernel on sm_{cap[0]}{cap[1]} (Hopper): a "
+            "tl.dot of a transposed tl.dot result gives wrong gradients for Triton 3.4 <= v < 3.7.1 "
+            "(flash-linear-attention issue #640). Install triton>=3.7.1, or use the torch backend.")
 
 
 def multiprocessor_count(device: torch.device | str | None) -> int | None:

@@ -443,6 +443,9 @@ def delta_bwd_wy_kernel(
 
 def launch(kernel: str, device: torch.device, grid: tuple, cfg: dict, *args, **constexprs) -> None:
     """Launch `DELTA_KERNELS[kernel]` on `grid` with the tile sizes and warps of `cfg`."""
+    from .configs import TRANSPOSED_DOT_KERNELS, refuse_transposed_dots
+    if kernel in TRANSPOSED_DOT_KERNELS:  # Hopper with Triton in [3.4, 3.7.1): refused (configs.py)
+        refuse_transposed_dots(f"the delta rule's backward ({kernel})", device)
     fn = DELTA_KERNELS[kernel]
     tiles = {n: cfg[n] for n in ("BT", "BK", "BV", "BKW") if n in cfg and n in fn.arg_names}
     launchable(fn, device)[grid](*args, **tiles, **constexprs, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])

@@ -53,6 +53,11 @@ kernels in ~/.triton/cache (or TRITON_CACHE_DIR), and this test keeps what it re
 beside it (`_result_path`, keyed by the kernels' sources; LINATTN_COMPILE_CACHE=0 turns that
 off), so a second run takes seconds; on a clean machine (CI) everything is compiled.
 
+Targets. LINATTN_COMPILE_TARGETS (comma-separated, e.g. `sm_90`) restricts every job, twin and
+gate to those targets: `make gpu-rehearsal` runs the sm_90 gates that way under the GPU
+machine's Triton, from source (`-o addopts=` drops the nbval options of pyproject.toml for an
+environment without nbval).
+
 `python tests/test_kernels_compile.py --table` prints the shared memory of every config per
 target as a markdown table; `--gates` the numbers behind the gates.
 """
@@ -93,6 +98,18 @@ MIN_CTAS = 2
 PIPELINED_KERNELS = ("chunk_state", "chunk_state_wide", "chunk_state_few", "chunk_state_few_wide", "chunk_output", "chunk_dqk", "chunk_dv")
 
 
+def compile_targets(K) -> tuple[str, ...]:
+    """The targets compiled: LINATTN_COMPILE_TARGETS (comma-separated names of K.TARGETS), else all."""
+    wanted = os.environ.get("LINATTN_COMPILE_TARGETS", "").replace(" ", "")
+    if not wanted:
+        return tuple(K.TARGETS)
+    names = tuple(wanted.split(","))
+    unknown = [n for n in names if n not in K.TARGETS]
+    if unknown:
+        raise ValueError(f"LINATTN_COMPILE_TARGETS: unknown targets {unknown}; expected some of {list(K.TARGETS)}")
+    return tuple(n for n in K.TARGETS if n in names)
+
+
 def _kernels():
     """linattn_lib.kernels, installed or from this checkout."""
     if str(ROOT) not in sys.path:
@@ -105,12 +122,13 @@ def _kernels():
     return K
 
 
-def compile_jobs(K) -> list[dict]:
-    """One job per (kernel, target, dtype, config that select_config can pick there). The jobs
-    know no divisibility (any head dim), except for kernels in PADDED_LAUNCH."""
+def compile_jobs(K, targets: tuple[str, ...] | None = None) -> list[dict]:
+    """One job per (kernel, target, dtype, config that select_config can pick there), for
+    `targets` (default `compile_targets`). The jobs know no divisibility (any head dim), except
+    for kernels in PADDED_LAUNCH."""
     jobs = []
     for kernel in K.KERNELS:
-        for target in K.TARGETS:
+        for target in targets or compile_targets(K):
             for dtype in COMPILED_DTYPES[target]:
                 assert dtype in K.TARGET_DTYPES[target]
                 for cfg in K.selectable_configs(kernel, target, dtype):
@@ -123,7 +141,8 @@ def twin_jobs(K) -> list[dict]:
     """fp16 compilations of the heaviest bf16 config of the FP16_TWINS kernels that exist."""
     return [{"kernel": kernel, "target": target, "dtype": "fp16",
              "config": K.selectable_configs(kernel, target, "fp16")[-1]}
-            for kernel in FP16_TWINS if kernel in K.KERNELS for target in FP16_TWIN_TARGETS]
+            for kernel in FP16_TWINS if kernel in K.KERNELS for target in FP16_TWIN_TARGETS
+            if target in compile_targets(K)]
 
 
 def gate_config(K, kernel: str, target: str, d: int) -> dict:
@@ -137,7 +156,7 @@ def gate_jobs(K) -> list[dict]:
     """The gate configs, compiled as the JIT compiles them at D = 64 and 128 (`jit_alignment`)."""
     jobs = []
     for kernel in K.KERNELS:
-        for target in GATE_TARGETS:
+        for target in (t for t in GATE_TARGETS if t in compile_targets(K)):
             for d in GATE_DIMS:
                 job = {"kernel": kernel, "target": target, "dtype": GATE_DTYPE,
                        "config": gate_config(K, kernel, target, d), "aligned": True}
@@ -303,7 +322,7 @@ def gate_rows(K, results: list[dict]) -> list[dict]:
     found = {_job_key(r): r for r in results}
     rows = []
     for kernel in K.KERNELS:
-        for target in GATE_TARGETS:
+        for target in (t for t in GATE_TARGETS if t in compile_targets(K)):
             for d in GATE_DIMS:
                 cfg = gate_config(K, kernel, target, d)
                 r = found.get(_job_key({"kernel": kernel, "target": target, "dtype": GATE_DTYPE, "config": cfg,
@@ -411,8 +430,9 @@ if __name__ != "__main__" and __name__ != "__mp_main__":
     except ImportError as e:  # pragma: no cover
         pytest.skip(str(e), allow_module_level=True)
 
-    GROUPS = [(kernel, target) for kernel in _K.KERNELS for target in _K.TARGETS]
-    GATES = [(kernel, target) for kernel in _K.KERNELS for target in GATE_TARGETS]
+    _TARGETS = compile_targets(_K)
+    GROUPS = [(kernel, target) for kernel in _K.KERNELS for target in _TARGETS]
+    GATES = [(kernel, target) for kernel in _K.KERNELS for target in GATE_TARGETS if target in _TARGETS]
     PARALLEL = [(k, t) for k, t in GATES if k in PARALLEL_KERNELS]
     PIPELINED = [(k, t) for k, t in GATES if k in PIPELINED_KERNELS]
 
@@ -460,7 +480,7 @@ if __name__ != "__main__" and __name__ != "__mp_main__":
         compiled for its target, and no config in CONFIGS is unreachable (hence uncompiled)."""
         import torch
 
-        jobs = compile_jobs(_K)
+        jobs = compile_jobs(_K, tuple(_K.TARGETS))
         for kernel, table in _K.CONFIGS.items():
             compiled_cfgs = [j["config"] for j in jobs if j["kernel"] == kernel]
             for cfg in table:
