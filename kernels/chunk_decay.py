@@ -23,12 +23,14 @@ ka and kr in one launch (its two walks), the forward for ka and the prefix sums.
 """
 from __future__ import annotations
 
+import functools
 from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
+from . import configs
 from .chunk_fwd import _compensated_cumsum, chunk_log_decays, head_log_decays
 from .configs import launchable, select_config
 from .sequences import chunk_of_program, first_chunk, packed_layout, sequence_rows
@@ -102,6 +104,17 @@ class ChunkDecays(NamedTuple):
     lo: torch.Tensor | None
 
 
+def launch_config(kernel: str, d_whole: int, dtype: torch.dtype, device) -> dict:
+    """`select_config(kernel, d_whole, dtype, device)`, looked up once per (kernel, head dim,
+    dtype, compute capability): a launcher's config costs a dict lookup, not a search."""
+    return _launch_config(kernel, d_whole, dtype, configs.device_capability(device))
+
+
+@functools.lru_cache(maxsize=512)
+def _launch_config(kernel: str, d_whole: int, dtype: torch.dtype, capability) -> dict:
+    return select_config(kernel, d_whole, dtype, capability)
+
+
 def chunk_decays(g: torch.Tensor, B: int, H: int, T: int, BT: int, *, layout: tuple | None = None,
                  lengths: torch.Tensor | None = None, to_end: bool = True, to_start: bool = False,
                  prefix: bool = False) -> ChunkDecays:
@@ -117,7 +130,7 @@ def chunk_decays(g: torch.Tensor, B: int, H: int, T: int, BT: int, *, layout: tu
     out = ChunkDecays(per_key(to_end), per_key(to_start), torch.empty(n, **f32), per_key(prefix), per_key(prefix))
     if n:
         ptrs = [lengths, *out, cu, offsets, indices]
-        cfg = select_config("chunk_decay", BT, g.dtype, g.device)
+        cfg = launch_config("chunk_decay", BT, g.dtype, g.device)
         launchable(chunk_decay_kernel, g.device)[(NT, B * H)](
             g, *(p if p is not None else out.gl for p in ptrs), T, H, NT, BT=BT, DECAY=1 if g.dim() == 1 else 2,
             KA=to_end, KR=to_start, PREFIX=prefix, HAS_LEN=lengths is not None, IS_VARLEN=cu is not None,

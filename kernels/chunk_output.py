@@ -36,11 +36,11 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_decay import ChunkDecays, chunk_decays, chunk_decays_at
+from .chunk_decay import ChunkDecays, chunk_decays, chunk_decays_at, launch_config
 from .chunk_fwd import _gap
 from .chunk_state import chunk_states, state_config
-from .configs import dot_precision, launchable, select_config
-from .sequences import chunk_of_program, first_chunk, packed_layout, sequence_rows
+from .configs import dot_precision, launchable
+from .sequences import cdiv, chunk_of_program, first_chunk, packed_layout, sequence_rows
 
 
 @triton.jit
@@ -158,7 +158,7 @@ def chunk_output(
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
-    cfg = config or select_config("chunk_output", Dk, q.dtype, q.device)
+    cfg = config or launch_config("chunk_output", Dk, q.dtype, q.device)
     cu, offsets, indices, NT, _ = packed_layout(cu_seqlens, T, B, H, cfg["BT"])
     if h.shape != (B, H, NT, Dk, Dv) or (normalize and (hz is None or hz.shape != (B, H, NT, Dk))):
         raise ValueError(f"chunk_output: entry states of shape {tuple(h.shape)} do not match "
@@ -175,7 +175,7 @@ def chunk_output(
                                   prefix=True)
         prefix, g = (decays.hi, decays.lo), None
     dummy = o
-    grid = (triton.cdiv(Dv, cfg["BV"]), NT, B * H)
+    grid = (cdiv(Dv, cfg["BV"]), NT, B * H)
     ptrs = [g, *prefix, h.contiguous(), hz.contiguous() if normalize else None, o, den, cu, offsets, indices]
     launchable(chunk_output_kernel, q.device)[grid](
         q, k, v, *(p if p is not None else dummy for p in ptrs), T, H, Dk, Dv, NT, float(eps),
@@ -218,7 +218,7 @@ def chunk_fwd_two_phase(
     if configs is None:
         rows = H * (B if cu_seqlens is None else cu_seqlens.numel() - 1)
         configs = (state_config(Dk, v.shape[-1], rows, q.dtype, q.device, normalize),
-                   select_config("chunk_output", Dk, q.dtype, q.device))
+                   launch_config("chunk_output", Dk, q.dtype, q.device))
     cfg_state, cfg_out = configs
     if cfg_state["BT"] != cfg_out["BT"]:
         raise ValueError(f"chunk_fwd_two_phase: the two phases need one chunk length, got {cfg_state['BT']} "

@@ -53,13 +53,16 @@ tokens (t >= T) and padded head dims are read as 0.
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 import triton
 import triton.language as tl
 
-from .chunk_decay import ChunkDecays, chunk_decays
-from .configs import dot_precision, launchable, multiprocessor_count, select_config
-from .sequences import first_chunk, packed_layout, sequence_rows
+from . import configs
+from .chunk_decay import ChunkDecays, _launch_config, chunk_decays
+from .configs import dot_precision, launchable, multiprocessor_count
+from .sequences import cdiv, first_chunk, packed_layout, sequence_rows
 
 
 @triton.jit
@@ -392,7 +395,7 @@ def chunk_states(
         if track_z:
             z0 = _f32(initial_state[1]) if initial_state[1] is not None else torch.zeros(n_seq, H, Dk, **f32)
     # one more column of programs for z: a program walks either a state tile or z
-    tiles = (triton.cdiv(Dk, cfg["BK"]), triton.cdiv(Dv, cfg["BV"]) + int(track_z))
+    tiles = (cdiv(Dk, cfg["BK"]), cdiv(Dv, cfg["BV"]) + int(track_z))
     NS, splits = _runs(splits, cu is not None, tiles[0] * tiles[1] * n_seq * H, NT, k.device)
     split = splits > 1
     ends = store_final_state or split          # each run's end goes where the final state would
@@ -427,8 +430,8 @@ def _runs(splits: int | None, packed: bool, programs: int, NT: int, device) -> t
         splits = 1 if packed else split_count(programs, NT, multiprocessor_count(device))
     if packed and splits != 1:
         raise ValueError("chunk_states: split-T needs sequences of one length (no cu_seqlens)")
-    NS = triton.cdiv(NT, max(1, min(splits, NT)))
-    return NS, (triton.cdiv(NT, NS) if NT else 1)
+    NS = cdiv(NT, max(1, min(splits, NT)))
+    return NS, (cdiv(NT, NS) if NT else 1)
 
 
 def _merge_runs(h, hz, ends, walked, tiles, NS, splits, cfg, decay, store_final_state, reverse):
@@ -489,18 +492,23 @@ def state_config(Dk: int, Dv: int, rows: int, dtype: torch.dtype, device, track_
               their instructions and the wider tiles' fewer win;
     else      the narrow config, "chunk_state".
 
-    configs.py has the numbers. Off a GPU (no SM count): the narrow config."""
-    narrow = select_config("chunk_state", Dk, dtype, device)
-    sms = multiprocessor_count(device)
+    configs.py has the numbers. Off a GPU (no SM count): the narrow config. Looked up once
+    per (shape, dtype, device model): the launch path pays a dict lookup."""
+    return _state_config(Dk, Dv, rows, dtype, configs.device_capability(device), multiprocessor_count(device), track_z)
+
+
+@functools.lru_cache(maxsize=512)
+def _state_config(Dk: int, Dv: int, rows: int, dtype: torch.dtype, cap, sms: int | None, track_z: bool) -> dict:
+    narrow = _launch_config("chunk_state", Dk, dtype, cap)
     if sms is None:
         return narrow
-    count = lambda cfg: triton.cdiv(Dk, cfg["BK"]) * (triton.cdiv(Dv, cfg["BV"]) + int(track_z)) * rows
+    count = lambda cfg: cdiv(Dk, cfg["BK"]) * (cdiv(Dv, cfg["BV"]) + int(track_z)) * rows
     for name in ("chunk_state_few", "chunk_state_few_wide"):
-        cfg = select_config(name, Dk, dtype, device)
+        cfg = _launch_config(name, Dk, dtype, cap)
         if count(narrow) >= sms and sms <= count(cfg) <= 2 * sms:
             return cfg
     if count(narrow) > 4 * sms:
-        return select_config("chunk_state_wide", Dk, dtype, device)
+        return _launch_config("chunk_state_wide", Dk, dtype, cap)
     return narrow
 
 

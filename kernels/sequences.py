@@ -57,6 +57,12 @@ def chunk_of_program(i_c, i_hb, ci_ptr, H, IS_VARLEN: tl.constexpr):
         return i_hb // H, i_hb % H, i_c
 
 
+def cdiv(a: int, b: int) -> int:
+    """ceil(a / b) for ints: what `triton.cdiv` gives, without its constexpr wrapper (which
+    costs a few microseconds a call on the launch path in Triton 3.6+)."""
+    return -(-a // b)
+
+
 def packed_layout(cu_seqlens: torch.Tensor | None, T: int, B: int, H: int, BT: int):
     """The chunk bookkeeping of a launch: (cu, chunk_offsets, chunk_indices, NT, n_seq).
 
@@ -65,7 +71,7 @@ def packed_layout(cu_seqlens: torch.Tensor | None, T: int, B: int, H: int, BT: i
     within it), NT_total and N. One host sync (NT_total sizes the state tensors).
     """
     if cu_seqlens is None:
-        return None, None, None, triton.cdiv(T, BT), B
+        return None, None, None, cdiv(T, BT), B
     cu = cu_seqlens.to(torch.int32).contiguous()
     n_chunks = (cu[1:] - cu[:-1] + BT - 1) // BT
     offsets = torch.zeros(len(cu), dtype=torch.int32, device=cu.device)

@@ -2,11 +2,16 @@
 
 Each check raises an exception that names the function, the argument, what it got and what
 was expected, so that a wrong shape is never silently broadcast into a wrong answer.
+
+Checks of metadata (shapes, dtypes, devices, Python arguments) always run. Checks of tensor
+values (finite, signs, ranges) run for CPU tensors in eager mode and, for CUDA tensors, only
+when opted in (`CHECK_DEVICE_VALUES`, LINATTN_CHECK_VALUES=1): see `values_checked`.
 """
 from __future__ import annotations
 
 import math
 import numbers
+import os
 from collections.abc import Iterable, Sequence
 
 import numpy as np
@@ -129,7 +134,8 @@ def check_flag(fn: str, name: str, value: object) -> bool:
 
 
 def check_log_decay(fn: str, log_decay: Tensor, q: Tensor, *, causal: bool) -> None:
-    """log_decay: (H,) per head or (B, H, T) per token, floating, finite and <= 0."""
+    """log_decay: (H,) per head or (B, H, T) per token, floating, finite and <= 0 (the values
+    as `check_values` checks them: CPU tensors, CUDA ones when opted in)."""
     B, H, T = q.shape[:3]
     check_tensor(fn, "log_decay", log_decay)
     if not causal:
@@ -207,16 +213,50 @@ def check_shape(fn: str, name: str, x: Tensor, expected: Sequence[int], layout: 
         raise ValueError(f"{fn}: `{name}` has shape {tuple(x.shape)}; expected ({named})")
 
 
-def values_checked() -> bool:
-    """False while `torch.compile` traces: then the checks of tensor *values* (finite, signs,
-    ranges) are skipped, and run only in eager mode.
+# Opt-in: also check the values of tensors that are not on the CPU (CUDA), at the price of a
+# pass over each checked tensor and a device-to-host sync per check. Off by default; on when
+# the environment sets LINATTN_CHECK_VALUES=1 (read at import) or a program sets this to True.
+CHECK_DEVICE_VALUES = os.environ.get("LINATTN_CHECK_VALUES", "") not in ("", "0")
 
-    They need the data on the host (`bool(tensor)`), which would break the graph at every
-    call, and a device-side assert cannot name the argument and the offending index. Checks
-    of shapes, dtypes, devices and Python arguments stay on: they read metadata and compile
-    into guards. Run a model once eagerly (or a test) to have its inputs' values checked.
+
+def values_checked(x: Tensor | None = None) -> bool:
+    """Whether the checks of tensor *values* (finite, signs, ranges) run for `x`.
+
+    * CPU tensors, eager mode: yes. They cost a reduction per tensor (a sum, a min and max:
+      see `check_values`), a few percent of the cheapest computation that reads the tensor.
+    * CUDA (any tensor not on the CPU): no, unless opted in (`CHECK_DEVICE_VALUES`, or
+      LINATTN_CHECK_VALUES=1 in the environment). A check needs the answer on the host:
+      a device-to-host synchronisation and a pass over the data at every call, as much time
+      as the kernels it guards on a training step's hot path (DESIGN.md, "The hot path").
+      Not checked, a NaN or inf goes into the kernels, which propagate it as the recurrence
+      does: every output that depends on it is NaN, none that does not (the kernels' masks
+      select, they never multiply). Meta tensors have no values: never checked.
+    * While `torch.compile` traces: no. `bool(tensor)` would break the graph at every call,
+      and a device-side assert cannot name the argument and the offending index.
+
+    Checks of shapes, dtypes, devices and Python arguments always run: they read metadata
+    (and compile into guards). x=None asks about the mode alone (is anything checked).
     """
-    return not torch.compiler.is_compiling()
+    if torch.compiler.is_compiling():
+        return False
+    if x is None or x.is_cpu:
+        return True
+    return CHECK_DEVICE_VALUES and not x.is_meta
+
+
+def _screened(x: Tensor, low: float | None, high: float | None, strict: bool) -> bool:
+    """True when a cheap screen proves every entry finite and within the bounds: a sum
+    (non-finite if any entry is inf or NaN) and a min / max (NaN if any entry is). False means
+    "look closer", not "bad": a sum of finite values can overflow."""
+    x = x.detach()
+    total = x.sum(dtype=torch.float64 if x.dtype == torch.float64 else torch.float32)
+    if not math.isfinite(float(total)):
+        return False
+    if low is None and high is None:
+        return True
+    lo, hi = (float(t) for t in torch.aminmax(x))
+    return ((low is None or (lo > low if strict else lo >= low))
+            and (high is None or (hi < high if strict else hi <= high)))
 
 
 def check_values(
@@ -231,9 +271,10 @@ def check_values(
 ) -> None:
     """All entries of `x` are finite and lie in [low, high] (or (low, high) when strict).
 
-    Checked in eager mode only: under `torch.compile` a test of the data would break the
-    graph (see `values_checked`)."""
-    if not values_checked():
+    Where it runs is `values_checked(x)`'s rule: CPU tensors in eager mode; CUDA tensors only
+    when opted in (CHECK_DEVICE_VALUES / LINATTN_CHECK_VALUES=1). A screen of one sum and one
+    min/max pass clears good input; the exact element-wise test runs only when it fails."""
+    if x.numel() == 0 or not values_checked(x) or _screened(x, low, high, strict):
         return
     if not bool(torch.isfinite(x).all()):
         raise ValueError(f"{fn}: `{name}` contains NaN or infinite values ({describe(x)})")
@@ -371,11 +412,13 @@ def check_all_finite(fn: str, named: Sequence[tuple[str, Tensor]]) -> None:
     in a matmul (0 * NaN = NaN) and would poison outputs *before* t, which the recurrent
     form keeps; so every form refuses it instead, naming the first position. (Finite
     garbage, e.g. in right-padding, is harmless: masks select, they do not multiply.)
-    Eager mode only (see `values_checked`).
+    CPU tensors in eager mode only; CUDA tensors when opted in (see `values_checked`: the
+    Triton kernels keep a NaN to the outputs that depend on it). A sum per tensor screens
+    good input; the element-wise search runs only when the sum is not finite.
     """
-    if not values_checked():
-        return
     for name, x in named:
+        if x.numel() == 0 or not values_checked(x) or _screened(x, None, None, False):
+            continue
         bad = ~torch.isfinite(x)
         if bad.any():
             where = tuple(int(i) for i in bad.nonzero()[0])

@@ -97,6 +97,18 @@ def linear_attention(
 
     Returns:
         o of shape (B, H, T, Dv) in the dtype of v, or (o, state) when return_state=True.
+
+    Checks. Shapes, dtypes, devices and the Python arguments are always checked (metadata
+    only: free). The *values* -- q, k, v finite, log_decay finite and <= 0, initial_state
+    finite -- are checked for CPU tensors in eager mode (a sum and a min / max per tensor,
+    a few percent of the torch path's forward; the element-wise search for the offending
+    index only when that screen fails). For CUDA tensors they are opt-in
+    (`linattn_lib._validate.CHECK_DEVICE_VALUES = True`, or LINATTN_CHECK_VALUES=1 in the
+    environment), because each would cost a pass over its input and a device-to-host sync
+    on every training step; unchecked, the kernels give NaN in exactly the outputs that
+    depend on a non-finite input. Under torch.compile they are off. The CUDA path (forward
+    and backward) makes no host synchronisation (tests/test_hot_path.py), except with
+    `cu_seqlens`, whose chunk count sizes the kernels' state buffers.
     """
     fn = "linear_attention"
     V.check_qkv(fn, q, k, v)

@@ -37,6 +37,9 @@ fast, and what makes its memory O(T):
    reverse cumulative sum (as in flash-linear-attention's GLA and Mamba-2 kernels).
 
 Every exponent is a sum of log-decays over a forward interval, hence <= 0: nothing overflows.
+What can overflow is the state itself (huge finite keys and values); the scan checks one small
+tensor per block for that (`_Scan.__call__`) and redoes only such a block one chunk at a time.
+(That check reads a value on the host: with CUDA tensors on this path, one sync per block.)
 """
 from __future__ import annotations
 
@@ -228,26 +231,48 @@ class _Scan:
         Returns the n states (h*n, *F; written into `out` if given) -- entering each chunk, or
         with reverse=True leaving it -- and the state past the block's far end (h, *F): after
         its last chunk, or before its first.
+
+        Overflow safety at the cost of one small check: in the matmul, a later chunk's inf
+        meets L's zeros (0 * inf = NaN) and would reach the states of *earlier* chunks. Every
+        increment and the carry reach the far-end state with a coefficient that is a number
+        (0 * inf is NaN too), so that state is finite exactly when nothing non-finite went in
+        (or the sum itself overflowed). Only then is the scan redone one chunk at a time,
+        which keeps an inf or NaN after its chunk (under torch.compile, where value checks
+        are off, the matmul's answer stands).
         """
+        E, beyond = self._matmul(carry, inc, reverse, out)
+        if torch.compiler.is_compiling() or math.isfinite(float(beyond.sum())):
+            return E, beyond
+        h, n = self.h, self.n
+        inc3 = inc.reshape(h, n, -1)
+        E3 = self._sequential(carry, inc3, reverse, None if out is None else out.view(h, n, -1))
+        end, decay = (0, self.first_decay()) if reverse else (-1, self.last_decay())
+        beyond = (E3[:, end] if decay is None else E3[:, end] * decay) + inc3[:, end]
+        return E3.view(inc.shape), beyond.view((h,) + inc.shape[1:])
+
+    def first_decay(self) -> Tensor | None:
+        return None if self.gamma is None else self.gamma[:, :1].exp()
+
+    def last_decay(self) -> Tensor | None:
+        return None if self.gamma is None else self.gamma[:, -1:].exp()
+
+    def _matmul(
+        self, carry: Tensor | None, inc: Tensor, reverse: bool = False, out: Tensor | None = None
+    ) -> tuple[Tensor, Tensor]:
+        """The scan as matmuls (two levels for long blocks); arguments and results as `__call__`."""
         h, n = self.h, self.n
         inc3 = inc.reshape(h, n, -1)
         out3 = None if out is None else out.view(h, n, -1)
         if self.two_level:
             inner = self.inner
-            E, totals = inner(None, inc3.view(h * n, -1), reverse, out3)  # each group from zero
-            G, beyond = self.outer(carry, totals, reverse)  # the state at each group's near end
+            E, totals = inner._matmul(None, inc3.view(h * n, -1), reverse, out3)  # each group from zero
+            G, beyond = self.outer._matmul(carry, totals, reverse)  # the state at each group's near end
             E3, G3 = E.view(h * self.g, self.s, -1), G.view(h * self.g, 1, -1)
             coef = inner.c_rev if reverse else inner.c  # decay from the group's near end
             if coef is None:
                 E3.add_(G3)
             else:
                 E3.addcmul_(coef, G3)
-        elif not torch.compiler.is_compiling() and not bool(torch.isfinite(inc3).all()):
-            # (non-finite increments take the sequential path so that a NaN reaches only the
-            # states after it; under torch.compile the value checks are off, as in _validate)
-            E = self._sequential(carry, inc3, reverse, out3)
-            end, decay = (0, self.first) if reverse else (-1, self.last)
-            beyond = (E[:, end] if decay is None else E[:, end] * decay) + inc3[:, end]
         else:
             L = self.L.transpose(1, 2) if reverse else self.L
             if carry is None:
@@ -259,13 +284,9 @@ class _Scan:
             beyond = (E[:, end] if decay is None else E[:, end] * decay) + inc3[:, end]
         return E.view(inc.shape), beyond.view((h,) + inc.shape[1:])
 
-
     def _sequential(self, carry, inc3: Tensor, reverse: bool, out3: Tensor | None) -> Tensor:
-        """The same scan one chunk at a time, for increments that overflowed to inf.
-
-        In the matmul, a later chunk's inf meets L's zeros (0 * inf = NaN) and would reach the
-        states of *earlier* chunks; the loop keeps it where it belongs, after that chunk.
-        """
+        """The same scan one chunk at a time, for increments that overflowed to inf: the loop
+        keeps an inf or NaN where it belongs, in the states after its chunk."""
         h, n = self.h, self.n
         E = torch.empty_like(inc3) if out3 is None else out3
         state = inc3.new_zeros(h, inc3.shape[-1]) if carry is None else carry.reshape(h, -1).to(inc3.dtype)

@@ -121,7 +121,7 @@ def _check_inputs(fn: str, q: Tensor, v: Tensor) -> None:
         )
     if q.device.type not in ("cuda", "cpu"):
         raise ValueError(f"{fn}: the Triton kernels run on CUDA (or on CPU in the interpreter), got {q.device}")
-    if q.device.type == "cpu" and q.dtype == torch.bfloat16:
+    if q.is_cpu and q.dtype == torch.bfloat16:
         raise TypeError(
             f"{fn}: bfloat16 on CPU would run in the Triton interpreter, which has no bfloat16 "
             "arithmetic; use a CUDA device, float16/float32, or backend='torch'"
@@ -133,6 +133,12 @@ def _check_inputs(fn: str, q: Tensor, v: Tensor) -> None:
                 f"{fn}: the Triton kernels support head dims up to {K.MAX_HEAD_DIM}, got {name}={d}; "
                 "use backend='torch'"
             )
+
+
+def _f32(g: Tensor | None) -> Tensor | None:
+    """The log-decay as the kernels read it, float32 and contiguous: converted once per pass
+    here (a no-op for a float32 one), not once per launcher."""
+    return None if g is None else g.to(torch.float32).contiguous()
 
 
 def _state_grads(dS: Tensor | None, dz: Tensor | None, S: Tensor, z: Tensor | None):
@@ -165,6 +171,7 @@ def causal_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, S0: Tensor
     `causal_backward`. cu_seqlens: packed sequences (B = 1; states one per sequence)."""
     K = require_kernels("linear_attention")
     init = (S0, z0) if S0 is not None else None
+    g = _f32(g)
     # two phases: every chunk's entry state (chunk_state), then all chunks in parallel
     o, den, S_T, z_T = K.chunk_fwd_two_phase(
         q, k, v, log_decay=g, normalize=normalize, eps=eps, initial_state=init,
@@ -196,7 +203,7 @@ def causal_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, S0: Tenso
     # with a gradient of the final state every token is used.
     # (Packed sequences have no padding: every token is used.)
     out = K.chunk_bwd_two_phase(
-        q, k, v, do, o=o if normalize else None, den=den if normalize else None, log_decay=g,
+        q, k, v, do, o=o if normalize else None, den=den if normalize else None, log_decay=_f32(g),
         initial_state=(S0, z0) if S0 is not None else None, final_state_grad=end_state,
         skip_dead_tail=end_state is None and cu_seqlens is None,
         need_initial_state_grad=need_S0 or need_z0, need_log_decay_grad=need_g, cu_seqlens=cu_seqlens,

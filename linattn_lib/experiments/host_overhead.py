@@ -1,0 +1,214 @@
+"""Host overhead of the CUDA hot path, counted without a GPU: launches and Python time per call.
+
+    python -m linattn_lib.experiments.host_overhead [--shape B H T D] [--calls N] [--json PATH]
+
+For `linear_attention` at the benchmark shape (B=1, H=16, T=16384, D=128, bfloat16) in three
+variants -- normalised without decay; unnormalised with a per-token decay (Mamba-2 / GLA
+style); unnormalised with a per-head decay (RetNet) -- it prints
+
+* the kernels a forward and a forward+backward launch: every Triton launch with its grid
+  (`record_launches`, launches.py), and every torch op that would start a kernel of its own
+  on CUDA (a fill, a copy, a reduction; views and empty allocations start none), found by
+  the torch profiler as the leaves of the op tree;
+* the host time per call, the median of many calls, with the Triton launches stubbed out:
+  the Python of `linear_attention`, its checks, the custom ops, the autograd engine and the
+  launchers (config lookups, allocations, argument lists), all of which a GPU waits on when
+  it is faster than they are.
+
+Everything runs on CPU tensors dressed as CUDA ones (`record_launches(cuda_like=True)`: the
+launchers see an H100/H200, 132 SMs, sm_90; the library takes its CUDA branches). The data
+is never read, only the shapes matter. Two differences from a GPU machine, both small: a
+torch allocation here is the CPU allocator's (large buffers are fresh pages from the
+operating system; CUDA's caching allocator hands back a cached block in about a
+microsecond), and a Triton launch's own cost -- binding the arguments, the driver call,
+about 3 to 6 us each on recent Triton -- is not in the stubbed time: add it per launch.
+
+What torch.compile and CUDA graphs would remove (not measured here: that needs a GPU).
+`torch.compile(fullgraph=True)` traces through the custom ops (`torch.ops.linattn.*` have
+fake implementations), so the compiled graph drops the Python of `linear_attention`, its
+checks and the autograd.Function plumbing, but not the launchers: a custom op's body runs
+eagerly, its config lookups, allocations and launches included. Captured in a CUDA graph
+(`torch.cuda.graphs`, or compile's mode="reduce-overhead"), a replay costs one launch of the
+whole graph: all of the host time below and every per-launch cost go, leaving the kernels'
+own time; the hot path has no host syncs and no data-dependent shapes (outside packed
+sequences, whose chunk count sizes the state buffers), which is what capture needs.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import time
+from collections.abc import Callable
+
+import torch
+
+from ..core.linear import linear_attention
+from .launches import Launch, record_launches
+
+SHAPE = (1, 16, 16384, 128)  # B, H, T, D: the benchmark's shape (bench.py, gpu_check.py)
+DTYPE = torch.bfloat16
+# name -> (normalize, log-decay kind)
+CASES = {
+    "normalised": (True, None),
+    "unnormalised, per-token decay": (False, "token"),
+    "unnormalised, per-head decay": (False, "head"),
+}
+# aten ops that start no kernel on CUDA: allocations and views (and the wrappers whose work,
+# when there is any, is a child op such as copy_ or clone)
+NO_KERNEL = {
+    "aten::empty", "aten::empty_like", "aten::empty_strided", "aten::new_empty", "aten::new_empty_strided",
+    "aten::view", "aten::reshape", "aten::_reshape_alias", "aten::as_strided", "aten::t", "aten::transpose",
+    "aten::permute", "aten::expand", "aten::slice", "aten::select", "aten::unsqueeze", "aten::squeeze",
+    "aten::detach", "aten::alias", "aten::lift_fresh", "aten::resolve_conj", "aten::resolve_neg",
+    "aten::contiguous", "aten::to", "aten::_to_copy", "aten::clone", "aten::set_", "aten::unbind",
+    "aten::split", "aten::chunk", "aten::_unsafe_view", "aten::view_as", "aten::expand_as", "aten::result_type",
+    "aten::is_nonzero", "aten::size", "aten::stride", "aten::numel", "aten::zeros_like", "aten::zeros",
+    "aten::ones_like", "aten::ones", "aten::full", "aten::full_like", "aten::new_zeros", "aten::new_ones",
+}
+
+
+def cache_cpu_allocations() -> bool:
+    """Make large CPU allocations cheap, as CUDA's caching allocator makes GPU ones: glibc
+    then serves every malloc from its heap and keeps freed memory for reuse (M_MMAP_MAX = 0,
+    M_TRIM_THRESHOLD = 2^31 - 1) instead of asking the kernel for fresh pages each time (about
+    15 us an allocation at this shape). Process-wide and permanent; True if it took effect
+    (glibc only)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return bool(libc.mallopt(-4, 0)) and bool(libc.mallopt(-1, ctypes.c_int(2**31 - 1)))
+    except (OSError, AttributeError):
+        return False
+
+
+def make_inputs(case: str, shape: tuple[int, int, int, int] = SHAPE, dtype: torch.dtype = DTYPE) -> dict:
+    """linear_attention's arguments for `case`: uninitialised CPU tensors of the right shapes
+    (requires_grad set), never read under the stub."""
+    B, H, T, D = shape
+    normalize, decay = CASES[case]
+    q, k, v = (torch.empty(B, H, T, D, dtype=dtype).requires_grad_() for _ in range(3))
+    log_decay = None
+    if decay == "token":  # float32, as models compute it (a bf16 one adds a conversion kernel a pass)
+        log_decay = torch.empty(B, H, T, dtype=torch.float32).requires_grad_()
+    elif decay == "head":
+        log_decay = torch.empty(H, dtype=torch.float32).requires_grad_()
+    return dict(q=q, k=k, v=v, log_decay=log_decay, normalize=normalize)
+
+
+def _forward(inputs: dict) -> torch.Tensor:
+    return linear_attention(**inputs)
+
+
+def _fwd_bwd(inputs: dict, do: torch.Tensor) -> None:
+    for name in ("q", "k", "v", "log_decay"):  # as optimizer.zero_grad(set_to_none=True) leaves them
+        if inputs[name] is not None:
+            inputs[name].grad = None
+    linear_attention(**inputs).backward(do)
+
+
+def torch_kernels(fn: Callable[[], object]) -> list[str]:
+    """The torch ops `fn` runs that would start a kernel on CUDA: the leaves of the profiler's
+    op tree that are neither an allocation nor a view (NO_KERNEL)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    out = []
+    for event in prof.events():
+        name = event.name
+        if name.startswith("aten::") and not event.cpu_children and name not in NO_KERNEL:
+            out.append(name)
+    return out
+
+
+def count(case: str, shape: tuple[int, int, int, int] = SHAPE, dtype: torch.dtype = DTYPE) -> dict:
+    """{"forward": launches, "backward": launches, "forward_torch": ops, "backward_torch": ops}
+    of one forward and one backward (Triton launches as `Launch`es, torch ops by name)."""
+    inputs = make_inputs(case, shape, dtype)
+    out = {}
+    with record_launches(cuda_like=True, keep_args=False) as launches:
+        holder = {}
+        out["forward_torch"] = torch_kernels(lambda: holder.setdefault("o", _forward(inputs)))
+        out["forward"] = list(launches)
+        del launches[:]
+        o = holder["o"]
+        do = torch.empty_like(o)
+        out["backward_torch"] = torch_kernels(lambda: o.backward(do))
+        out["backward"] = list(launches)
+    return out
+
+
+def host_time(case: str, calls: int = 200, shape: tuple[int, int, int, int] = SHAPE,
+              dtype: torch.dtype = DTYPE) -> dict[str, float]:
+    """Median host time in microseconds of a forward and of a forward+backward, launches stubbed:
+    the calling thread's CPU time (`time.thread_time`), which on an idle machine is the wall
+    time and on a busy one leaves out the time other processes held the core."""
+    inputs = make_inputs(case, shape, dtype)
+    result = {}
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the host path is one thread; idle OpenMP workers only add noise
+    with record_launches(cuda_like=True, keep_args=False) as launches:
+        do = torch.empty_like(_forward(inputs))
+        for name, fn in (("forward", lambda: _forward(inputs)), ("fwd+bwd", lambda: _fwd_bwd(inputs, do))):
+            for _ in range(5):
+                fn()
+            times = []
+            for _ in range(calls):
+                t0 = time.thread_time()
+                fn()
+                times.append(time.thread_time() - t0)
+                del launches[:]
+            result[name] = statistics.median(times) * 1e6
+    torch.set_num_threads(threads)
+    return result
+
+
+def _describe(launch: Launch) -> str:
+    return f"{launch.name}{list(launch.grid)}"
+
+
+def report(shape: tuple[int, int, int, int] = SHAPE, calls: int = 200) -> dict:
+    """Count and time every case; print a table; return the numbers."""
+    B, H, T, D = shape
+    print(f"linear_attention, B={B} H={H} T={T} D={D} {str(DTYPE).removeprefix('torch.')}, "
+          f"launches stubbed (132 SMs, sm_90), median of {calls} calls")
+    results = {}
+    for case in CASES:
+        counted, timed = count(case, shape), host_time(case, calls, shape)
+        fwd, bwd = counted["forward"], counted["backward"]
+        row = {
+            "forward_launches": [_describe(x) for x in fwd], "backward_launches": [_describe(x) for x in bwd],
+            "forward_torch_ops": counted["forward_torch"], "backward_torch_ops": counted["backward_torch"],
+            "host_us_forward": round(timed["forward"], 1), "host_us_fwd_bwd": round(timed["fwd+bwd"], 1),
+        }
+        results[case] = row
+        n_fwd = len(fwd) + len(counted["forward_torch"])
+        n_all = n_fwd + len(bwd) + len(counted["backward_torch"])
+        print(f"\n{case}: {n_fwd} kernels forward, {n_all} forward+backward; host "
+              f"{timed['forward']:.0f} us forward, {timed['fwd+bwd']:.0f} us forward+backward")
+        print("  forward   " + ", ".join(row["forward_launches"] + row["forward_torch_ops"]))
+        print("  backward  " + ", ".join(row["backward_launches"] + row["backward_torch_ops"]))
+    return results
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--shape", type=int, nargs=4, default=SHAPE, metavar=("B", "H", "T", "D"))
+    parser.add_argument("--calls", type=int, default=200)
+    parser.add_argument("--json", default=None, help="also write the numbers here")
+    args = parser.parse_args(argv)
+    if not cache_cpu_allocations():
+        print("(could not switch glibc to cached allocations: the times include fresh pages per buffer)")
+    results = report(tuple(args.shape), args.calls)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"shape": list(args.shape), "dtype": str(DTYPE), "calls": args.calls, "cases": results}, f,
+                      indent=1)
+    return results
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,190 @@
+"""The CUDA hot path, checked on CPU: what it launches, and that it never waits for the GPU.
+
+`record_launches` (linattn_lib/experiments/launches.py) stubs the Triton launches and shows
+the launchers CPU tensors as an H100/H200 would show them (132 SMs, sm_90), so the Python
+that a training step runs on CUDA -- `linear_attention`, its checks, the custom ops, the
+launchers, forward and backward -- runs here as it would there. With every way of reading a
+tensor's value on the host (`.item()`, `bool()`, `.tolist()`, `int()`, `float()`,
+`__index__`, `.cpu()`, `.numpy()`) made to raise, that Python must still run to the end: on
+a GPU each of those is a device-to-host synchronisation.
+"""
+from __future__ import annotations
+
+import contextlib
+
+import pytest
+import torch
+
+from linattn_lib import LinearAttentionState, linear_attention
+from linattn_lib.core.triton_ops import triton_available
+
+pytestmark = pytest.mark.skipif(not triton_available(), reason="needs triton")
+
+if triton_available():
+    from linattn_lib.experiments.launches import Launch, record_launches
+
+SYNCS = ("item", "__bool__", "tolist", "__int__", "__float__", "__index__", "cpu", "numpy")
+
+
+class HostSync(AssertionError):
+    pass
+
+
+@contextlib.contextmanager
+def no_host_syncs(monkeypatch: pytest.MonkeyPatch):
+    """Every host read of a tensor's value raises HostSync while the block runs."""
+    def refuse(name):
+        def method(self, *args, **kwargs):
+            raise HostSync(f"Tensor.{name} on the hot path (a device-to-host sync on CUDA)")
+        return method
+
+    with monkeypatch.context() as m:
+        for name in SYNCS:
+            m.setattr(torch.Tensor, name, refuse(name))
+        yield
+
+
+def _inputs(decay: str | None, B=2, H=3, T=200, D=16, requires_grad=True):
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.rand(B, H, T, D, generator=g) for _ in range(2))
+    v = torch.randn(B, H, T, D, generator=g)
+    log_decay = None
+    if decay == "head":
+        log_decay = -torch.rand(H, generator=g)
+    elif decay == "token":
+        log_decay = -torch.rand(B, H, T, generator=g)
+    leaves = [x for x in (q, k, v, log_decay) if x is not None]
+    for x in leaves:
+        x.requires_grad_(requires_grad)
+    return q, k, v, log_decay, leaves
+
+
+def test_record_launches_records_and_stubs():
+    q, k, v, _, _ = _inputs(None, requires_grad=False)
+    with record_launches() as launches:
+        o = linear_attention(q, k, v, backend="triton")
+    assert [launch.name for launch in launches] == ["chunk_state_kernel", "chunk_output_kernel"]
+    out = launches[1]
+    assert isinstance(out, Launch) and isinstance(out.grid, tuple) and out.programs > 1
+    assert out.kwargs["num_warps"] >= 1 and out.kwargs["BT"] >= 16 and out.kwargs["NORMALIZE"] is True
+    assert out.args[0].data_ptr() == q.data_ptr()      # the arguments exactly as passed
+    assert o.data_ptr() == out.args[8].data_ptr()       # o is the output kernel's buffer (never written)
+
+
+def test_record_launches_unstubbed_runs_the_kernels():
+    q, k, v, _, _ = _inputs(None, T=40, requires_grad=False)
+    with record_launches(stub=False) as launches:
+        o = linear_attention(q, k, v, backend="triton")
+    assert [launch.name for launch in launches] == ["chunk_state_kernel", "chunk_output_kernel"]
+    ref = linear_attention(q.double(), k.double(), v.double(), backend="torch")
+    torch.testing.assert_close(o.double(), ref, rtol=1e-4, atol=1e-5)
+
+
+def test_record_launches_device_parameters():
+    """The SM count reaches the launchers: few (batch, head) rows on many SMs split the state walk."""
+    q, k, v, _, _ = _inputs(None, B=1, H=1, T=4096, D=64, requires_grad=False)
+    with record_launches(sm_count=132) as many:
+        linear_attention(q, k, v, backend="triton")
+    with record_launches(sm_count=1) as one:
+        linear_attention(q, k, v, backend="triton")
+    assert "chunk_state_merge_kernel" in [launch.name for launch in many]
+    assert "chunk_state_merge_kernel" not in [launch.name for launch in one]
+    with record_launches(capability=(7, 5)) as turing:
+        linear_attention(q.half(), k.half(), v.half(), backend="triton")
+    with record_launches(capability=(9, 0)) as hopper:
+        linear_attention(q.half(), k.half(), v.half(), backend="triton")
+    assert [launch.kwargs for launch in turing] != [launch.kwargs for launch in hopper]
+
+
+def test_the_sync_guard_catches_a_sync(monkeypatch):
+    """The guard is live: a value check of the kind the hot path must not do is caught."""
+    x = torch.ones(3)
+    with no_host_syncs(monkeypatch), pytest.raises(HostSync):
+        bool(torch.isfinite(x).all())
+    with no_host_syncs(monkeypatch), pytest.raises(HostSync):
+        x.sum().item()
+
+
+CASES = [(decay, normalize) for decay in (None, "head", "token") for normalize in (True, False)]
+
+
+@pytest.mark.parametrize("decay,normalize", CASES)
+def test_hot_path_does_not_synchronise(monkeypatch, decay, normalize):
+    """Forward and backward through `linear_attention(backend="auto")` on tensors the dispatcher
+    takes for CUDA, with the launches stubbed: no host read of any tensor value."""
+    q, k, v, log_decay, leaves = _inputs(decay)
+    with record_launches(cuda_like=True) as launches, no_host_syncs(monkeypatch):
+        o = linear_attention(q, k, v, log_decay=log_decay, normalize=normalize)
+        o.backward(torch.ones_like(o))
+    assert all(x.grad is not None for x in leaves)
+    names = [launch.name for launch in launches]
+    assert "chunk_output_kernel" in names and "chunk_dqk_kernel" in names
+
+
+def test_hot_path_with_states_does_not_synchronise(monkeypatch):
+    """Resuming from a state and returning one (what chunked training and prefill do)."""
+    q, k, v, log_decay, leaves = _inputs("token")
+    B, H, _, D = q.shape
+    state = LinearAttentionState(torch.randn(B, H, D, D), torch.rand(B, H, D))
+    with record_launches(cuda_like=True), no_host_syncs(monkeypatch):
+        o, final = linear_attention(q, k, v, log_decay=log_decay, initial_state=state, return_state=True)
+        (o.sum() + final.S.sum() + final.z.sum()).backward()
+    assert all(x.grad is not None for x in leaves)
+
+
+def test_value_checks_on_cuda_are_opt_in(monkeypatch):
+    """On CUDA the finite / sign checks are off unless asked for (CHECK_DEVICE_VALUES, or
+    LINATTN_CHECK_VALUES=1); asked for, they run, and they synchronise. On CPU they always run."""
+    from linattn_lib import _validate
+
+    q, k, v, log_decay, _ = _inputs("token", requires_grad=False)
+    k[0, 0, 7, 0] = float("nan")
+    log_decay[0, 0, 3] = 0.5
+    with record_launches(cuda_like=True), no_host_syncs(monkeypatch):
+        linear_attention(q, k, v, log_decay=log_decay)            # not checked: no error, no sync
+    monkeypatch.setattr(_validate, "CHECK_DEVICE_VALUES", True)
+    with record_launches(cuda_like=True), pytest.raises(ValueError, match=r"`k` has a non-finite value"):
+        linear_attention(q, k, v, log_decay=log_decay)
+    with record_launches(cuda_like=True), no_host_syncs(monkeypatch), pytest.raises(HostSync):
+        linear_attention(q, k, v, log_decay=log_decay)
+    monkeypatch.setattr(_validate, "CHECK_DEVICE_VALUES", False)
+    with pytest.raises(ValueError, match=r"`k` has a non-finite value \(nan\) at index \(0, 0, 7, 0\)"):
+        linear_attention(q, k, v, log_decay=log_decay)             # CPU: checked
+    k[0, 0, 7, 0] = 0.0
+    with pytest.raises(ValueError, match=r"`log_decay` must be <= 0"):
+        linear_attention(q, k, v, log_decay=log_decay)
+
+
+def test_value_screen_overflow_falls_back_to_the_exact_check():
+    """The CPU screen is a sum: finite values whose sum overflows are looked at element-wise
+    and pass; a single inf among them is still found and named."""
+    q, k, v, _, _ = _inputs(None, requires_grad=False)
+    big = torch.full_like(k, 3e38)
+    linear_attention(q, big, v, backend="torch")  # finite: accepted (outputs may overflow, not refused)
+    big[1, 2, 3, 4] = float("inf")
+    with pytest.raises(ValueError, match=r"`k` has a non-finite value \(inf\) at index \(1, 2, 3, 4\)"):
+        linear_attention(q, big, v, backend="torch")
+
+
+# the kernels each pass launches today, at the benchmark's shape (B=1 H=16 T=16384 D=128 bf16 on
+# an H100/H200-like device): Triton launches and the torch ops that start a kernel of their own
+FORWARD_KERNELS = {
+    "normalised": ["chunk_state_kernel", "chunk_output_kernel"],
+    "unnormalised, per-token decay": ["chunk_decay_kernel", "chunk_state_kernel", "chunk_output_kernel"],
+    "unnormalised, per-head decay": ["chunk_decay_kernel", "chunk_state_kernel", "chunk_output_kernel"],
+}
+BACKWARD_KERNELS = {"normalised": 6, "unnormalised, per-token decay": 8, "unnormalised, per-head decay": 9}
+
+
+@pytest.mark.parametrize("case", list(FORWARD_KERNELS))
+def test_kernels_per_pass(case):
+    """At most 6 kernels a forward (issue 30), and the backward no more than it launches now."""
+    from linattn_lib.experiments.host_overhead import count
+
+    counted = count(case)
+    forward = [launch.name for launch in counted["forward"]] + counted["forward_torch"]
+    backward = [launch.name for launch in counted["backward"]] + counted["backward_torch"]
+    assert len(forward) <= 6
+    assert forward == FORWARD_KERNELS[case]
+    assert len(backward) <= BACKWARD_KERNELS[case], backward
+    assert "chunk_dqk_kernel" in backward and "chunk_dv_kernel" in backward
