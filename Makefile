@@ -19,7 +19,7 @@ NB ?=
 MATHJAX_VERSION := 3.2.2
 MATHJAX_DIR := book/_static/mathjax
 
-.PHONY: help install lint book book-clean test browser-deps lab execute bench gpu-check gpu-rehearsal mathjax repo-url clean distclean
+.PHONY: help install lint book book-clean test browser-deps lab execute bench gpu-check gpu-rehearsal gpu-deps mathjax repo-url clean distclean
 
 help:  ## list the targets
 	@grep -E '^[a-z.-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -58,7 +58,7 @@ book-clean: $(STAMP)  ## rebuild every page of the HTML book from scratch
 # and runs chapters 7 and 8 from a folder outside the repository (a few minutes, offline).
 # The browser test (tests/test_browser.py) opens the book just built into _build/html in
 # headless Chromium and saves screenshots to _build/screenshots.
-test: $(STAMP) browser-deps book  ## run the library tests, check every notebook's outputs (nbval) and read the built book in Chromium
+test: $(STAMP) browser-deps book gpu-rehearsal  ## run the library tests, check every notebook's outputs (nbval) and read the built book in Chromium
 	LINATTN_BOOK_HTML=_build/html LINATTN_REQUIRE_BROWSER=1 CHROMIUM=$(CHROMIUM) \
 		$(BIN)/python -m pytest -p no:cacheprovider --durations=25 --nbval tests book || { rc=$$?; [ $$rc -eq 5 ] || exit $$rc; }
 
@@ -72,8 +72,25 @@ $(GPU_VENV)/.installed: constraints-gpu.txt
 	$(GPU_PY) -m pip install -q -c constraints-gpu.txt torch triton numpy einops pytest
 	@touch $@
 
+# The dry run imports everything from source, records every kernel launch the GPU check's
+# benchmark and profile would make and compiles each for sm_90 (about a minute cold on 2 cores;
+# seconds with Triton's cache warm); it fails if one does not compile. Then the sm_90 compile
+# gate under that Triton (about 1.5 minutes cold). `make test` runs both, so CI rehearses the
+# GPU machine's run on every change.
 gpu-rehearsal: $(GPU_VENV)/.installed  ## rehearse the GPU check on the CPU under the GPU machine's Triton (no GPU needed)
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m linattn_lib.experiments.gpu_check --dry-run
+	LINATTN_COMPILE_TARGETS=sm_90 PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -o addopts= -p no:cacheprovider -q tests/test_kernels_compile.py
+
+# fla for the GPU check's benchmark, as a wheel the checkout carries (the GPU machine has no
+# network and no index): fla-core only, pure Python, needing einops, torch and triton, which
+# the machine has. Not flash-linear-attention: its fla.layers/fla.models need transformers
+# >= 5.6.2, and `import fla` imports them when present; the benchmark uses only fla.ops.
+WHEELS := .whl
+FLA_VERSION := 0.6.0
+gpu-deps:  ## download fla's wheel into .whl/ for the GPU check (carry .whl to the GPU machine)
+	mkdir -p $(WHEELS)
+	$(PYTHON) -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -d $(WHEELS) fla-core==$(FLA_VERSION)
+	@ls -l $(WHEELS)
 
 # Debian's chromium for the browser test (Playwright drives it; `playwright install` is not
 # used), plus a CJK font so that the glossary's Chinese shows in the screenshots. apt-get runs
@@ -96,10 +113,13 @@ execute: $(STAMP)  ## re-run notebooks and save their outputs (all, or NB=book/x
 bench: $(STAMP)  ## benchmark the attention implementations
 	$(PY) -m linattn_lib.experiments.bench
 
-# The package's own kernel self-test, the checkout's kernel test files with CUDA tensors,
-# then the benchmark; exits non-zero when a check fails or did not run (e.g. no CUDA device).
-gpu-check: $(STAMP)  ## check the compiled Triton kernels on a CUDA GPU (fails without one)
-	$(PY) -m linattn_lib.experiments.gpu_check --pytest tests/test_kernels_interpret.py tests/test_kernels_two_phase.py tests/test_kernels_delta.py
+# Exactly what the bare GPU machine runs (README, "On a GPU"): the system python3 (GPU_PYTHON),
+# the checkout from source, no install; results in GPU_OUT; exits non-zero when a check fails
+# or could not run (e.g. no CUDA device).
+GPU_PYTHON ?= python3
+GPU_OUT ?= gpu_results
+gpu-check:  ## check and time the compiled Triton kernels on a CUDA GPU in under 6 minutes (fails without one)
+	PYTHONPATH=$(CURDIR) $(GPU_PYTHON) -m linattn_lib.experiments.gpu_check --out $(GPU_OUT) --budget-s 330
 
 # _config.yml's repository.url is the one place the URL is kept; this copies a new one into the
 # notebooks' Colab cells, the README, the introduction and pyproject.toml.

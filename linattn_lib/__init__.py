@@ -11,6 +11,12 @@ The package, by folder (the arrows run one way: experiments and chapters use cor
 * `chapters/`: helpers only the book uses (plots, widgets, cost models, estimators, ...);
 * `experiments/`: every `python -m` command (MQAR, char-LM, complexity, bench, gpu_check);
 * `kernels` (the top-level `kernels/` folder): the Triton kernels.
+
+Bad input raises an exception naming the argument. Shapes, dtypes and devices are always
+checked; tensor values (NaN, inf, a log-decay > 0) are checked for CPU tensors, and for CUDA
+tensors only when opted in with LINATTN_CHECK_VALUES=1 (or `linattn_lib._validate.
+CHECK_DEVICE_VALUES = True`): on CUDA a value check is a pass over the data and a device-to-
+host sync on every call, which the training hot path does not pay by default.
 """
 from .core.decode import KVCacheDecoder, RecurrentDecoder, linear_attention_decode_step
 from .core.delta import delta_rule_attention, delta_rule_decode_step
@@ -122,3 +128,17 @@ __all__ = [
     "decay_mask",
     "causal_mask",
 ]
+
+
+def __getattr__(name: str) -> object:
+    """`linattn_lib.kernels` (and `from linattn_lib import kernels`) from a source checkout too:
+    an install maps the top-level kernels/ folder to that name (setup.py); with only PYTHONPATH
+    set, `core.triton_ops.load_kernels` loads the folder under it on first use."""
+    if name == "kernels":
+        from .core.triton_ops import kernels_import_error, load_kernels
+
+        module = load_kernels()
+        if module is None:
+            raise ImportError(f"linattn_lib.kernels does not import: {kernels_import_error()}")
+        return module
+    raise AttributeError(f"module 'linattn_lib' has no attribute {name!r}")

@@ -1,525 +1,258 @@
-"""Check the compiled Triton kernels on a CUDA GPU, and time them.
+"""The GPU check: a bare GPU machine, one call, under six minutes, results written as it goes.
 
-    python -m linattn_lib.experiments.gpu_check --out gpu_results/
-    python -m linattn_lib.experiments.gpu_check --pytest tests/test_kernels_interpret.py  # + the full suite
+On the GPU machine (python3 with torch and Triton, no install, no network), from the checkout:
 
-1. the kernel self-test (`kernel_selftest.run_kernel_selftest`, part of the package, so it runs from an
-   installed copy too): every kernel is compiled for this GPU and checked against the float64
-   references of the library -- outputs, final states (S and z) and the gradients of q, k, v,
-   the log-decay and the initial state, in float32, float16 and bfloat16, at awkward shapes
-   (T in 1..300 around the chunk of 64, head dims 16..256 including padded ones, several
-   heads and batches, resumed states, decays from none to underflowing and with resets), plus
-   the non-causal kernels, the decoding step and the fused FAVOR+ feature map;
-   `--pytest PATH...` also runs a checkout's kernel test files with CUDA tensors;
-2. times forward and forward+backward at T=16384, H=16, D=128 in bfloat16 with
-   triton.testing.do_bench: our chunked linear attention (normalised; and unnormalised with a
-   per-token decay), torch's scaled_dot_product_attention (causal softmax: flash attention
-   where available), and flash-linear-attention's kernels when `fla` is installed; then the
-   FAVOR+ feature map (d=64, m=256) in torch against the fused kernel (kernels/favor.py);
-3. times the chunked kernels under every candidate launch config (`run_config_sweep`): the
-   configs were chosen without a GPU, and these are the numbers to choose them by;
-4. writes results.json and results.md into the output folder.
+    PYTHONPATH=. python3 -m linattn_lib.experiments.gpu_check --out $OUT --budget-s 330
 
-Exit status: 0 when every check ran and passed; 1 when a check failed; 2 when a check did not
-run -- no CUDA device (then nothing touches a GPU driver and nothing is written), no Triton,
-kernels that do not import, or a --pytest file that is not there -- with a message saying what
-did not run. Parts skipped on request (--skip-tests, --skip-bench) are reported as such and do
-not change the status. The benchmark and the sweep measure, they do not check: their errors
-are recorded in the results, not in the exit status.
+(`make gpu-check` runs the same here; `make gpu-deps` puts fla's wheel into .whl/, which must
+travel with the checkout: carry `.whl`). The sections, in order, each with a time cap, all
+within --budget-s (a section that reaches its cap or the budget is cut, and says so):
+
+    setup         the wheels of .whl/ installed into a temporary folder (fla; missing: no fla rows)
+    environment   versions, GPU, clocks, achieved copy bandwidth and bf16 matmul rate       25 s
+    precompile    every kernel launch of ours the benchmark and profile make, compiled on all
+                  cores into Triton's cache (gpu_plan: the dry run's plan), while fla's
+                  autotuning candidates compile in worker processes (gpu_fla_warm)         60 s
+    benchmark     ours (public API and op), fla, SDPA: gpu_bench, row by row               150 s
+    profile       torch.profiler per kernel of one fwd+bwd beside the model's per-launch
+                  predictions (normalised; unnormalised with a per-token decay)             40 s
+    extras        decoding step, FAVOR+ map, launch-config sweep (gpu_extras)               30 s
+    selftest      the kernel self-test (kernel_selftest), quick subset first               60 s
+    kernel tests  the checkout's kernel test files with CUDA tensors (pytest)        what is left
+
+Out ($OUT): gpu_check.json (rewritten after every section and benchmark row), gpu_check.md,
+kernel_tests.log and kernel_tests.xml. `--dry-run` rehearses it on a CPU (gpu_dryrun): the
+same imports, every launch recorded and compiled for sm_90, nothing run.
+
+Exit status: 0 when every section that ran passed (cut sections are reported, not failed);
+1 when a check failed (self-test, kernel tests, a kernel of ours that did not compile or
+run in the benchmark, a section that raised); 2 when the checks could not run (no CUDA
+device: then nothing touches a GPU driver and nothing is written).
 """
 from __future__ import annotations
 
 import argparse
 import json
-import os
-import platform
-import subprocess
 import sys
 import time
-from collections.abc import Callable, Sequence
+import traceback
+from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-from .kernel_selftest import FAILED, NOT_RUN, PASSED, run_kernel_selftest
+from .gpu_extras import (  # noqa: F401  (their home was this module; tests import them from here)
+    PREDICTED_AS,
+    attach_predictions,
+    candidate_configs,
+    extras_markdown,
+    run_config_sweep,
+    run_decode_benchmark,
+    run_favor_benchmark,
+    run_split_sweep,
+)
+from .gpu_limits import Timeout, time_limit
+from .kernel_selftest import FAILED, NOT_RUN, PASSED
 
-if TYPE_CHECKING:
-    import torch
-
-SKIPPED = "skipped"
-
-
-def _environment() -> dict:
-    import torch
-
-    info = {
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "gpu": torch.cuda.get_device_name(0),
-        "capability": ".".join(map(str, torch.cuda.get_device_capability(0))),
-        "time": time.strftime("%Y-%m-%d %H:%M:%S"),
-    }
-    try:
-        import triton
-
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    try:
-        from .. import __version__
-
-        info["linattn_lib"] = __version__
-    except ImportError:
-        pass
-    return info
+SKIPPED, CUT = "skipped", "cut"
+DEFAULT_BUDGET_S = 330.0
+SECTION_CAPS = {"setup": 30.0, "environment": 25.0, "precompile": 60.0, "benchmark": 150.0, "profile": 40.0,
+                "extras": 30.0, "selftest": 60.0, "kernel tests": None}
+KERNEL_TEST_FILES = ("tests/test_kernels_interpret.py", "tests/test_kernels_two_phase.py",
+                     "tests/test_kernels_delta.py")
+_markdown = extras_markdown  # the old name of the legacy tables
+BACKSTOP_S = 5.0  # a section past its cap by this much is stopped (it stops itself at its cap)
+MIN_SECTION_S = 5.0  # a section with less time left than this is not started
 
 
-def run_kernel_tests(out: Path, tests: Path | Sequence[Path]) -> dict:
-    """pytest on a checkout's kernel test files (tests/test_kernels_interpret.py, ...) with
-    CUDA tensors, in one run."""
-    files = [Path(tests)] if isinstance(tests, (str, Path)) else [Path(t) for t in tests]
-    missing = [str(f) for f in files if not f.is_file()]
-    if missing or not files:
-        return {"status": NOT_RUN, "reason": f"{', '.join(missing)} not found (--pytest needs a source checkout's test files)"}
-    env = dict(os.environ, LINATTN_KERNEL_TEST_DEVICE="cuda")
-    env.pop("TRITON_INTERPRET", None)
-    cmd = [sys.executable, "-m", "pytest", *(str(f.resolve()) for f in files), "-q", "-p", "no:cacheprovider",
-           "-o", "addopts=", f"--junitxml={(out / 'kernel_tests.xml').resolve()}"]
-    t0 = time.perf_counter()
-    # from the checkout's root (the test files' grandparent), as `make test` runs it
-    proc = subprocess.run(cmd, cwd=str(files[0].resolve().parent.parent), env=env, capture_output=True, text=True)
-    log = proc.stdout + proc.stderr
-    (out / "kernel_tests.log").write_text(log)
-    summary = next((line for line in reversed(log.strip().splitlines()) if " in " in line), "")
-    if proc.returncode == 5 or (" skipped" in summary and " passed" not in summary):
-        return {"status": NOT_RUN, "reason": f"pytest ran no kernel test: {summary.strip('= ') or log[-300:]}",
-                "returncode": proc.returncode}
-    return {"status": PASSED if proc.returncode == 0 else FAILED, "returncode": proc.returncode,
-            "summary": summary.strip("= "), "seconds": round(time.perf_counter() - t0, 1)}
+class Report:
+    """The results so far, written to out/gpu_check.json and gpu_check.md after every change."""
 
+    def __init__(self, out: Path, meta: dict) -> None:
+        self.out, self.data = out, {**meta, "sections": {}}
+        out.mkdir(parents=True, exist_ok=True)
 
-def _bench(fn, do_bench) -> float:
-    return float(do_bench(fn, warmup=25, rep=100))
+    def put(self, name: str, result: dict) -> None:
+        """Set one section's result and write both files (the JSON atomically)."""
+        self.data["sections"][name] = result
+        tmp = self.out / "gpu_check.json.tmp"
+        tmp.write_text(json.dumps(self.data, indent=1, default=str))
+        tmp.replace(self.out / "gpu_check.json")
+        from .gpu_report import markdown
 
-
-def _fwd_bwd(fn, inputs):
-    """fn's forward and backward with a fixed random output gradient."""
-    import torch
-
-    with torch.no_grad():
-        do = torch.randn_like(fn())
-
-    def run():
-        for x in inputs:
-            x.grad = None
-        fn().backward(do)
-
-    return run
-
-
-def run_benchmark(B: int = 1, H: int = 16, T: int = 16384, D: int = 128) -> list[dict]:
-    """Forward and forward+backward times (ms, median of do_bench) at one shape, bf16."""
-    import torch
-    import torch.nn.functional as F
-    from triton.testing import do_bench
-
-    from ..core.linear import linear_attention
-
-    dev, dtype = "cuda", torch.bfloat16
-    torch.manual_seed(0)
-    q = torch.rand(B, H, T, D, device=dev, dtype=dtype).requires_grad_()
-    k = torch.rand(B, H, T, D, device=dev, dtype=dtype).requires_grad_()
-    v = torch.randn(B, H, T, D, device=dev, dtype=dtype).requires_grad_()
-    g = (-torch.rand(B, H, T, device=dev) * 0.1).requires_grad_()
-    qs, ks = (q / D).detach().requires_grad_(), (k - 0.5).detach().requires_grad_()  # signed, small
-    inputs = [q, k, v, g, qs, ks]
-
-    candidates = {
-        "linattn triton (normalised)": lambda: linear_attention(q, k, v, backend="triton"),
-        "linattn triton (unnormalised, per-token decay)": lambda: linear_attention(
-            qs, ks, v, normalize=False, log_decay=g, backend="triton"),
-        "torch SDPA (causal softmax)": lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True),
-    }
-    try:  # flash-linear-attention, if installed (its layout is (B, T, H, D))
-        from fla.ops.simple_gla import chunk_simple_gla
-
-        def fla_simple_gla():
-            o, _ = chunk_simple_gla(qs.transpose(1, 2), ks.transpose(1, 2), v.transpose(1, 2),
-                                    g=g.transpose(1, 2), scale=1.0)
-            return o
-
-        candidates["fla chunk_simple_gla (unnormalised, per-token decay)"] = fla_simple_gla
-    except Exception:  # not installed, or another API version
-        pass
-    try:  # fla's normalised linear attention (normalises in torch, no decay)
-        from fla.ops.linear_attn import chunk_linear_attn
-
-        def fla_linear_attn():
-            o, _ = chunk_linear_attn(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), scale=1.0,
-                                     normalize=True)
-            return o
-
-        candidates["fla chunk_linear_attn (normalised)"] = fla_linear_attn
-    except Exception:
-        pass
-
-    shape = f"B={B} H={H} T={T} D={D}"
-    rows = [_time_candidate(name, fn, inputs, shape, do_bench) for name, fn in candidates.items()]
-    q = k = v = g = qs = ks = inputs = candidates = None  # free the GPU memory the lambdas hold
-    torch.cuda.empty_cache()
-    decode = run_decode_benchmark(do_bench=do_bench)
-    attach_predictions(rows, torch.cuda.get_device_name(), B)
-    return rows + [decode] + run_favor_benchmark(B, H, T, do_bench=do_bench)
-
-
-# benchmark row -> the performance model's row (book/results/perf_model.json, same shape)
-PREDICTED_AS = {
-    "linattn triton (normalised)": "ours, normalised, no decay",
-    "linattn triton (unnormalised, per-token decay)": "ours, unnormalised, per-token decay",
-    "fla chunk_simple_gla (unnormalised, per-token decay)": "fla chunk_simple_gla (per-token decay g)",
-    "fla chunk_linear_attn (normalised)": "fla chunk_linear_attn(normalize=True)",
-}
-
-
-def attach_predictions(rows: list[dict], gpu_name: str, B: int = 1) -> list[dict]:
-    """Put the performance model's predicted forward and forward+backward ms beside each
-    benchmark row it has a prediction for (the committed book/results/perf_model.json, for
-    the H100 or H200 the name says; other GPUs get none). Returns the rows."""
-    from ..results import load_result
-
-    pred = load_result("perf_model.json", default=None)
-    gpu = next((g for g in ("H100", "H200") if g in gpu_name), None)
-    if pred is None or gpu is None:
-        return rows
-    table = pred["ms"].get(f"{gpu} SXM, B={B}", {})
-    for row in rows:
-        model = table.get(PREDICTED_AS.get(row["name"], ""))
-        if model is not None:
-            row["predicted_forward_ms"] = model["forward"]
-            row["predicted_forward_backward_ms"] = model["total"]
-    return rows
-
-
-def _time_candidate(name, fn, inputs, shape, do_bench, dtype: str = "bfloat16") -> dict:
-    import torch
-
-    row = {"name": name, "shape": shape, "dtype": dtype}
-    try:
-        with torch.no_grad():
-            row["forward_ms"] = round(_bench(fn, do_bench), 3)
-        row["forward_backward_ms"] = round(_bench(_fwd_bwd(fn, inputs), do_bench), 3)
-    except Exception as e:  # one failing candidate must not hide the others
-        row["error"] = f"{type(e).__name__}: {e}"[:500]
-    if torch.cuda.is_available():
-        torch.cuda.empty_cache()
-    return row
-
-
-def run_favor_benchmark(B: int, H: int, T: int, d: int = 64, m: int = 256, *, do_bench: Callable,
-                        device: str = "cuda") -> list[dict]:
-    """The FAVOR+ feature map of keys (global stabiliser: the two-launch case) and queries (row
-    stabiliser), torch against the fused kernel (kernels/favor.py), bf16, forward and
-    forward+backward: the measurement that decides whether the fused map should become the
-    default on CUDA."""
-    import torch
-
-    from ..core.features import positive_random_features, random_projection
-
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter has no bf16
-    x = (torch.randn(B, H, T, d, device=device) * 1.5).to(dtype).requires_grad_()
-    W = random_projection(m, d, seed=0).to(device=device, dtype=dtype)
-    s, shape = d**-0.25, f"B={B} H={H} T={T} d={d} m={m}"
-    rows = []
-    for stabilize, who in (("global", "keys"), ("row", "queries")):
-        for backend in ("torch", "triton"):
-            def fn(stabilize=stabilize, backend=backend):
-                return positive_random_features(x, W, input_scale=s, stabilize=stabilize, backend=backend)
-
-            name = f"FAVOR+ features of {who} ({stabilize} max), {backend}"
-            rows.append(_time_candidate(name, fn, [x], shape, do_bench, dtype=str(dtype).replace("torch.", "")))
-    return rows
-
-
-def run_decode_benchmark(B: int = 64, H: int = 16, D: int = 128, *, do_bench: Callable,
-                         device: str = "cuda") -> dict:
-    """One decoding step (normalised, per-head decay) at a batch whose fp32 states (B H D^2 x 4
-    bytes, 64 MiB here) dwarf the caches: the step reads and writes every state once, so its
-    time is set by that traffic. Returns ms, the state bytes moved and the bandwidth reached."""
-    import torch
-
-    from .. import kernels as K
-
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
-    q, k, v = (torch.rand(B, H, D, device=device, dtype=dtype) for _ in range(3))
-    S = torch.zeros(B, H, D, D, device=device)
-    z = torch.zeros(B, H, D, device=device)
-    g = -torch.rand(H, device=device) * 0.1
-    ms = float(do_bench(lambda: K.decode_step(q, k, v, S, z, log_decay=g), warmup=25, rep=100))
-    moved = 2 * (S.numel() + z.numel()) * 4
-    return {"name": "decode step (state read + write)", "shape": f"B={B} H={H} D={D}", "ms": round(ms, 4),
-            "state_bytes": moved, "GB_per_s": round(moved / (ms * 1e-3) / 1e9, 1)}
-
-
-def candidate_configs(kernel: str, d_whole: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> list[dict]:
-    """Launch configs worth timing for `kernel` at one head-dim bucket on this GPU: the chosen
-    one first, then its neighbours -- each block width (BK, BV) halved or doubled within 16 to
-    64, at its warp count -- and the chosen blocks on the other warp count (4 or 8), at the
-    chosen chunk length (the two phases must share it) and pipelining depth: at most ten per
-    kernel, so that the sweep's compiles fit the GPU check's time. Which fit the GPU's shared
-    memory is decided by the run itself (a config that does not fit fails to launch and is
-    reported)."""
-    from ..kernels import select_config
-
-    chosen = select_config(kernel, d_whole, dtype, capability)
-
-    def near(b: int) -> list[int]:
-        return [x for x in (b // 2, b, b * 2) if 16 <= x <= 64]
-
-    out = [chosen]
-    for BK in near(chosen["BK"]):
-        for BV in near(chosen["BV"]):
-            out.append(dict(chosen, BK=BK, BV=BV))
-    out.append(dict(chosen, num_warps=12 - chosen["num_warps"]))
-    return [cfg for i, cfg in enumerate(out) if cfg not in out[:i]]
-
-
-def _sweep_calls(B: int, H: int, T: int, D: int, dtype, device: str) -> dict:
-    """kernel name -> call(config) launching that kernel alone on inputs of the benchmark shape
-    (normalised, per-token decay); the state tensors they read are made once, up front."""
-    import torch
-
-    from .. import kernels as K
-
-    torch.manual_seed(0)
-    q, k = (torch.rand(B, H, T, D, device=device, dtype=dtype) for _ in range(2))
-    v, do = (torch.randn(B, H, T, D, device=device, dtype=dtype) for _ in range(2))
-    g = -torch.rand(B, H, T, device=device) * 0.1
-    o, den, _, _ = K.chunk_fwd_two_phase(q, k, v, log_decay=g)
-    r, e, _ = K.chunk_bwd_prep(do, o, den)
-    h, hz, _, _ = K.chunk_states(k, v, log_decay=g)
-    dh, dhz, _, _ = K.chunk_states(q, do, log_decay=g, reverse=True, key_scale=r, z_weights=e)
-    layout = (None, None, None, h.shape[2])
-    return {
-        "chunk_state": lambda cfg: K.chunk_states(k, v, log_decay=g, config=cfg),
-        "chunk_output": lambda cfg: K.chunk_output(q, k, v, h, hz, log_decay=g, config=cfg),
-        "chunk_dqk": lambda cfg: K.chunk_dqk(q, k, v, do, g, r, e, (h, hz), (dh, dhz), layout, None, cfg),
-        "chunk_dv": lambda cfg: K.chunk_dv(q, k, do, g, r, dh, layout, None, cfg),
-    }
-
-
-def run_config_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, do_bench: Callable,
-                     device: str = "cuda") -> list[dict]:
-    """Time each kernel of the two-phase engine alone (chunk_state, chunk_output, chunk_dqk,
-    chunk_dv) under every candidate config at the benchmark shape, bf16 (fp16 before sm_80),
-    normalised, per-token decay. The configs in kernels/configs.py were chosen without a GPU,
-    from compile-time evidence (registers, spills, CTAs per SM: tests/test_kernels_compile.py);
-    these numbers are what should replace that evidence."""
-    import torch
-
-    from .. import kernels as K
-
-    if device == "cuda":
-        cap = torch.cuda.get_device_capability()
-        dtype = torch.bfloat16 if cap >= (8, 0) else torch.float16
-    else:  # the interpreter (a smoke test of this function)
-        cap, dtype = None, torch.float32
-    rows = []
-    for kernel, call in _sweep_calls(B, H, T, D, dtype, device).items():
-        chosen = K.select_config(kernel, D, dtype, cap)
-        for cfg in candidate_configs(kernel, K.whole_dim(D), dtype, cap):
-            row = {"kernel": kernel, "config": cfg, "chosen": cfg == chosen, "shape": f"B={B} H={H} T={T} D={D}",
-                   "dtype": str(dtype).replace("torch.", "")}
-            try:
-                row["ms"] = round(float(do_bench(lambda call=call, cfg=cfg: call(cfg), warmup=10, rep=50)), 4)
-            except Exception as e:  # e.g. out of shared memory on this GPU
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-            rows.append(row)
-    return rows + run_split_sweep(1, max(1, H // 8), T, D, dtype=dtype, do_bench=do_bench, device=device)
-
-
-def run_split_sweep(B: int, H: int, T: int, D: int, *, dtype: torch.dtype, do_bench: Callable,
-                    device: str = "cuda") -> list[dict]:
-    """The state pass (normalised, per-token decay) where its grid is small (B * H = 2 at the
-    benchmark shape): walked whole, in the runs the launcher picks (split-T), and in twice as
-    many; the model's predictions are in book/results/perf_model.json ("split_T")."""
-    import torch
-
-    from .. import kernels as K
-
-    torch.manual_seed(0)
-    k = torch.rand(B, H, T, D, device=device, dtype=dtype)
-    v = torch.randn(B, H, T, D, device=device, dtype=dtype)
-    g = -torch.rand(B, H, T, device=device) * 0.1
-    cfg = K.select_config("chunk_state", D, dtype, None if device == "cpu" else torch.device(device))
-    programs = -(-D // cfg["BK"]) * (-(-D // cfg["BV"]) + 1) * B * H
-    NT = -(-T // cfg["BT"])
-    sms = K.configs.multiprocessor_count(device) or 132
-    chosen = K.split_count(programs, NT, sms)
-    rows = []
-    for splits in dict.fromkeys((1, chosen, 2 * chosen)):
-        row = {"kernel": f"chunk_state split-T, B={B} H={H}", "config": {"splits": splits}, "chosen": splits == chosen,
-               "shape": f"B={B} H={H} T={T} D={D}", "dtype": str(dtype).replace("torch.", "")}
-        call = lambda splits=splits: K.chunk_states(k, v, log_decay=g, splits=splits)
         try:
-            row["ms"] = round(float(do_bench(call, warmup=10, rep=50)), 4)
-        except Exception as e:
-            row["error"] = f"{type(e).__name__}: {e}"[:300]
-        rows.append(row)
-    return rows
+            (self.out / "gpu_check.md").write_text(markdown(self.data))
+        except Exception as e:  # the JSON is what counts
+            (self.out / "gpu_check.md").write_text(f"markdown failed: {type(e).__name__}: {e}\n")
 
 
-def _markdown(env: dict, checks: dict, bench: list[dict], sweep: list[dict] = ()) -> str:
-    lines = ["# GPU check", "", "| | |", "| --- | --- |"]
-    lines += [f"| {k} | {v} |" for k, v in env.items()]
-    lines += ["", "## Checks", ""]
-    for what, res in checks.items():
-        lines.append(f"* {what}: **{res.get('status')}** {res.get('summary', res.get('reason', ''))}")
-    failures = [r for r in checks.get("kernel self-test", {}).get("checks", []) if r["status"] == FAILED]
-    if failures:
-        lines += ["", "| failed check | dtype | problems |", "| --- | --- | --- |"]
-        lines += [f"| {r['name']} | {r['dtype']} | {'; '.join(r['problems'])[:200]} |" for r in failures]
-    lines += ["", "## Benchmark (median ms, triton.testing.do_bench)", "",
-              "| implementation | shape | forward | forward + backward | model: fwd / fwd+bwd |",
-              "| --- | --- | ---: | ---: | ---: |"]
-    for r in bench:
-        if "error" in r:
-            lines.append(f"| {r['name']} | {r['shape']} | error: {r['error'][:80]} | | |")
-        elif "GB_per_s" in r:
-            lines.append(f"| {r['name']} | {r['shape']} | {r['ms']:.4f} ({r['GB_per_s']:.0f} GB/s) | | |")
-        else:
-            model = (f"{r['predicted_forward_ms']:.2f} / {r['predicted_forward_backward_ms']:.2f}"
-                     if "predicted_forward_ms" in r else "")
-            lines.append(f"| {r['name']} | {r['shape']} | {r['forward_ms']:.2f} | {r['forward_backward_ms']:.2f} | {model} |")
-    if sweep:
-        lines += ["", "## Launch configs (median ms; * = the one select_config picks)", "",
-                  "| kernel | config | ms |", "| --- | --- | ---: |"]
-        for r in sorted(sweep, key=lambda r: (r["kernel"], r.get("ms", float("inf")))):
-            cfg = ", ".join(f"{k}={v}" for k, v in r["config"].items())
-            ms = f"{r['ms']:.3f}" if "ms" in r else f"error: {r['error'][:60]}"
-            lines.append(f"| {r['kernel']}{' *' if r['chosen'] else ''} | {cfg} | {ms} |")
-    return "\n".join(lines) + "\n"
+def run_section(report: Report, name: str, deadline: float, fn: Callable[[float, Callable[[dict], None]], dict]) -> dict:
+    """Run one section under its cap and the overall deadline; its result (status, seconds) is
+    written even when it raises or is cut; partial results it `put` are kept when it is cut."""
+    cap = SECTION_CAPS.get(name)
+    left = deadline - time.monotonic()
+    if left < MIN_SECTION_S:
+        result = {"status": CUT, "reason": "the time budget was spent before this section"}
+        report.put(name, result)
+        return result
+    limit = min(cap, left) if cap else left
+    end, t0, partial = time.monotonic() + limit, time.monotonic(), {}
+
+    def put(result: dict) -> None:
+        partial.clear()
+        partial.update(result)
+        report.put(name, dict(result, status="running"))
+
+    try:
+        with time_limit(limit + BACKSTOP_S):  # the section checks `end` itself; this is the backstop
+            result = fn(end, put)
+        result.setdefault("status", PASSED)
+    except Timeout:
+        result = dict(partial, status=CUT, reason=f"stopped at its limit of {limit:.0f} s")
+    except Exception as e:  # recorded; the next sections still run
+        result = dict(partial, status=FAILED, error=f"{type(e).__name__}: {e}"[:800],
+                      traceback=traceback.format_exc()[-3000:])
+    result["seconds"] = round(time.monotonic() - t0, 1)
+    report.put(name, result)
+    print(f"gpu_check: {name}: {result['status']} in {result['seconds']} s", flush=True)
+    return result
 
 
 def exit_status(checks: dict) -> int:
-    """0 when every check ran and passed (or was skipped on request), 1 when one failed,
-    2 when one did not run."""
+    """0 when every section or check passed, was cut or skipped; 1 when one failed; 2 when one did not run."""
     states = {res.get("status") for res in checks.values()}
     return 1 if FAILED in states else 2 if NOT_RUN in states else 0
 
 
-def _report_not_run(checks: dict) -> None:
-    for what, res in checks.items():
-        if res.get("status") == NOT_RUN:
-            print(f"gpu_check: NOT RUN: {what}: {res.get('reason', '')}", file=sys.stderr)
+def _benchmark(args, do_bench) -> Callable:
+    from . import gpu_bench, gpu_plan
+
+    def section(end: float, put: Callable[[dict], None]) -> dict:
+        before = gpu_plan.cached_kernels()
+        result = gpu_bench.run_benchmark(end, put, do_bench)
+        ours = [r for r in result["rows"] if r["provider"].startswith("ours")]
+        bad = [r for r in ours if "error" in r and "timed out" not in r["error"] or "backward_error" in r]
+        result["plan_misses"] = gpu_plan.plan_misses(before, gpu_plan.our_kernel_names())
+        result["status"] = FAILED if bad else CUT if "cut" in result else PASSED
+        return result
+
+    return section
 
 
-def _not_run_without_cuda(args: argparse.Namespace) -> dict:
-    checks = {}
-    if not args.skip_tests:
-        checks["kernel self-test"] = {"status": NOT_RUN, "reason": "no CUDA device"}
-        if args.pytest:
-            checks[f"pytest {' '.join(args.pytest)}"] = {"status": NOT_RUN, "reason": "no CUDA device"}
+def _precompile(args) -> Callable:
+    def section(end: float, put: Callable[[dict], None]) -> dict:
+        from . import gpu_fla_warm, gpu_plan
+
+        warm = gpu_fla_warm.start_workers(args.fla_workers) if args.fla_workers and _has_fla() else []
+        result = gpu_plan.precompile(end - 2, args.workers)
+        put(result)
+        if warm:
+            result["fla_warm"] = gpu_fla_warm.finish_workers(warm, end - 1)
+        result["status"] = FAILED if result["failed"] else PASSED
+        return result
+
+    return section
+
+
+def _has_fla() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("fla") is not None
+
+
+def _profile(args) -> Callable:
+    def section(end: float, put: Callable[[dict], None]) -> dict:
+        from .gpu_bench import MAIN_D, MAIN_H, MAIN_T, PROFILED
+        from .gpu_sections import profile_fwd_bwd
+
+        result: dict = {}
+        for variant in PROFILED:
+            share = (end - time.monotonic()) / (len(PROFILED) - len(result))
+            result[variant] = profile_fwd_bwd(variant, 2, MAIN_T, MAIN_H, MAIN_D, time.monotonic() + share)
+            put(result)
+        return result
+
+    return section
+
+
+def _extras(args, do_bench) -> Callable:
+    def section(end: float, put: Callable[[dict], None]) -> dict:
+        result = {"decode": run_decode_benchmark(do_bench=do_bench)}
+        put(result)
+        result["favor"] = run_favor_benchmark(1, 16, 16384, do_bench=do_bench)
+        put(result)
+        result["config_sweep"] = run_config_sweep(do_bench=do_bench, deadline=end - 3)
+        return result
+
+    return section
+
+
+def _sections(args, out: Path, do_bench) -> list[tuple[str, Callable]]:
+    from .gpu_sections import environment, install_wheels, run_kernel_tests
+    from .kernel_selftest import run_kernel_selftest
+
+    sections = [("setup", lambda end, put: install_wheels(args.wheels)),
+                ("environment", lambda end, put: environment(do_bench))]
     if not args.skip_bench:
-        checks["benchmark"] = {"status": NOT_RUN, "reason": "no CUDA device"}
-    return checks
-
-
-def _run_checks(args: argparse.Namespace, out: Path) -> dict:
-    if args.skip_tests:
-        return {"kernel self-test": {"status": SKIPPED, "reason": "--skip-tests"}}
-    checks = {"kernel self-test": run_kernel_selftest("cuda", quick=args.quick, log=print)}
-    if args.pytest:
-        checks[f"pytest {' '.join(args.pytest)}"] = run_kernel_tests(out, [Path(p) for p in args.pytest])
-    for what, res in checks.items():
-        print(f"{what}: {res.get('status')} {res.get('summary', res.get('reason', ''))}")
-    return checks
-
-
-def _run_bench(args: argparse.Namespace, do_bench: Callable | None) -> list[dict]:
-    if args.skip_bench:
-        return []
-    if do_bench is None:
-        bench = [{"name": "benchmark", "shape": "", "error": "triton is not installed (triton.testing.do_bench)"}]
-    else:
-        try:
-            bench = run_benchmark()
-        except Exception as e:
-            bench = [{"name": "benchmark", "shape": "", "error": f"{type(e).__name__}: {e}"[:500]}]
-    for r in bench:
-        if "GB_per_s" in r:
-            print(f"  {r['name']:<55} {r['ms']:8.4f} ms  {r['GB_per_s']:8.1f} GB/s")
-            continue
-        model = (f"  (model: {r['predicted_forward_ms']:.2f} / {r['predicted_forward_backward_ms']:.2f})"
-                 if "predicted_forward_ms" in r else "")
-        print(f"  {r['name']:<55} " + (f"fwd {r['forward_ms']:8.2f} ms  fwd+bwd {r['forward_backward_ms']:8.2f} ms"
-                                       if "error" not in r else f"error: {r['error'][:100]}") + model)
-    return bench
-
-
-def _run_sweep(args: argparse.Namespace, do_bench: Callable | None) -> list[dict]:
-    if args.skip_bench or args.skip_sweep or do_bench is None:
-        return []
-    try:
-        sweep = run_config_sweep(do_bench=do_bench)
-    except Exception as e:
-        sweep = [{"kernel": "sweep", "config": {}, "chosen": False, "error": f"{type(e).__name__}: {e}"[:500]}]
-    best = {}
-    for r in sweep:
-        if "ms" in r and r["ms"] < best.get(r["kernel"], (float("inf"),))[0]:
-            best[r["kernel"]] = (r["ms"], r["config"])
-    for r in sweep:
-        if r.get("chosen") and "ms" in r:
-            print(f"  {r['kernel']}: chosen config {r['ms']:.3f} ms, best of {sum(x['kernel'] == r['kernel'] for x in sweep)} "
-                  f"candidates {best[r['kernel']][0]:.3f} ms {best[r['kernel']][1]}")
-    return sweep
+        sections += [("precompile", _precompile(args)), ("benchmark", _benchmark(args, do_bench)),
+                     ("profile", _profile(args))]
+        if not args.skip_extras:
+            sections.append(("extras", _extras(args, do_bench)))
+    if not args.skip_tests:
+        sections.append(("selftest", lambda end, put: run_kernel_selftest("cuda", quick=args.quick, log=print,
+                                                                          deadline=end - 3)))
+        if args.pytest:
+            sections.append(("kernel tests", lambda end, put: run_kernel_tests(out, args.pytest, end - 2)))
+    return sections
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m linattn_lib.experiments.gpu_check",
                                      description=__doc__.split("\n\n")[0])
-    parser.add_argument("--out", default="gpu_results", help="folder for results.json and results.md")
-    parser.add_argument("--skip-tests", action="store_true", help="only run the benchmark")
-    parser.add_argument("--skip-bench", action="store_true", help="only run the kernel checks")
-    parser.add_argument("--skip-sweep", action="store_true",
-                        help="skip the launch-config sweep (it compiles about 40 kernel variants)")
-    parser.add_argument("--pytest", metavar="PATH", nargs="+", default=None,
-                        help="also run these pytest files with CUDA tensors (a checkout's tests/test_kernels_*.py)")
-    parser.add_argument("--quick", action="store_true", help="a few self-test cases only (a smoke test)")
+    parser.add_argument("--out", default="gpu_results", help="folder for gpu_check.json, gpu_check.md and the test logs")
+    parser.add_argument("--budget-s", type=float, default=DEFAULT_BUDGET_S,
+                        help="the whole run's seconds (compiles included); later sections are cut to fit")
+    parser.add_argument("--dry-run", action="store_true",
+                        help="no GPU: import everything, record every launch, compile each for sm_90, run nothing")
+    parser.add_argument("--wheels", default=".whl", help="folder of wheels to install first (make gpu-deps)")
+    parser.add_argument("--workers", type=int, default=None, help="compile processes (default: every core)")
+    parser.add_argument("--fla-workers", type=int, default=12, help="processes compiling fla's autotuning candidates")
+    parser.add_argument("--skip-tests", action="store_true", help="no self-test, no kernel tests")
+    parser.add_argument("--skip-bench", action="store_true", help="no precompile, benchmark, profile, extras")
+    parser.add_argument("--skip-extras", action="store_true", help="no decode, FAVOR+ and config-sweep timings")
+    parser.add_argument("--pytest", metavar="PATH", nargs="*", default=None,
+                        help=f"kernel test files run with CUDA tensors (default: {' '.join(KERNEL_TEST_FILES)})")
+    parser.add_argument("--quick", action="store_true", help="the self-test's quick subset only")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Run the checks and the benchmark; the exit status (see the module docstring)."""
+    """Run the sections (or the dry run); the exit status of the module docstring."""
+    t_start = time.monotonic()
     args = _parser().parse_args(argv)
+    if args.pytest is None:
+        args.pytest = [f for f in KERNEL_TEST_FILES if Path(f).is_file()]
+    if args.dry_run:
+        from .gpu_dryrun import dry_run
 
+        return dry_run(args)
     import torch
 
     if not torch.cuda.is_available():
-        checks = _not_run_without_cuda(args)
-        _report_not_run(checks)
         print(f"gpu_check: no CUDA device here (torch {torch.__version__}, CUDA build {torch.version.cuda}): "
-              f"{', '.join(checks) or 'nothing'} did not run. On CPU the tests run the kernels in the Triton "
-              "interpreter (`make test`); this check needs a CUDA GPU.", file=sys.stderr)
-        return exit_status(checks)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
-    env = _environment()
-    print(f"gpu_check: {env['gpu']} (sm_{env['capability'].replace('.', '')}), torch {env['torch']}, triton {env['triton']}")
-    checks = _run_checks(args, out)
+              "nothing ran. `--dry-run` rehearses the check on a CPU.", file=sys.stderr)
+        return 2
     try:
         from triton.testing import do_bench
     except ImportError:
         do_bench = None
-    bench = _run_bench(args, do_bench)
-    sweep = _run_sweep(args, do_bench)
-    (out / "results.json").write_text(json.dumps(
-        {"environment": env, "checks": checks, "benchmark": bench, "config_sweep": sweep}, indent=2))
-    (out / "results.md").write_text(_markdown(env, checks, bench, sweep))
-    print(f"wrote {out / 'results.json'} and {out / 'results.md'}")
-    _report_not_run(checks)
-    status = exit_status(checks)
-    if status == 1:
-        print("gpu_check: FAILED: " + ", ".join(w for w, r in checks.items() if r.get("status") == FAILED), file=sys.stderr)
+    report = Report(Path(args.out), {"command": " ".join(["python -m linattn_lib.experiments.gpu_check", *(argv or sys.argv[1:])]),
+                                     "budget_s": args.budget_s})
+    deadline = t_start + args.budget_s
+    for name, fn in _sections(args, Path(args.out), do_bench):
+        run_section(report, name, deadline, fn)
+    report.data["seconds"] = round(time.monotonic() - t_start, 1)
+    report.put("summary", {name: r.get("status") for name, r in report.data["sections"].items() if name != "summary"})
+    status = exit_status({n: r for n, r in report.data["sections"].items() if n not in ("summary", "setup")})
+    print(f"gpu_check: wrote {args.out}/gpu_check.json and gpu_check.md in {report.data['seconds']} s; exit {status}")
     return status
 
 

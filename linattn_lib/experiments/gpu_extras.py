@@ -1,0 +1,280 @@
+"""The GPU check's extra measurements: the decoding step, the FAVOR+ feature map and the
+launch-config sweep of the two-phase kernels (`gpu_check`'s "extras" section), and the
+committed model's predictions beside benchmark rows.
+
+* `run_decode_benchmark`: one decoding step at a batch whose fp32 states dwarf the caches;
+* `run_favor_benchmark`: the FAVOR+ feature map in torch against the fused kernel;
+* `run_config_sweep`: each kernel of the two-phase engine alone under every candidate config
+  (`candidate_configs`) at the benchmark shape, and the state pass split-T (`run_split_sweep`):
+  the configs in kernels/configs.py were chosen without a GPU; these numbers choose them;
+* `attach_predictions`: the committed model's (book/results/perf_model.json) forward and
+  forward+backward ms beside the rows it has a prediction for.
+
+Each takes `do_bench` and `device`, so that the CPU tests run them in the interpreter with a
+stand-in timer (tests/test_kernels_interpret.py).
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+from .kernel_selftest import FAILED
+
+if TYPE_CHECKING:
+    import torch
+
+
+def _bench(fn, do_bench) -> float:
+    return float(do_bench(fn, warmup=25, rep=100))
+
+
+def _fwd_bwd(fn, inputs):
+    """fn's forward and backward with a fixed random output gradient."""
+    import torch
+
+    with torch.no_grad():
+        do = torch.randn_like(fn())
+
+    def run():
+        for x in inputs:
+            x.grad = None
+        fn().backward(do)
+
+    return run
+
+
+# benchmark row -> the performance model's row (book/results/perf_model.json, same shape)
+PREDICTED_AS = {
+    "linattn triton (normalised)": "ours, normalised, no decay",
+    "linattn triton (unnormalised, per-token decay)": "ours, unnormalised, per-token decay",
+    "fla chunk_simple_gla (unnormalised, per-token decay)": "fla chunk_simple_gla (per-token decay g)",
+    "fla chunk_linear_attn (normalised)": "fla chunk_linear_attn(normalize=True)",
+}
+
+
+def attach_predictions(rows: list[dict], gpu_name: str, B: int = 1) -> list[dict]:
+    """Put the performance model's predicted forward and forward+backward ms beside each
+    benchmark row it has a prediction for (the committed book/results/perf_model.json, for
+    the H100 or H200 the name says; other GPUs get none). Returns the rows."""
+    from ..results import load_result
+
+    pred = load_result("perf_model.json", default=None)
+    gpu = next((g for g in ("H100", "H200") if g in gpu_name), None)
+    if pred is None or gpu is None:
+        return rows
+    table = pred["ms"].get(f"{gpu} SXM, B={B}", {})
+    for row in rows:
+        model = table.get(PREDICTED_AS.get(row["name"], ""))
+        if model is not None:
+            row["predicted_forward_ms"] = model["forward"]
+            row["predicted_forward_backward_ms"] = model["total"]
+    return rows
+
+
+def _time_candidate(name, fn, inputs, shape, do_bench, dtype: str = "bfloat16") -> dict:
+    import torch
+
+    row = {"name": name, "shape": shape, "dtype": dtype}
+    try:
+        with torch.no_grad():
+            row["forward_ms"] = round(_bench(fn, do_bench), 3)
+        row["forward_backward_ms"] = round(_bench(_fwd_bwd(fn, inputs), do_bench), 3)
+    except Exception as e:  # one failing candidate must not hide the others
+        row["error"] = f"{type(e).__name__}: {e}"[:500]
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+    return row
+
+
+def run_favor_benchmark(B: int, H: int, T: int, d: int = 64, m: int = 256, *, do_bench: Callable,
+                        device: str = "cuda") -> list[dict]:
+    """The FAVOR+ feature map of keys (global stabiliser: the two-launch case) and queries (row
+    stabiliser), torch against the fused kernel (kernels/favor.py), bf16, forward and
+    forward+backward: the measurement that decides whether the fused map should become the
+    default on CUDA."""
+    import torch
+
+    from ..core.features import positive_random_features, random_projection
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32  # the interpreter has no bf16
+    x = (torch.randn(B, H, T, d, device=device) * 1.5).to(dtype).requires_grad_()
+    W = random_projection(m, d, seed=0).to(device=device, dtype=dtype)
+    s, shape = d**-0.25, f"B={B} H={H} T={T} d={d} m={m}"
+    rows = []
+    for stabilize, who in (("global", "keys"), ("row", "queries")):
+        for backend in ("torch", "triton"):
+            def fn(stabilize=stabilize, backend=backend):
+                return positive_random_features(x, W, input_scale=s, stabilize=stabilize, backend=backend)
+
+            name = f"FAVOR+ features of {who} ({stabilize} max), {backend}"
+            rows.append(_time_candidate(name, fn, [x], shape, do_bench, dtype=str(dtype).replace("torch.", "")))
+    return rows
+
+
+def run_decode_benchmark(B: int = 64, H: int = 16, D: int = 128, *, do_bench: Callable,
+                         device: str = "cuda") -> dict:
+    """One decoding step (normalised, per-head decay) at a batch whose fp32 states (B H D^2 x 4
+    bytes, 64 MiB here) dwarf the caches: the step reads and writes every state once, so its
+    time is set by that traffic. Returns ms, the state bytes moved and the bandwidth reached."""
+    import torch
+
+    from .. import kernels as K
+
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    q, k, v = (torch.rand(B, H, D, device=device, dtype=dtype) for _ in range(3))
+    S = torch.zeros(B, H, D, D, device=device)
+    z = torch.zeros(B, H, D, device=device)
+    g = -torch.rand(H, device=device) * 0.1
+    ms = float(do_bench(lambda: K.decode_step(q, k, v, S, z, log_decay=g), warmup=25, rep=100))
+    moved = 2 * (S.numel() + z.numel()) * 4
+    return {"name": "decode step (state read + write)", "shape": f"B={B} H={H} D={D}", "ms": round(ms, 4),
+            "state_bytes": moved, "GB_per_s": round(moved / (ms * 1e-3) / 1e9, 1)}
+
+
+def candidate_configs(kernel: str, d_whole: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> list[dict]:
+    """Launch configs worth timing for `kernel` at one head-dim bucket on this GPU: the chosen
+    one first, then its neighbours -- each block width (BK, BV) halved or doubled within 16 to
+    64, at its warp count -- and the chosen blocks on the other warp count (4 or 8), at the
+    chosen chunk length (the two phases must share it) and pipelining depth: at most ten per
+    kernel, so that the sweep's compiles fit the GPU check's time. Which fit the GPU's shared
+    memory is decided by the run itself (a config that does not fit fails to launch and is
+    reported)."""
+    from .. import kernels as K
+
+    chosen = K.select_config(kernel, d_whole, dtype, capability)
+
+    def near(b: int) -> list[int]:
+        return [x for x in (b // 2, b, b * 2) if 16 <= x <= 64]
+
+    out = [chosen]
+    for BK in near(chosen["BK"]):
+        for BV in near(chosen["BV"]):
+            out.append(dict(chosen, BK=BK, BV=BV))
+    out.append(dict(chosen, num_warps=12 - chosen["num_warps"]))
+    return [cfg for i, cfg in enumerate(out) if cfg not in out[:i]]
+
+
+def _sweep_calls(B: int, H: int, T: int, D: int, dtype, device: str) -> dict:
+    """kernel name -> call(config) launching that kernel alone on inputs of the benchmark shape
+    (normalised, per-token decay); the state tensors they read are made once, up front."""
+    import torch
+
+    from .. import kernels as K
+
+    torch.manual_seed(0)
+    q, k = (torch.rand(B, H, T, D, device=device, dtype=dtype) for _ in range(2))
+    v, do = (torch.randn(B, H, T, D, device=device, dtype=dtype) for _ in range(2))
+    g = -torch.rand(B, H, T, device=device) * 0.1
+    o, den, _, _ = K.chunk_fwd_two_phase(q, k, v, log_decay=g)
+    r, e, _ = K.chunk_bwd_prep(do, o, den)
+    h, hz, _, _ = K.chunk_states(k, v, log_decay=g)
+    dh, dhz, _, _ = K.chunk_states(q, do, log_decay=g, reverse=True, key_scale=r, z_weights=e)
+    layout = (None, None, None, h.shape[2])
+    return {
+        "chunk_state": lambda cfg: K.chunk_states(k, v, log_decay=g, config=cfg),
+        "chunk_output": lambda cfg: K.chunk_output(q, k, v, h, hz, log_decay=g, config=cfg),
+        "chunk_dqk": lambda cfg: K.chunk_dqk(q, k, v, do, g, r, e, (h, hz), (dh, dhz), layout, None, cfg),
+        "chunk_dv": lambda cfg: K.chunk_dv(q, k, do, g, r, dh, layout, None, cfg),
+    }
+
+
+def run_config_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, do_bench: Callable,
+                     device: str = "cuda", deadline: float | None = None) -> list[dict]:
+    """Time each kernel of the two-phase engine alone (chunk_state, chunk_output, chunk_dqk,
+    chunk_dv) under every candidate config at the benchmark shape, bf16 (fp16 before sm_80),
+    normalised, per-token decay. The configs in kernels/configs.py were chosen without a GPU,
+    from compile-time evidence (registers, spills, CTAs per SM: tests/test_kernels_compile.py);
+    these numbers are what should replace that evidence. Configs not started by `deadline`
+    (time.monotonic()) are reported as cut."""
+    import time
+
+    import torch
+
+    from .. import kernels as K
+
+    if device == "cuda":
+        cap = torch.cuda.get_device_capability()
+        dtype = torch.bfloat16 if cap >= (8, 0) else torch.float16
+    else:  # the interpreter (a smoke test of this function)
+        cap, dtype = None, torch.float32
+    rows = []
+    for kernel, call in _sweep_calls(B, H, T, D, dtype, device).items():
+        chosen = K.select_config(kernel, D, dtype, cap)
+        for cfg in candidate_configs(kernel, K.whole_dim(D), dtype, cap):
+            row = {"kernel": kernel, "config": cfg, "chosen": cfg == chosen, "shape": f"B={B} H={H} T={T} D={D}",
+                   "dtype": str(dtype).replace("torch.", "")}
+            if deadline is not None and time.monotonic() > deadline:
+                rows.append(dict(row, error="cut: the time budget ran out"))
+                continue
+            try:
+                row["ms"] = round(float(do_bench(lambda call=call, cfg=cfg: call(cfg), warmup=10, rep=50)), 4)
+            except Exception as e:  # e.g. out of shared memory on this GPU
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+    if deadline is not None and time.monotonic() > deadline:
+        return rows
+    return rows + run_split_sweep(1, max(1, H // 8), T, D, dtype=dtype, do_bench=do_bench, device=device)
+
+
+def run_split_sweep(B: int, H: int, T: int, D: int, *, dtype: torch.dtype, do_bench: Callable,
+                    device: str = "cuda") -> list[dict]:
+    """The state pass (normalised, per-token decay) where its grid is small (B * H = 2 at the
+    benchmark shape): walked whole, in the runs the launcher picks (split-T), and in twice as
+    many; the model's predictions are in book/results/perf_model.json ("split_T")."""
+    import torch
+
+    from .. import kernels as K
+
+    torch.manual_seed(0)
+    k = torch.rand(B, H, T, D, device=device, dtype=dtype)
+    v = torch.randn(B, H, T, D, device=device, dtype=dtype)
+    g = -torch.rand(B, H, T, device=device) * 0.1
+    cfg = K.select_config("chunk_state", D, dtype, None if device == "cpu" else torch.device(device))
+    programs = -(-D // cfg["BK"]) * (-(-D // cfg["BV"]) + 1) * B * H
+    NT = -(-T // cfg["BT"])
+    sms = K.configs.multiprocessor_count(device) or 132
+    chosen = K.split_count(programs, NT, sms)
+    rows = []
+    for splits in dict.fromkeys((1, chosen, 2 * chosen)):
+        row = {"kernel": f"chunk_state split-T, B={B} H={H}", "config": {"splits": splits}, "chosen": splits == chosen,
+               "shape": f"B={B} H={H} T={T} D={D}", "dtype": str(dtype).replace("torch.", "")}
+        call = lambda splits=splits: K.chunk_states(k, v, log_decay=g, splits=splits)
+        try:
+            row["ms"] = round(float(do_bench(call, warmup=10, rep=50)), 4)
+        except Exception as e:
+            row["error"] = f"{type(e).__name__}: {e}"[:300]
+        rows.append(row)
+    return rows
+
+
+def extras_markdown(env: dict, checks: dict, bench: list[dict], sweep: list[dict] = ()) -> str:
+    """The legacy tables: environment, checks, benchmark rows (with the model's), config sweep."""
+    lines = ["# GPU check", "", "| | |", "| --- | --- |"]
+    lines += [f"| {k} | {v} |" for k, v in env.items()]
+    lines += ["", "## Checks", ""]
+    for what, res in checks.items():
+        lines.append(f"* {what}: **{res.get('status')}** {res.get('summary', res.get('reason', ''))}")
+    failures = [r for r in checks.get("kernel self-test", {}).get("checks", []) if r["status"] == FAILED]
+    if failures:
+        lines += ["", "| failed check | dtype | problems |", "| --- | --- | --- |"]
+        lines += [f"| {r['name']} | {r['dtype']} | {'; '.join(r['problems'])[:200]} |" for r in failures]
+    lines += ["", "## Benchmark (median ms, triton.testing.do_bench)", "",
+              "| implementation | shape | forward | forward + backward | model: fwd / fwd+bwd |",
+              "| --- | --- | ---: | ---: | ---: |"]
+    for r in bench:
+        if "error" in r:
+            lines.append(f"| {r['name']} | {r['shape']} | error: {r['error'][:80]} | | |")
+        elif "GB_per_s" in r:
+            lines.append(f"| {r['name']} | {r['shape']} | {r['ms']:.4f} ({r['GB_per_s']:.0f} GB/s) | | |")
+        else:
+            model = (f"{r['predicted_forward_ms']:.2f} / {r['predicted_forward_backward_ms']:.2f}"
+                     if "predicted_forward_ms" in r else "")
+            lines.append(f"| {r['name']} | {r['shape']} | {r['forward_ms']:.2f} | {r['forward_backward_ms']:.2f} | {model} |")
+    if sweep:
+        lines += ["", "## Launch configs (median ms; * = the one select_config picks)", "",
+                  "| kernel | config | ms |", "| --- | --- | ---: |"]
+        for r in sorted(sweep, key=lambda r: (r["kernel"], r.get("ms", float("inf")))):
+            cfg = ", ".join(f"{k}={v}" for k, v in r["config"].items())
+            ms = f"{r['ms']:.3f}" if "ms" in r else f"error: {r['error'][:60]}"
+            lines.append(f"| {r['kernel']}{' *' if r['chosen'] else ''} | {cfg} | {ms} |")
+    return "\n".join(lines) + "\n"

@@ -1,0 +1,271 @@
+"""The GPU check's machinery on a CPU, cheaply (the full dry run is `make gpu-rehearsal`).
+
+* the launch plan: the dry run records the benchmark's calls of ours and turns each launch
+  into what Triton's JIT would compile; the public API launches nothing the op does not;
+* the report: JSON written after every section, even when a later one raises or is cut;
+* the wheels: a wheel carried in a folder installs (pip --target, or unzipped) and imports;
+* the exit statuses: no CUDA -> 2; a failed compile in the dry run -> 1; the time limits.
+"""
+from __future__ import annotations
+
+import base64
+import hashlib
+import importlib
+import json
+import sys
+import textwrap
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+import torch
+
+from linattn_lib.core.triton_ops import triton_available
+
+needs_triton = pytest.mark.skipif(not triton_available(), reason="the Triton kernels do not import here")
+
+
+# --------------------------------------------------------------------------- the plan
+
+
+def _small_cases():
+    from linattn_lib.experiments.gpu_bench import VARIANTS, Case
+
+    return [Case(2, 128, 2, 32, v, p) for v in VARIANTS for p in ("ours: linear_attention", "ours: op")]
+
+
+def test_every_benchmark_row_of_ours_is_in_the_plan():
+    """plan_calls makes a forward and a forward+backward of every (shape, variant) the benchmark
+    times with ours (the op everywhere, the public API at B=2 of the main shape)."""
+    from linattn_lib.experiments.gpu_bench import MAIN_T, benchmark_cases
+
+    cases = benchmark_cases()
+    ours = [c for c in cases if c.provider.startswith("ours")]
+    labels = set()
+    for c in ours:
+        if c.provider == "ours: op" or (c.B == 2 and c.T == MAIN_T):
+            labels |= {f"{c.label} forward", f"{c.label} forward+backward"}
+    from linattn_lib.experiments import gpu_bench  # its stand-ins are made when a call runs, not here
+
+    planned = {label for label, _ in gpu_bench.plan_calls(cases)}
+    assert planned == labels
+    shapes = {(c.B, c.T, c.H, c.D) for c in cases}
+    assert {(2, 16384, 16, 128), (1, 16384, 16, 128), (4, 16384, 16, 128)} <= shapes
+    assert {(1, 8192, 96, 128), (8, 2048, 32, 256), (8, 1024, 8, 64)} <= shapes  # fla's registry shapes
+    assert {c.provider for c in cases} == {"ours: linear_attention", "ours: op", "fla", "sdpa"}
+
+
+@needs_triton
+def test_the_plan_holds_what_the_jit_would_compile():
+    """Each recorded launch becomes the JIT's specialisation: bf16 pointers, 16-byte alignment,
+    the launch's warps and constexprs; equal launches share a key, and the public API launches
+    exactly the op's kernels."""
+    from linattn_lib.experiments import gpu_bench, gpu_plan
+
+    cases = _small_cases()
+    launches, jobs = gpu_plan.record_plan(gpu_bench.plan_calls(cases, api=lambda case: True))
+    by_call: dict = {}
+    for launch in launches:
+        by_call.setdefault(launch["call"], []).append(launch["key"])
+    for c in cases:
+        if c.provider == "ours: op":
+            api = c.label.replace("ours: op", "ours: linear_attention")
+            for part in ("forward", "forward+backward"):
+                assert by_call[f"{c.label} {part}"] == by_call[f"{api} {part}"]
+    assert len({j["key"] for j in jobs}) == len(jobs) and sum(j["calls"] for j in jobs) == len(launches)
+    state = next(j for j in jobs if j["kernel"] == "chunk_state_kernel")
+    pointers = [t for t in state["signature"].values() if t.startswith("*")]
+    assert "*bf16" in pointers and state["options"]["num_warps"] in (1, 2, 4, 8)
+    assert state["constexprs"] and sum(v == "constexpr" for v in state["signature"].values()) == len(state["constexprs"])
+    assert any(a == [["tt.divisibility", 16]] for a in state["attrs"].values())  # aligned pointers
+    assert {"chunk_state_kernel", "chunk_output_kernel", "chunk_dqk_kernel", "chunk_dv_kernel"} <= {j["kernel"] for j in jobs}
+    assert {j["kernel"] for j in jobs} <= gpu_plan.our_kernel_names()
+
+
+@needs_triton
+def test_a_plan_job_compiles_for_sm90():
+    """One job compiled in this process, as a pool worker would: shared memory and warps read back."""
+    from linattn_lib.experiments import gpu_bench, gpu_plan
+
+    case = [c for c in _small_cases() if c.variant == "unnormalised" and c.provider == "ours: op"]
+    _, jobs = gpu_plan.record_plan([next(gpu_bench.plan_calls(case))])  # the forward
+    job = min(jobs, key=lambda j: len(j["signature"]))
+    res = gpu_plan.compile_job(job)
+    assert res["ok"], res.get("error")
+    assert res["shared"] >= 0 and res["num_warps"] == job["options"]["num_warps"]
+    bad = gpu_plan.compile_job(dict(job, qualname="no_such_kernel"))
+    assert not bad["ok"] and "AttributeError" in bad["error"]
+
+
+def test_bf16_passes_the_cpu_check_only_while_planning():
+    from linattn_lib import linear_attention
+    from linattn_lib.experiments.gpu_plan import bf16_as_on_cuda
+
+    q = torch.zeros(1, 1, 4, 16, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match="bfloat16 on CPU"):
+        linear_attention(q, q, q, backend="triton")
+    from linattn_lib.core import triton_ops
+
+    with bf16_as_on_cuda():
+        triton_ops._check_inputs("x", q, q)  # no error
+    with pytest.raises(TypeError, match="bfloat16 on CPU"):
+        triton_ops._check_inputs("x", q, q)
+
+
+# ------------------------------------------------------------------------- the report
+
+
+def test_the_report_is_written_after_each_section_even_when_one_raises_or_is_cut(tmp_path, monkeypatch):
+    from linattn_lib.experiments import gpu_check
+
+    monkeypatch.setattr(gpu_check, "BACKSTOP_S", 0.0)
+    monkeypatch.setitem(gpu_check.SECTION_CAPS, "slow", 0.3)
+    report = gpu_check.Report(tmp_path, {"command": "test"})
+    deadline = time.monotonic() + 60
+    read = lambda: json.loads((tmp_path / "gpu_check.json").read_text())["sections"]
+
+    gpu_check.run_section(report, "first", deadline, lambda end, put: {"x": 1})
+    assert read()["first"]["status"] == "passed" and read()["first"]["x"] == 1
+
+    def raises(end, put):
+        put({"rows": [1]})
+        raise ValueError("boom")
+
+    gpu_check.run_section(report, "second", deadline, raises)
+    assert read()["second"]["status"] == "failed" and "boom" in read()["second"]["error"]
+    assert read()["second"]["rows"] == [1] and read()["first"]["x"] == 1
+
+    def slow(end, put):
+        put({"rows": [1, 2]})
+        time.sleep(5)
+        return {"never": True}
+
+    t0 = time.monotonic()
+    gpu_check.run_section(report, "slow", deadline, slow)
+    assert time.monotonic() - t0 < 3
+    assert read()["slow"]["status"] == "cut" and read()["slow"]["rows"] == [1, 2]
+    gpu_check.run_section(report, "late", time.monotonic() + 1, lambda end, put: {"ran": True})
+    assert read()["late"]["status"] == "cut" and "ran" not in read()["late"]
+    assert "| second | failed |" in (tmp_path / "gpu_check.md").read_text()
+    assert gpu_check.exit_status(read()) == 1
+    assert gpu_check.exit_status({k: v for k, v in read().items() if k != "second"}) == 0
+
+
+def test_time_limits_nest():
+    from linattn_lib.experiments.gpu_limits import Timeout, time_limit
+
+    t0 = time.monotonic()
+    with pytest.raises(Timeout):
+        with time_limit(0.2):
+            with time_limit(10):  # the outer one ends sooner and stays in force
+                time.sleep(2)
+    assert time.monotonic() - t0 < 1.5
+    with pytest.raises(Timeout):
+        with time_limit(1.0):
+            try:
+                with time_limit(0.1):
+                    time.sleep(1)
+            except Timeout:
+                pass
+            time.sleep(10)  # the outer one was re-armed
+    assert time.monotonic() - t0 < 4
+
+
+def test_launches_pair_by_name_and_occurrence():
+    from linattn_lib.experiments.gpu_sections import pair_launches
+
+    measured = [{"name": "a", "us": 1.0}, {"name": "b", "us": 2.0}, {"name": "a", "us": 3.0}, {"name": "elementwise", "us": 9}]
+    predicted = [{"kernel": "a", "predicted_us": 1.5}, {"kernel": "a", "predicted_us": 2.5},
+                 {"kernel": "torch:aten.sum", "predicted_us": 1.0}, {"kernel": "b", "predicted_us": 0.5},
+                 {"kernel": "b", "predicted_us": 0.5}]
+    assert [r["measured_us"] for r in pair_launches(measured, predicted)] == [1.0, 3.0, None, 2.0, None]
+
+
+# ------------------------------------------------------------------------- the wheels
+
+
+def _fake_wheel(folder: Path, name: str) -> Path:
+    files = {f"{name}/__init__.py": "VALUE = 42\n",
+             f"{name}-1.0.dist-info/METADATA": f"Metadata-Version: 2.1\nName: {name}\nVersion: 1.0\n",
+             f"{name}-1.0.dist-info/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n"}
+    record = [f"{p},sha256={base64.urlsafe_b64encode(hashlib.sha256(t.encode()).digest()).rstrip(b'=').decode()},{len(t)}"
+              for p, t in files.items()]
+    files[f"{name}-1.0.dist-info/RECORD"] = "\n".join(record + [f"{name}-1.0.dist-info/RECORD,,"]) + "\n"
+    wheel = folder / f"{name}-1.0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        for p, t in files.items():
+            zf.writestr(p, t)
+    return wheel
+
+
+@pytest.mark.parametrize("use_pip", [True, False], ids=["pip", "unzipped"])
+def test_a_carried_wheel_installs_and_imports(tmp_path, monkeypatch, use_pip):
+    from linattn_lib.experiments.gpu_sections import install_wheels
+
+    monkeypatch.setattr(sys, "path", list(sys.path))
+    monkeypatch.setenv("PYTHONPATH", "")
+    name = f"linattn_fake_wheel_{'pip' if use_pip else 'zip'}"
+    (tmp_path / "whl").mkdir()
+    _fake_wheel(tmp_path / "whl", name)
+    res = install_wheels(tmp_path / "whl", tmp_path / "site", use_pip=use_pip)
+    assert res["status"] == "passed" and res["method"] == ("pip" if use_pip else "zipfile"), res
+    assert importlib.import_module(name).VALUE == 42
+    assert str(tmp_path / "site") in sys.path[0] and str(tmp_path / "site") in __import__("os").environ["PYTHONPATH"]
+    sys.modules.pop(name, None)
+    assert install_wheels(tmp_path / "none")["status"] == "not run"
+
+
+# ------------------------------------------------------------------------- exit statuses
+
+
+def test_without_cuda_nothing_runs_and_the_status_is_2(tmp_path, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is here")
+    from linattn_lib.experiments import gpu_check
+
+    assert gpu_check.main(["--out", str(tmp_path / "out")]) == 2
+    assert not (tmp_path / "out").exists() and "no CUDA device" in capsys.readouterr().err
+
+
+@needs_triton
+def test_the_dry_run_fails_when_a_compile_fails(monkeypatch, capsys):
+    from linattn_lib.experiments import gpu_bench, gpu_check, gpu_dryrun, gpu_plan
+
+    cases = [c for c in _small_cases() if c.variant == "unnormalised"]
+    real = gpu_bench.plan_calls
+    monkeypatch.setattr(gpu_bench, "plan_calls", lambda: real(cases, api=lambda case: True))
+    monkeypatch.setattr(gpu_dryrun, "model_check", lambda launches: (["model: stub"], True))
+    ok = lambda jobs, workers=None: [{"key": j["key"], "kernel": j["kernel"], "ok": True, "shared": 0, "seconds": 0.0}
+                                     for j in jobs]
+    monkeypatch.setattr(gpu_plan, "compile_jobs", ok)
+    assert gpu_check.main(["--dry-run", "--wheels", "/nonexistent"]) == 0
+    assert "chunk_state(" in capsys.readouterr().out
+    monkeypatch.setattr(gpu_plan, "compile_jobs", lambda jobs, workers=None: [dict(r, ok=False, error="ptxas: boom")
+                                                                              for r in ok(jobs)])
+    assert gpu_check.main(["--dry-run", "--wheels", "/nonexistent"]) == 1
+    assert "FAILED: ptxas: boom" in capsys.readouterr().out
+    monkeypatch.setattr(gpu_plan, "compile_jobs", ok)
+    monkeypatch.setattr(gpu_dryrun, "model_check", lambda launches: (["model: FAILED"], False))
+    assert gpu_check.main(["--dry-run", "--wheels", "/nonexistent"]) == 1
+
+
+def test_kernel_tests_report_failures_and_cuts(tmp_path):
+    """The kernel-test runner counts passes and failures from pytest's log, and a run stopped at
+    its deadline is reported as cut with what it had done."""
+    from linattn_lib.experiments.gpu_sections import run_kernel_tests
+
+    tests = tmp_path / "repo" / "tests"
+    tests.mkdir(parents=True)
+    (tests / "test_a.py").write_text(textwrap.dedent("""
+        import time
+        def test_ok(): pass
+        def test_bad(): assert False
+        def test_slow(): time.sleep(30)
+    """))
+    out = tmp_path / "out"
+    out.mkdir()
+    res = run_kernel_tests(out, [str(tests / "test_a.py")], time.monotonic() + 5)
+    assert res["status"] == "failed" and res["passed"] == 1 and res["failed"] == 1, res
+    assert res["returncode"] is None and (out / "kernel_tests.log").exists()
+    assert run_kernel_tests(out, [str(tests / "missing.py")], time.monotonic() + 5)["status"] == "not run"
