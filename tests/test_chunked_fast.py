@@ -295,7 +295,7 @@ def test_bench_targets_cli_quick(tmp_path):
 
 
 def expected_verdicts(res):
-    """The four verdicts that the measurements in `res` call for, from the stated goals."""
+    """The five verdicts that the measurements in `res` call for, from the stated goals."""
     from linattn_lib.experiments import bench_targets
 
     f, g, m = res["forward"], res["growth"], res["memory"]
@@ -306,11 +306,12 @@ def expected_verdicts(res):
         v((f["linattn_flops"] / f["linattn_s"]) / (2 * f["matmul_n"] ** 3 / f["matmul_s"]) >= bench_targets.TARGET_MATMUL_FRACTION),
         v(g["median_s"][str(g["T"][1])] / g["median_s"][str(g["T"][0])] <= bench_targets.TARGET_GROWTH),
         v(None if total is None else total < bench_targets.TARGET_MEMORY * m["qkvo_bytes"]),
+        v(None if "fla_naive_s" not in f else f["fla_naive_s"] / f["linattn_s"] >= bench_targets.TARGET_SPEEDUP_VS_FLA_NAIVE),
     ]
 
 
-def _synthetic_targets(speedup, fraction, growth, memory_ratio):
-    """A results dict for format_targets with the four ratios chosen."""
+def _synthetic_targets(speedup, fraction, growth, memory_ratio, fla_speedup=None):
+    """A results dict for format_targets with the five ratios chosen (fla's None: not installed)."""
     n = 128
     mm_s = 1e-3
     lin_s = 1e-3
@@ -319,6 +320,8 @@ def _synthetic_targets(speedup, fraction, growth, memory_ratio):
                    alt_chunk_size=128, alt_s=lin_s, alt_flops=flops, linattn_flops_per_s=flops / lin_s,
                    matmul_flops_per_s=2 * n**3 / mm_s, speedup_vs_sdpa=speedup, matmul_fraction=fraction,
                    alt_matmul_fraction=fraction)
+    if fla_speedup is not None:
+        forward.update(fla_naive_s=fla_speedup * lin_s, speedup_vs_fla_naive=fla_speedup)
     growth = dict(T=[128, 512], median_s={"128": 1.0, "512": growth}, ratio=growth)
     qkvo = 1 << 20
     memory = dict(T=1024, qkvo_bytes=qkvo, total_peak_bytes=None if memory_ratio is None else int(memory_ratio * qkvo),
@@ -328,26 +331,28 @@ def _synthetic_targets(speedup, fraction, growth, memory_ratio):
 
 def test_targets_verdicts_follow_the_goals():
     """format_targets: PASS exactly when a measurement meets its goal, FAIL when it misses it
-    (on both sides of each threshold), n/a when memory could not be measured."""
+    (on both sides of each threshold), n/a when memory could not be measured or fla is missing."""
     from linattn_lib.experiments import bench_targets
 
     meta = dict(hardware="test", torch_version="x", library_version="y", threads=1)
     eps = 1e-6
     good = (bench_targets.TARGET_SPEEDUP_VS_SDPA * (1 + eps), bench_targets.TARGET_MATMUL_FRACTION * (1 + eps),
-            bench_targets.TARGET_GROWTH * (1 - eps), bench_targets.TARGET_MEMORY * (1 - eps))
+            bench_targets.TARGET_GROWTH * (1 - eps), bench_targets.TARGET_MEMORY * (1 - eps),
+            bench_targets.TARGET_SPEEDUP_VS_FLA_NAIVE * (1 + eps))
     bad = (bench_targets.TARGET_SPEEDUP_VS_SDPA * (1 - eps), bench_targets.TARGET_MATMUL_FRACTION * (1 - eps),
-           bench_targets.TARGET_GROWTH * (1 + eps), bench_targets.TARGET_MEMORY * (1 + eps))
-    for i in range(4):
+           bench_targets.TARGET_GROWTH * (1 + eps), bench_targets.TARGET_MEMORY * (1 + eps),
+           bench_targets.TARGET_SPEEDUP_VS_FLA_NAIVE * (1 - eps))
+    for i in range(5):
         values = list(good)
         values[i] = bad[i]
         res = _synthetic_targets(*values)
         table, rows = bench_targets.format_targets(res, meta)
         verdicts = [bench_targets.verdict(r["ok"]) for r in rows]
-        assert verdicts == ["FAIL" if j == i else "PASS" for j in range(4)], (i, verdicts)
+        assert verdicts == ["FAIL" if j == i else "PASS" for j in range(5)], (i, verdicts)
         assert verdicts == expected_verdicts(res)
         assert [line.split()[-1] for line in table.splitlines() if line.rstrip().endswith(("PASS", "FAIL", "n/a"))] == verdicts
-    _, rows = bench_targets.format_targets(_synthetic_targets(*good[:3], None), meta)
-    assert [bench_targets.verdict(r["ok"]) for r in rows] == ["PASS", "PASS", "PASS", "n/a"]
+    _, rows = bench_targets.format_targets(_synthetic_targets(*good[:3], None, None), meta)
+    assert [bench_targets.verdict(r["ok"]) for r in rows] == ["PASS", "PASS", "PASS", "n/a", "n/a"]
 
 
 def test_bench_matmuls_only_ceiling_computes_the_four_products():

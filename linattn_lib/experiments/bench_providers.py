@@ -5,6 +5,8 @@
 * ``naive-quadratic`` ``linear_attention(..., form="quadratic")`` -- materialises T x T
 * ``sdpa``            ``torch.nn.functional.scaled_dot_product_attention(..., is_causal=True)``
 * ``fla``             flash-linear-attention's ``chunk_linear_attn``, when it is installed (CUDA)
+* ``fla-naive``       fla's torch reference ``naive_chunk_linear_attn`` (normalised), when it is
+                      installed (fla-core, pure Python: the CPU benchmark's outside yardstick)
 
 Used by the sweep (`bench`) and the CPU targets (`bench_targets`).
 """
@@ -20,7 +22,7 @@ from ..core.linear import linear_attention
 from ..core.triton_ops import triton_available
 from ..flops import score_matrix_bytes
 
-PROVIDERS = ("linattn-triton", "linattn-torch", "naive-quadratic", "sdpa", "fla")
+PROVIDERS = ("linattn-triton", "linattn-torch", "naive-quadratic", "sdpa", "fla", "fla-naive")
 MODES = ("fwd", "fwd+bwd")
 
 
@@ -61,6 +63,24 @@ def _fla_forward(q: Tensor, k: Tensor, v: Tensor) -> Callable[[], Tensor]:
     return run
 
 
+def _fla_naive_forward(q: Tensor, k: Tensor, v: Tensor) -> Callable[[], Tensor]:
+    """fla's torch reference of the chunked algorithm (chunks of 64, normalised as ours) on
+    (B, T, H, D) copies of q, k, v made once, outside the timed calls."""
+    if q.shape[2] % 64:
+        raise Skip("fla's naive chunk needs T a multiple of its chunk, 64")
+    try:
+        from fla.ops.linear_attn.naive import naive_chunk_linear_attn
+    except Exception as e:  # fla-core not installed
+        raise Skip(f"fla not importable ({type(e).__name__})") from e
+    qt, kt, vt = (x.detach().transpose(1, 2).contiguous().requires_grad_(x.requires_grad) for x in (q, k, v))
+
+    def run():
+        out = naive_chunk_linear_attn(qt, kt, vt, scale=1.0, normalize=True)
+        return (out[0] if isinstance(out, tuple) else out).transpose(1, 2)
+
+    return run
+
+
 def provider_forward(
     name: str, q: Tensor, k: Tensor, v: Tensor, *, chunk_size: int, max_quadratic_bytes: float
 ) -> Callable[[], Tensor]:
@@ -85,6 +105,8 @@ def provider_forward(
         if not q.is_cuda:
             raise Skip("needs CUDA")
         return _fla_forward(q, k, v)
+    if name == "fla-naive":
+        return _fla_naive_forward(q, k, v)
     raise ValueError(f"bench: unknown provider {name!r}; expected one of {', '.join(PROVIDERS)}")
 
 

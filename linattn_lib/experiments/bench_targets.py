@@ -7,7 +7,9 @@ draws (`plot_targets`). At B=1, H=8, T=16384, D=64, fp32, causal, normalised:
 * forward time of sdpa(is_causal=True) / forward time of linattn-torch >= 16;
 * forward FLOP/s (`flops.chunked_forward_flops` / time) >= 50% of one big fp32 matmul's;
 * fwd+bwd time(T) / time(T/4) <= 4.6 (4 is exactly linear);
-* fwd+bwd peak memory, measured in a fresh process, < 4x the bytes of q, k, v and o.
+* fwd+bwd peak memory, measured in a fresh process, < 4x the bytes of q, k, v and o;
+* forward time of fla's torch reference (`naive_chunk_linear_attn`, normalised) / forward time
+  of linattn-torch >= 2, when fla-core is installed (`make install` installs it), else n/a.
 
 ``python -m linattn_lib.experiments.bench_targets B H T D C`` is the fresh process of the
 memory target (internal: it prints one JSON line).
@@ -31,7 +33,7 @@ from ..core.linear import linear_attention
 from ..core.torch_chunked import BLOCK_TOKENS, _blocks, _prepare, _Workspace
 from ..flops import FLOPS_FORMULA, chunked_forward_flops, io_bytes, matmul_flops
 from ..measure import peak_memory_bytes, rss_bytes, timed_calls
-from .bench_providers import make_inputs, provider_call, provider_forward
+from .bench_providers import Skip, make_inputs, provider_call, provider_forward
 from .common import progress_bar, save_figure
 
 PROBE_MODULE = "linattn_lib.experiments.bench_targets"
@@ -42,6 +44,7 @@ TARGET_SPEEDUP_VS_SDPA = 16.0  # forward time of sdpa(is_causal=True) / forward 
 TARGET_MATMUL_FRACTION = 0.50  # forward FLOP/s / FLOP/s of one big fp32 matmul
 TARGET_GROWTH = 4.6  # fwd+bwd time(T) / time(T/4): 4 is exactly linear
 TARGET_MEMORY = 4.0  # fwd+bwd peak memory / bytes of q, k, v and o
+TARGET_SPEEDUP_VS_FLA_NAIVE = 2.0  # forward time of fla's naive_chunk_linear_attn / linattn-torch
 GROWTH_T = (4096, 16384)
 MEMORY_T = 65536
 MATMUL_N = 2048
@@ -149,7 +152,11 @@ def _forward_calls(q: Tensor, k: Tensor, v: Tensor, chunk_size: int, alt_chunk: 
         return q.sum() + k.sum() + v.sum(), torch.empty_like(v).fill_(0.0)
 
     a, b = torch.randn(matmul_n, matmul_n), torch.randn(matmul_n, matmul_n)
-    return dict(
+    try:
+        fla = dict(fla=provider_forward("fla-naive", q, k, v, chunk_size=chunk_size, max_quadratic_bytes=0))
+    except Skip:
+        fla = {}
+    return fla | dict(
         lin=provider_forward("linattn-torch", q, k, v, chunk_size=chunk_size, max_quadratic_bytes=0),
         alt=provider_forward("linattn-torch", q, k, v, chunk_size=alt_chunk, max_quadratic_bytes=0),
         sdpa=provider_forward("sdpa", q, k, v, chunk_size=chunk_size, max_quadratic_bytes=0),
@@ -165,7 +172,8 @@ def _time_forward(calls: dict[str, Callable[[], object]], rounds: int, flush_cac
     def once(name):
         return timed_calls(calls[name], warmup=0, repeats=1, device="cpu", flush_caches=flush_caches)
 
-    for name in ("lin", "alt", "sdpa", "mm", "floor", "io"):  # warm-up
+    slow = [name for name in ("sdpa", "fla") if name in calls]  # fla: when it is installed
+    for name in calls:  # warm-up
         calls[name]()
     t = {name: [] for name in calls}
     for _ in range(rounds):
@@ -173,7 +181,8 @@ def _time_forward(calls: dict[str, Callable[[], object]], rounds: int, flush_cac
         for _ in range(3):
             for name in ("lin", "floor", "io", "alt"):
                 t[name] += once(name)
-        t["sdpa"] += once("sdpa")
+        for name in slow:
+            t[name] += once(name)
         t["mm"] += once("mm")
     return t
 
@@ -198,6 +207,8 @@ def _forward_results(t: dict[str, list[float]], flops: int, alt_flops: int, alt_
     f["alt_matmul_fraction"] = f["alt_flops"] / f["alt_s"] / f["matmul_flops_per_s"]
     f["matmuls_only_fraction"] = flops / f["matmuls_only_s"] / f["matmul_flops_per_s"]
     f["linattn_vs_matmuls_only"] = f["matmuls_only_s"] / f["linattn_s"]
+    if "fla" in t:
+        f.update(fla_naive_s=med["fla"], fla_naive_times_s=t["fla"], speedup_vs_fla_naive=med["fla"] / med["lin"])
     return f
 
 
@@ -238,7 +249,7 @@ def run_targets(
     *, B: int, H: int, T: int, D: int, chunk_size: int, rounds: int, growth_T: tuple[int, int], memory_T: int,
     matmul_n: int, progress: bool = True, flush_caches: bool = True,
 ) -> dict:
-    """Measure the four CPU targets side by side in this one process (memory: a child process).
+    """Measure the CPU targets side by side in this one process (memory: a child process).
 
     flush_caches: flush the CPU caches before each timed call (`measure.flush_cpu_caches`).
     """
@@ -297,6 +308,13 @@ def _target_rows(res: dict) -> list[dict]:
             measured=f"{total / mib:.0f} MiB / {qkvo / mib:.0f} MiB = {total / qkvo:.2f}x",
             goal=f"< {TARGET_MEMORY:g}x", ok=total < TARGET_MEMORY * qkvo,
         ))
+    fla = f.get("speedup_vs_fla_naive")
+    rows.append(dict(
+        target=f"forward, T={s['T']}: fla naive_chunk_linear_attn time / linattn-torch time",
+        measured="fla-core not installed" if fla is None else
+        f"{f['fla_naive_s'] * 1e3:.0f} ms / {f['linattn_s'] * 1e3:.1f} ms = {fla:.1f}x",
+        goal=f">= {TARGET_SPEEDUP_VS_FLA_NAIVE:g}x", ok=None if fla is None else fla >= TARGET_SPEEDUP_VS_FLA_NAIVE,
+    ))
     return rows
 
 
