@@ -51,8 +51,16 @@ COMMANDS = {
                             "  (on a machine with a CUDA GPU)",
     "crossover_cpu.json": "python -m linattn_lib.experiments.crossover --out book/results/crossover_cpu.json",
     "bench/": "python -m linattn_lib.experiments.bench --out book/results/bench",
+    "gpu/": "python -m linattn_lib.experiments.gpu_check --out book/results/gpu --budget-s 330"
+            "  (on a machine with a CUDA GPU, from the checkout's root with PYTHONPATH=.; README, 'On a GPU')",
     "perf_model.json": "python -m linattn_lib.experiments.perf_predictions --out book/results/perf_model.json"
                        "  (with LINATTN_FLA_SOURCE pointing at a checkout of flash-linear-attention)",
+    "published_h100.json": "python -m linattn_lib.experiments.perf_predictions --published <git dir of"
+                           " pytorch/helion> --out book/results/published_h100.json  (with LINATTN_FLA_SOURCE"
+                           " pointing at a checkout of flash-linear-attention, for its registry)",
+    "perf_calibration.json": "python -m linattn_lib.experiments.perf_predictions --calibrate"
+                             " --out book/results/perf_calibration.json  (with LINATTN_FLA_SOURCE pointing at a"
+                             " checkout of flash-linear-attention)",
 }
 
 _MISSING = object()

@@ -13,6 +13,13 @@ fla/ops/common/chunk_h.py and chunk_o.py, fla/ops/utils/cumsum.py):
     chunk_simple_gla(g)                 chunk_local_cumsum(g) (x 1/ln 2), then the same
                                         kernels with USE_G; dg.sum(0) and a reversed local
                                         cumsum of dg in the backward
+    chunk_linear_attn(normalize=False)  chunk_simple_gla's kernels without decay, nothing else
+    chunk_retention                     g_gamma = log(1 - 2^(-5 - h)) per head, made in torch from
+                                        two `q.new_tensor`s of host data (two blocking host-to-
+                                        device copies: the host waits for the GPU), x 1/ln 2,
+                                        then the kernels with USE_G_GAMMA (fixed: no gradient)
+
+The last two are the ops Helion's published H100 table times (book/results/published_h100.json).
 
     forward    chunk_fwd_h (states h, bf16), chunk_fwd_o
     backward   chunk_fwd_h again (h in fp32), chunk_bwd_dh (fp32), chunk_bwd_dqkwg, chunk_bwd_dv
@@ -47,9 +54,13 @@ _PRELUDE = ("import triton\nimport triton.language as tl\n\n@triton.jit\ndef exp
 RCP_LN2 = 1.4426950216  # fla.ops.utils.constant
 BT = 64                 # chunk_simple_gla's chunk_size
 
-# The fla ops `Replay` knows: label -> (normalize, decay)
+# The fla ops the model compares with ours (perf_model.ROWS): label -> (normalize, decay)
 VARIANTS = {"fla chunk_linear_attn(normalize=True)": (True, None),
             "fla chunk_simple_gla (per-token decay g)": (False, "token")}
+# ... and those with published GPU times (perf_calibration): every op `Replay` knows
+PUBLISHED = {"fla chunk_linear_attn(normalize=False)": (False, None),
+             "fla chunk_retention (per-head decay g_gamma)": (False, "head")}
+REPLAYED = {**VARIANTS, **PUBLISHED}
 
 # kernel -> {argument: grid axes whose programs all read the same elements} (perf_model.traffic)
 REREAD: dict[str, dict[str, tuple[int, ...]]] = {
@@ -137,6 +148,8 @@ class Replay:
                  compiled: Container[str], dtype: torch.dtype = torch.bfloat16) -> None:
         self.B, self.H, self.T, self.D, self.NT, self.dtype = B, H, T, D, _cdiv(T, BT), dtype
         self.configs, self.launch, self.compiled = configs, launch, compiled
+        self.g_gamma: torch.Tensor | None = None  # chunk_retention's per-head log-decay (x 1/ln 2)
+        self.syncs = 0  # host waits for the GPU (blocking copies of host data) in fla's Python
         self.tile = min(128, max(16, 1 << (D - 1).bit_length()))  # dqkwg's and dv's CONST_TILING on Hopper
 
     def meta(self, *shape: int, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -149,7 +162,8 @@ class Replay:
         self.launch(name, grid(cfg), {**args, **cfg}, nw, ns)
 
     def _gate(self, g: torch.Tensor | None) -> dict[str, Any]:  # the arguments all five kernels share
-        return dict(g=g, g_gamma=None, cu_seqlens=None, USE_G=g is not None, USE_G_GAMMA=False, IS_VARLEN=False,
+        return dict(g=g, g_gamma=self.g_gamma, cu_seqlens=None, USE_G=g is not None,
+                    USE_G_GAMMA=self.g_gamma is not None, IS_VARLEN=False,
                     STATE_V_FIRST=False, T=self.T, H=self.H, K=self.D, V=self.D, BT=BT)
 
     def fwd_h(self, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor | None, fp32: bool) -> torch.Tensor:
@@ -218,17 +232,27 @@ class Replay:
         return self._cumsum("chunk_global_cumsum_vector_kernel", s, out, lambda c: (_cdiv(S, BS), self.B * self.H),
                             scale=None, S=S, BS=BS, REVERSE=reverse, HAS_SCALE=False)
 
+    def retention_gamma(self, q: torch.Tensor) -> torch.Tensor:
+        """chunk_retention's g_gamma, as its Python makes it, then x 1/ln 2 (chunk_simple_gla's forward);
+        counts the two blocking host-to-device copies of `q.new_tensor`."""
+        f32 = torch.float32
+        self.syncs += 2
+        return (1 - q.new_tensor(2., dtype=f32).pow(-5. - q.new_tensor(range(self.H), dtype=f32))).log() * RCP_LN2
+
     def forward(self, normalize: bool, decay: str | None) -> tuple:
-        """The forward of a `VARIANTS` op; returns what its backward needs."""
-        if (normalize, decay) not in VARIANTS.values():
+        """The forward of a `REPLAYED` op; returns what its backward needs (last: the normaliser's
+        tensors, chunk_retention's g_gamma, or None)."""
+        if (normalize, decay) not in REPLAYED.values():
             raise ValueError(f"fla has no chunk op modelled for normalize={normalize}, decay={decay}")
         B, T, H, D = self.B, self.T, self.H, self.D
         q, k, v = (self.meta(B, T, H, D) for _ in range(3))
-        scale = D**-0.5  # both ops' default
-        g = self.local_cumsum(self.meta(B, T, H, dtype=torch.float32), False, RCP_LN2) if decay else None
+        scale = D**-0.5  # every op's default
+        if decay == "head":
+            self.g_gamma = self.retention_gamma(q)
+        g = self.local_cumsum(self.meta(B, T, H, dtype=torch.float32), False, RCP_LN2) if decay == "token" else None
         o = self.fwd_o(q, k, v, self.fwd_h(k, v, g, fp32=False), g, scale)
         if not normalize:
-            return q, k, v, g, scale, o, None
+            return q, k, v, g, scale, o, self.g_gamma
         # StatefulNormalizeFunction.forward (z_init None, not reversed, no cu_seqlens)
         k_cum = self.global_cumsum(k, False, k.dtype)
         denom = (q * scale * k_cum).sum(-1, keepdim=True) + 1e-10
@@ -240,6 +264,8 @@ class Replay:
         """The backward of `forward` (its returned tuple) for a cotangent of o: (dq, dk, dv, dg)."""
         q, k, v, g, scale, o_out, norm = saved
         do = torch.empty_like(o_out)
+        if isinstance(norm, torch.Tensor):  # chunk_retention's g_gamma, saved by its forward
+            self.g_gamma, norm = norm, None
         if norm is not None:  # StatefulNormalizeFunction.backward, dz_state materialised by autograd as zeros
             o, k_cum, denom, z_state = norm
             dz_state = torch.zeros_like(z_state)
@@ -259,6 +285,15 @@ class Replay:
         if norm is not None:  # autograd sums the gradients of q and k from both paths
             dq, dk = dq + dq_n, dk + dk_n
         return dq, dk, dv, dg
+
+
+def syncs_of(variant: tuple[bool, str | None]) -> int:
+    """Host waits for the GPU in fla's Python for one forward and backward of `variant` (a
+    `REPLAYED` value): `Replay` run on a tiny shape, launching nothing."""
+    replay = Replay(1, 1, BT, 16, {}, lambda *a: None, (), torch.float32)
+    replay._kernel = lambda *a, **k: None
+    replay.backward(replay.forward(*variant))
+    return replay.syncs
 
 
 def assumptions(root: str | None = None) -> list[str]:
