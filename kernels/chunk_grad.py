@@ -45,10 +45,10 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_decay import chunk_decays, chunk_decays_at
+from .chunk_decay import chunk_decays, chunk_decays_at, launch_config
 from .chunk_state import chunk_states, state_config
-from .configs import dot_precision, launchable, select_config
-from .sequences import chunk_of_program, first_chunk, packed_layout, sequence_rows
+from .configs import dot_precision, launchable
+from .sequences import cdiv, chunk_of_program, first_chunk, packed_layout, sequence_rows
 
 
 @triton.jit
@@ -301,7 +301,7 @@ def decay_grad(parts: torch.Tensor, end: torch.Tensor | None, cu_seqlens: torch.
     T) of q . dq - k . dk, summed after each token within its sequence; end (sequences, H)
     fp32 or None: the final state's term, added to every token of its sequence."""
     NK, B, H, T = parts.shape
-    cfg = config or select_config("decay_grad", 1, torch.float32, parts.device)
+    cfg = config or launch_config("decay_grad", 1, torch.float32, parts.device)
     dg = torch.empty(B, H, T, dtype=torch.float32, device=parts.device)
     n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
     cu = None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous()
@@ -326,7 +326,7 @@ def chunk_bwd_prep(do: torch.Tensor, o: torch.Tensor | None, den: torch.Tensor |
     from the end of each row (`live_length_kernel`, LIVE_LENGTH_PROGRAMS programs a row)."""
     B, H, T, Dv = do.shape
     normalize = den is not None
-    cfg = config or select_config("chunk_bwd_prep" if normalize else "live_length", Dv, do.dtype, do.device)
+    cfg = config or launch_config("chunk_bwd_prep" if normalize else "live_length", Dv, do.dtype, do.device)
     r = e = lengths = None
     if normalize:
         r = torch.empty(B, H, T, dtype=torch.float32, device=do.device)
@@ -335,12 +335,12 @@ def chunk_bwd_prep(do: torch.Tensor, o: torch.Tensor | None, den: torch.Tensor |
         lengths = torch.zeros(B, H, dtype=torch.int32, device=do.device)
     if B * H * T and normalize:
         dummy = do
-        launchable(chunk_bwd_prep_kernel, do.device)[(triton.cdiv(T, cfg["BT"]), B * H)](
+        launchable(chunk_bwd_prep_kernel, do.device)[(cdiv(T, cfg["BT"]), B * H)](
             do.contiguous(), *(x.contiguous() if x is not None else dummy for x in (o, den, r, e, lengths)),
             T, Dv, BT=cfg["BT"], BV=cfg["BV"], NORMALIZE=normalize, FIND_LEN=find_lengths,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     elif B * H * T and find_lengths:
-        P = min(triton.cdiv(T, cfg["BT"]), LIVE_LENGTH_PROGRAMS)
+        P = min(cdiv(T, cfg["BT"]), LIVE_LENGTH_PROGRAMS)
         launchable(live_length_kernel, do.device)[(P, B * H)](
             do.contiguous(), lengths, T, Dv, P, BT=cfg["BT"], BV=cfg["BV"], num_warps=cfg["num_warps"],
             num_stages=1)
@@ -363,7 +363,7 @@ def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tenso
     Dv = v.shape[-1]
     cu, offsets, indices, NT = layout
     dq, dk = torch.empty_like(q), torch.empty_like(k)
-    NK = triton.cdiv(Dk, cfg["BK"])
+    NK = cdiv(Dk, cfg["BK"])
     dg = torch.empty(NK, B, H, T, dtype=torch.float32, device=q.device) if g is not None and need_dg else None
     ptrs = [g, r, e, *states, *grads, dq, dk, dg, cu, offsets, indices, lengths]
     launchable(chunk_dqk_kernel, q.device)[(NK, NT, B * H)](
@@ -382,7 +382,7 @@ def chunk_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, g: torch.Tensor
     cu, offsets, indices, NT = layout
     dv = torch.empty(do.shape, dtype=q.dtype, device=q.device)
     ptrs = [g, r, dh, dv, cu, offsets, indices, lengths]
-    launchable(chunk_dv_kernel, q.device)[(triton.cdiv(Dv, cfg["BV"]), NT, B * H)](
+    launchable(chunk_dv_kernel, q.device)[(cdiv(Dv, cfg["BV"]), NT, B * H)](
         q, k, do, *(p if p is not None else dv for p in ptrs), T, H, Dk, Dv, NT,
         BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"], DECAY=0 if g is None else (1 if g.dim() == 1 else 2),
         NORMALIZE=r is not None, HAS_LEN=lengths is not None, IS_VARLEN=cu is not None,
@@ -430,8 +430,8 @@ def chunk_bwd_two_phase(
     B, H, T, Dk = q.shape
     cfg_s = state_config(Dk, v.shape[-1], H * (B if cu_seqlens is None else cu_seqlens.numel() - 1), q.dtype,
                          q.device, den is not None)
-    cfg_dqk = select_config("chunk_dqk", Dk, q.dtype, q.device)
-    cfg_dv = select_config("chunk_dv", Dk, q.dtype, q.device)
+    cfg_dqk = launch_config("chunk_dqk", Dk, q.dtype, q.device)
+    cfg_dv = launch_config("chunk_dv", Dk, q.dtype, q.device)
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
     r, e, lengths = chunk_bwd_prep(do, o, den, find_lengths=skip_dead_tail)
     normalize = den is not None

@@ -5,7 +5,11 @@
 * `python -m linattn_lib.experiments.charlm`      character-level language models (chapter 8)
 * `python -m linattn_lib.experiments.complexity`  time and memory exponents, speed table (chapter 8)
 * `python -m linattn_lib.experiments.bench`       benchmark sweep and targets (`make bench`)
-* `python -m linattn_lib.experiments.gpu_check`   kernel self-test and timings on a GPU (`make gpu-check`)
+* `python -m linattn_lib.experiments.gpu_check`   the GPU check: timings, profile, self-test (`make gpu-check`;
+                                                  `--dry-run` compiles its launches for sm_90 on a CPU)
+* `python -m linattn_lib.experiments.host_overhead`  launches per call and the launchers' host time
+* `python -m linattn_lib.experiments.perf_predictions`  the performance model's predictions and its
+                                                  calibration on published H100 times (appendix A)
 
 Full runs write JSON results (command, config, hardware, library version, seeds) into
 book/results/, which the notebooks read through `linattn_lib.results.load_result` (the
