@@ -33,7 +33,7 @@ import triton.language as tl
 from . import configs
 from .chunk_fwd import _compensated_cumsum, chunk_log_decays, head_log_decays
 from .configs import launchable, select_config
-from .sequences import chunk_of_program, first_chunk, packed_layout, sequence_rows
+from .sequences import chunk_of_program, first_chunk, is_padding_chunk, packed_layout, sequence_rows
 
 
 @triton.jit
@@ -72,6 +72,9 @@ def chunk_decay_kernel(g_ptr, len_ptr, ka_ptr, kr_ptr, gl_ptr, hi_ptr, lo_ptr, c
     i_hb = tl.program_id(1).to(tl.int64)
     i_seq, i_h, i_n = chunk_of_program(tl.program_id(0), i_hb, ci_ptr, H, IS_VARLEN)
     row0, T_seq = sequence_rows(i_seq, i_h, cu_ptr, T, H, IS_VARLEN)
+    if IS_VARLEN:
+        if is_padding_chunk(i_n, T_seq, BT):  # a slot past the last chunk (sequences.py)
+            return
     if HAS_LEN:
         T_seq = tl.minimum(T_seq, tl.load(len_ptr + i_hb))
     c = first_chunk(i_seq, i_h, co_ptr, NT, H, IS_VARLEN) + i_n

@@ -48,7 +48,15 @@ import triton.language as tl
 from .chunk_decay import chunk_decays, chunk_decays_at, launch_config
 from .chunk_state import chunk_states, state_config
 from .configs import dot_precision, launchable
-from .sequences import cdiv, chunk_of_program, first_chunk, packed_layout, sequence_rows
+from .sequences import (
+    cdiv,
+    chunk_of_program,
+    first_chunk,
+    is_padding_chunk,
+    packed_layout,
+    packed_starts,
+    sequence_rows,
+)
 
 
 @triton.jit
@@ -189,6 +197,9 @@ def chunk_dqk_kernel(
     i_k = tl.program_id(0)
     row0, i_h, i_s, i_n, t, T_live, T_seq = _chunk_program(cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT,
                                                            HAS_LEN, IS_VARLEN)
+    if IS_VARLEN:
+        if is_padding_chunk(i_n, T_seq, BT):  # a slot past the last chunk (sequences.py)
+            return
     m_t, m_out = t < T_live, t < T_seq
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
@@ -242,6 +253,9 @@ def chunk_dv_kernel(
     i_v = tl.program_id(0)
     row0, i_h, i_s, i_n, t, T_live, T_seq = _chunk_program(cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT,
                                                            HAS_LEN, IS_VARLEN)
+    if IS_VARLEN:
+        if is_padding_chunk(i_n, T_seq, BT):  # a slot past the last chunk (sequences.py)
+            return
     m_t, m_out = t < T_live, t < T_seq
     o_t = tl.arange(0, BT)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -304,7 +318,7 @@ def decay_grad(parts: torch.Tensor, end: torch.Tensor | None, cu_seqlens: torch.
     cfg = config or launch_config("decay_grad", 1, torch.float32, parts.device)
     dg = torch.empty(B, H, T, dtype=torch.float32, device=parts.device)
     n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    cu = None if cu_seqlens is None else cu_seqlens.to(torch.int32).contiguous()
+    cu = None if cu_seqlens is None else packed_starts(cu_seqlens, T)
     if dg.numel() and n_seq:
         launchable(decay_grad_kernel, parts.device)[(n_seq, H)](
             parts.contiguous(), end.contiguous() if end is not None else dg, dg, cu if cu is not None else dg, T, H,
@@ -445,8 +459,8 @@ def chunk_bwd_two_phase(
     if state_dtype is None:
         state_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
     need_dg = log_decay is not None and need_log_decay_grad
-    cu, offsets, indices, NT, _ = packed_layout(cu_seqlens, T, B, H, cfg_s["BT"])
-    layout = (cu, offsets, indices, NT)
+    kw["layout"] = packed_layout(cu_seqlens, T, B, H, cfg_s["BT"])  # once for every launch (no host sync)
+    layout = kw["layout"][:4]
     g = log_decay.to(torch.float32).contiguous() if log_decay is not None else None
     if g is not None:  # both walks' decays in one launch
         kw["decays"] = chunk_decays(g, B, H, T, cfg_s["BT"], layout=layout, lengths=lengths, to_start=True)

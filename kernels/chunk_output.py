@@ -40,7 +40,7 @@ from .chunk_decay import ChunkDecays, chunk_decays, chunk_decays_at, launch_conf
 from .chunk_fwd import _gap
 from .chunk_state import chunk_states, state_config
 from .configs import dot_precision, launchable
-from .sequences import cdiv, chunk_of_program, first_chunk, packed_layout, sequence_rows
+from .sequences import cdiv, chunk_of_program, first_chunk, is_padding_chunk, packed_layout, sequence_rows
 
 
 @triton.jit
@@ -100,6 +100,9 @@ def chunk_output_kernel(
     i_v = tl.program_id(0)
     i_seq, i_h, i_n = chunk_of_program(tl.program_id(1), tl.program_id(2).to(tl.int64), ci_ptr, H, IS_VARLEN)
     row0, T_seq = sequence_rows(i_seq, i_h, cu_ptr, T, H, IS_VARLEN)
+    if IS_VARLEN:
+        if is_padding_chunk(i_n, T_seq, BT):  # a slot past the last chunk (sequences.py)
+            return
     i_s = first_chunk(i_seq, i_h, co_ptr, NT, H, IS_VARLEN) + i_n
     o_t = tl.arange(0, BT)
     t = i_n * BT + o_t
@@ -145,6 +148,7 @@ def chunk_output(
     config: dict | None = None,
     cu_seqlens: torch.Tensor | None = None,
     decays: ChunkDecays | None = None,
+    layout: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
     """Launch `chunk_output_kernel`. Returns (o, den): o in the dtype of v, den = d + eps
     (fp32, (B, H, T)) when normalize, else None.
@@ -152,14 +156,15 @@ def chunk_output(
     h, hz: the entry states from `chunk_states` (hz needed when normalize), computed with the
     chunk length of `config` (the chunk length is read off h: NT = h.shape[2] must be
     ceil(T / BT)). cu_seqlens: packed sequences (sequences.py), h from `chunk_states` with
-    the same cu_seqlens. decays: `chunk_decays` of a per-token log_decay with these chunks,
-    its prefix sums included, if already computed.
+    the same cu_seqlens (NT = ceil(T / BT) + N - 1, the bound on the chunk count). decays:
+    `chunk_decays` of a per-token log_decay with these chunks, its prefix sums included, if
+    already computed; layout: `sequences.packed_layout` of these chunks, if already computed.
     """
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cfg = config or launch_config("chunk_output", Dk, q.dtype, q.device)
-    cu, offsets, indices, NT, _ = packed_layout(cu_seqlens, T, B, H, cfg["BT"])
+    cu, offsets, indices, NT, _ = layout or packed_layout(cu_seqlens, T, B, H, cfg["BT"])
     if h.shape != (B, H, NT, Dk, Dv) or (normalize and (hz is None or hz.shape != (B, H, NT, Dk))):
         raise ValueError(f"chunk_output: entry states of shape {tuple(h.shape)} do not match "
                          f"(B, H, NT, Dk, Dv) = {(B, H, NT, Dk, Dv)} for chunks of {cfg['BT']}")
@@ -226,14 +231,15 @@ def chunk_fwd_two_phase(
     if state_dtype is None:
         state_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
     decays = None
+    layout = packed_layout(cu_seqlens, q.shape[2], B, H, cfg_out["BT"])  # once for the three launches
     if log_decay is not None:  # the state walk's decays and the outputs' prefix sums in one launch
         decays = chunk_decays(log_decay.to(torch.float32).contiguous(), B, H, q.shape[2], cfg_out["BT"],
-                              layout=packed_layout(cu_seqlens, q.shape[2], B, H, cfg_out["BT"]), prefix=True)
+                              layout=layout, prefix=True)
     h, hz, S_T, z_T = chunk_states(k, v, log_decay=log_decay, track_z=normalize, initial_state=initial_state,
                                    store_final_state=store_final_state, config=cfg_state, cu_seqlens=cu_seqlens,
-                                   state_dtype=state_dtype, decays=decays)
+                                   state_dtype=state_dtype, decays=decays, layout=layout)
     o, den = chunk_output(q, k, v, h, hz, log_decay=log_decay, normalize=normalize, eps=eps, config=cfg_out,
-                          cu_seqlens=cu_seqlens, decays=decays)
+                          cu_seqlens=cu_seqlens, decays=decays, layout=layout)
     return o, den, S_T, z_T
 
 

@@ -358,6 +358,7 @@ def chunk_states(
     state_dtype: torch.dtype = torch.float32,
     splits: int | None = None,
     decays: ChunkDecays | None = None,
+    layout: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
     """Launch `chunk_state_kernel`. Returns (h, hz, S_final, z_final), fp32 but for h, which
     has `state_dtype` (the state itself is accumulated in fp32 either way).
@@ -379,13 +380,14 @@ def chunk_states(
     many runs in parallel and merge them (split-T, below; batched only); None: as many as
     `split_count` says the GPU needs, 1 off a GPU. decays: `chunk_decays` of log_decay with
     this pass's chunks and lengths (its kr reversed, else its ka), if already computed.
+    layout: `sequences.packed_layout(cu_seqlens, T, B, H, BT)` with the config's BT, if
+    already computed (packed: NT is then the bound on the chunk count, sequences.py).
     """
-    B, H, T, Dk = k.shape
-    Dv = v.shape[-1]
+    (B, H, T, Dk), Dv = k.shape, v.shape[-1]
     k, v = k.contiguous(), v.contiguous()
     rows = H * (B if cu_seqlens is None else cu_seqlens.numel() - 1)
     cfg = config or state_config(Dk, Dv, rows, k.dtype, k.device, track_z)
-    cu, offsets, indices, NT, n_seq = packed_layout(cu_seqlens, T, B, H, cfg["BT"])
+    cu, offsets, indices, NT, n_seq = layout or packed_layout(cu_seqlens, T, B, H, cfg["BT"])
     f32 = dict(dtype=torch.float32, device=k.device)
     h = torch.empty(B, H, NT, Dk, Dv, dtype=state_dtype, device=k.device)
     hz = torch.empty(B, H, NT, Dk, **f32) if track_z else None

@@ -9,8 +9,18 @@ run on either layout; only these helpers know the difference.
     packed    q: (1, H, T_total, D) with `cu_seqlens` (N + 1,): sequence i is tokens
               cu[i] ... cu[i+1] - 1 (as in flash-attn's varlen functions and fla). Head h
               of sequence i owns rows h T_total + cu[i] ...; its chunks are counted from
-              `chunk_offsets[i]` = sum_{j < i} ceil(len_j / BT) in the (H NT_total) x Dk x Dv
+              `chunk_offsets[i]` = sum_{j < i} ceil(len_j / BT) in the (H NT) x Dk x Dv
               state tensor, so that a chunk never holds tokens of two sequences.
+
+No host sync. The chunk count sum_i ceil(len_i / BT) lives on the device; reading it back to
+size the buffers would stall the host on every call. So NT is its bound, known from shapes
+alone: NT = ceil(T_total / BT) + N - 1. (With len_i = a_i BT + r_i, 0 <= r_i < BT, the count
+is sum_i a_i + #{r_i > 0} and ceil(T_total / BT) = sum_i a_i + ceil(sum_i r_i / BT); the
+partial chunks #{r_i > 0} are at most N, and when there is one, ceil(sum_i r_i / BT) >= 1.)
+Per-chunk buffers have NT slots and the parallel grids NT programs per head; the
+slots past the last real chunk (at most N - 1) belong to a padding "sequence" N of length 0
+(`packed_layout`: cu has an extra entry cu[N + 1] = cu[N]), and their programs return at
+once: a chunk whose first token is at or past its sequence's end (`is_padding_chunk`).
 
 Per-token vectors (log-decays, denominators) share the token rows, per-sequence states
 (initial, final) are indexed by sequence * H + head in both layouts.
@@ -57,26 +67,51 @@ def chunk_of_program(i_c, i_hb, ci_ptr, H, IS_VARLEN: tl.constexpr):
         return i_hb // H, i_hb % H, i_c
 
 
+@triton.jit
+def is_padding_chunk(i_n, T_seq, BT: tl.constexpr):
+    """Whether a parallel program's chunk i_n has no tokens (its sequence has T_seq): only the
+    padding slots of packed sequences, whose sequence N has length 0. Their programs return
+    before they read or write anything else."""
+    return i_n * BT >= T_seq
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for ints: what `triton.cdiv` gives, without its constexpr wrapper (which
     costs a few microseconds a call on the launch path in Triton 3.6+)."""
     return -(-a // b)
 
 
+def packed_starts(cu_seqlens: torch.Tensor, T: int) -> torch.Tensor:
+    """cu_seqlens as the kernels read it: int32, clamped into [0, T] and made non-decreasing
+    (a running max), on the device, no sync. A valid cu_seqlens is unchanged; an unchecked
+    bad one (linear_attention checks values on CUDA only when asked to) then gives wrong
+    outputs but never a read or write outside the tensors."""
+    cu = cu_seqlens.to(torch.int32).clamp(0, T)
+    return torch.cummax(cu, 0).values.contiguous()
+
+
 def packed_layout(cu_seqlens: torch.Tensor | None, T: int, B: int, H: int, BT: int):
     """The chunk bookkeeping of a launch: (cu, chunk_offsets, chunk_indices, NT, n_seq).
 
-    Batched (cu_seqlens None): (None, None, None, ceil(T / BT), B). Packed: cu as int32,
-    chunk_offsets (N + 1,) int32, chunk_indices (NT_total, 2) int32 rows (sequence, chunk
-    within it), NT_total and N. One host sync (NT_total sizes the state tensors).
+    Batched (cu_seqlens None): (None, None, None, ceil(T / BT), B). Packed, N sequences:
+    cu (N + 2,) int32, `packed_starts` and then cu[N] again (the padding sequence N, of length
+    0); chunk_offsets (N + 1,) int32, chunk_offsets[i] the first chunk of sequence i and
+    chunk_offsets[N] the number of real chunks; chunk_indices (NT, 2) int32 rows (sequence,
+    chunk within it), the slots past the real chunks (N, 0), (N, 1), ...; NT = ceil(T / BT)
+    + N - 1, the bound on the chunk count (module docstring); n_seq = N. No host sync: NT
+    comes from shapes, and `repeat_interleave` is told its output size.
     """
     if cu_seqlens is None:
         return None, None, None, cdiv(T, BT), B
-    cu = cu_seqlens.to(torch.int32).contiguous()
-    n_chunks = (cu[1:] - cu[:-1] + BT - 1) // BT
-    offsets = torch.zeros(len(cu), dtype=torch.int32, device=cu.device)
+    N = cu_seqlens.numel() - 1
+    NT = cdiv(T, BT) + max(N - 1, 0)
+    starts = packed_starts(cu_seqlens, T)
+    cu = torch.cat([starts, starts[-1:]])
+    n_chunks = (starts[1:] - starts[:-1] + BT - 1) // BT
+    offsets = torch.zeros(N + 1, dtype=torch.int32, device=cu.device)
     offsets[1:] = torch.cumsum(n_chunks, 0)
-    NT = int(offsets[-1])
-    seq = torch.repeat_interleave(torch.arange(len(cu) - 1, device=cu.device, dtype=torch.int32), n_chunks)
-    local = torch.arange(NT, device=cu.device, dtype=torch.int32) - offsets[:-1].long()[seq.long()].int()
-    return cu, offsets, torch.stack([seq, local], 1).contiguous(), NT, len(cu) - 1
+    counts = torch.cat([n_chunks, NT - offsets[-1:]])      # the padding sequence takes the rest
+    seq = torch.repeat_interleave(torch.arange(N + 1, device=cu.device, dtype=torch.int32), counts,
+                                  output_size=NT)
+    local = torch.arange(NT, device=cu.device, dtype=torch.int32) - offsets[seq.long()]
+    return cu, offsets, torch.stack([seq, local], 1).contiguous(), NT, N

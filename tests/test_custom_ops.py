@@ -148,6 +148,32 @@ def test_compiled_triton_path_has_no_graph_break_and_matches_eager(make_inputs):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
 
 
+def test_packed_sequences_opcheck_and_compile_without_graph_break(make_inputs):
+    """Packed sequences through the custom op: opcheck (the fake gives one state per sequence),
+    and `torch.compile(fullgraph=True)` traces linear_attention(..., cu_seqlens=...) without a
+    break -- nothing reads cu_seqlens on the host (its value checks are off while tracing, the
+    kernels size their buffers from shapes), forward and backward equal to eager."""
+    q, k, v, g, _, _ = _inputs(make_inputs, "token", False)
+    cu = torch.tensor([0, 1, 17, 17, 40], dtype=torch.int32)
+    S0, z0 = torch.randn(4, 2, 16, 16, requires_grad=True), torch.rand(4, 2, 16, requires_grad=True)
+    torch.library.opcheck(OPS.causal_fwd.default, (q, k, v, g, S0, z0, True, 1e-6, True, cu))
+
+    def attend(q, k, v, g, S, z):
+        o, st = linear_attention(q, k, v, log_decay=g, initial_state=LinearAttentionState(S, z),
+                                 return_state=True, backend="triton", cu_seqlens=cu)
+        return o, st.S, st.z
+
+    xs = (q, k, v, g, S0, z0)
+    explanation = torch._dynamo.explain(attend)(*xs)
+    assert explanation.graph_break_count == 0, explanation.break_reasons
+    torch._dynamo.reset()
+    outs_c, grads_c = _loss_and_grads(torch.compile(attend, fullgraph=True, backend="aot_eager"), xs)
+    outs_e, grads_e = _loss_and_grads(attend, xs)
+    assert outs_c[1].shape == (4, 2, 16, 16)
+    for a, b in zip((*outs_c, *grads_c), (*outs_e, *grads_e)):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+
+
 def _module_and_input(kind):
     torch.manual_seed(0)
     return LinearAttention(32, 2, kind=kind), torch.randn(1, 40, 32, requires_grad=True)

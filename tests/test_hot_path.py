@@ -24,15 +24,28 @@ if triton_available():
     from linattn_lib.experiments.launches import Launch, record_launches
 
 SYNCS = ("item", "__bool__", "tolist", "__int__", "__float__", "__index__", "cpu", "numpy")
+# ops whose output size depends on the data: on CUDA the host waits for it (repeat_interleave
+# with tensor repeats unless told its output_size)
+SIZED_BY_DATA = ("nonzero", "repeat_interleave")
 
 
 class HostSync(AssertionError):
     pass
 
 
+def _sized_by_data(name, original):
+    def op(*args, **kwargs):
+        repeats = args[1] if len(args) > 1 else kwargs.get("repeats", args[0] if args else None)
+        if name != "repeat_interleave" or (isinstance(repeats, torch.Tensor) and kwargs.get("output_size") is None):
+            raise HostSync(f"{name} sized by the data on the hot path (a device-to-host sync on CUDA)")
+        return original(*args, **kwargs)
+    return op
+
+
 @contextlib.contextmanager
 def no_host_syncs(monkeypatch: pytest.MonkeyPatch):
-    """Every host read of a tensor's value raises HostSync while the block runs."""
+    """Every host read of a tensor's value, and every op whose output is sized by the values,
+    raises HostSync while the block runs."""
     def refuse(name):
         def method(self, *args, **kwargs):
             raise HostSync(f"Tensor.{name} on the hot path (a device-to-host sync on CUDA)")
@@ -41,6 +54,9 @@ def no_host_syncs(monkeypatch: pytest.MonkeyPatch):
     with monkeypatch.context() as m:
         for name in SYNCS:
             m.setattr(torch.Tensor, name, refuse(name))
+        for name in SIZED_BY_DATA:
+            m.setattr(torch, name, _sized_by_data(name, getattr(torch, name)))
+            m.setattr(torch.Tensor, name, _sized_by_data(name, getattr(torch.Tensor, name)))
         yield
 
 
@@ -103,6 +119,10 @@ def test_the_sync_guard_catches_a_sync(monkeypatch):
         bool(torch.isfinite(x).all())
     with no_host_syncs(monkeypatch), pytest.raises(HostSync):
         x.sum().item()
+    with no_host_syncs(monkeypatch), pytest.raises(HostSync):
+        torch.repeat_interleave(torch.arange(3), torch.tensor([1, 0, 2]))
+    with no_host_syncs(monkeypatch):
+        assert torch.repeat_interleave(torch.arange(3), torch.tensor([1, 0, 2]), output_size=3).shape == (3,)
 
 
 CASES = [(decay, normalize) for decay in (None, "head", "token") for normalize in (True, False)]
@@ -119,6 +139,42 @@ def test_hot_path_does_not_synchronise(monkeypatch, decay, normalize):
     assert all(x.grad is not None for x in leaves)
     names = [launch.name for launch in launches]
     assert "chunk_output_kernel" in names and "chunk_dqk_kernel" in names
+
+
+PACKED_LENGTHS = (1, 63, 0, 65, 130)  # a sequence of one token, an empty one, chunk edges crossed
+
+
+def _packed_inputs(decay: str | None, H=3, D=16):
+    """Packed sequences (1, H, T_total, D) and their cu_seqlens (int32), the leaves needing grads."""
+    T = sum(PACKED_LENGTHS)
+    q, k, v, log_decay, leaves = _inputs(decay, B=1, H=H, T=T, D=D)
+    cu = torch.tensor([0, *torch.tensor(PACKED_LENGTHS).cumsum(0).tolist()], dtype=torch.int32)
+    return q, k, v, log_decay, leaves, cu
+
+
+@pytest.mark.parametrize("decay,normalize", CASES)
+def test_packed_hot_path_does_not_synchronise(monkeypatch, decay, normalize):
+    """Packed sequences (`cu_seqlens`) too: no host read of cu_seqlens (its values are checked
+    like the other inputs' values: opt-in on CUDA), and the chunk list is sized by its bound
+    ceil(T / BT) + N - 1, not by a count read back from the device. Forward and backward, with
+    initial and final states (one per sequence)."""
+    q, k, v, log_decay, leaves, cu = _packed_inputs(decay)
+    N, H, D = cu.numel() - 1, q.shape[1], q.shape[-1]
+    S0, z0 = torch.randn(N, H, D, D, requires_grad=True), torch.rand(N, H, D, requires_grad=True)
+    state = LinearAttentionState(S0, z0 if normalize else None)
+    with record_launches(cuda_like=True) as launches, no_host_syncs(monkeypatch):
+        o, final = linear_attention(q, k, v, log_decay=log_decay, normalize=normalize, cu_seqlens=cu,
+                                    initial_state=state, return_state=True)
+        loss = o.sum() + final.S.sum() + (final.z.sum() if normalize else 0)
+        loss.backward()
+    assert final.S.shape == (N, H, D, D)
+    assert all(x.grad is not None for x in leaves) and S0.grad is not None
+    names = [launch.name for launch in launches]
+    assert "chunk_output_kernel" in names and "chunk_dqk_kernel" in names
+    assert all(launch.kwargs["IS_VARLEN"] for launch in launches if "IS_VARLEN" in launch.kwargs)
+    for launch in launches:  # the parallel grids: one program per chunk slot, ceil(T / BT) + N - 1 of them
+        if launch.name in ("chunk_output_kernel", "chunk_dqk_kernel", "chunk_dv_kernel"):
+            assert launch.grid[1] == -(-q.shape[2] // launch.kwargs["BT"]) + N - 1, launch.name
 
 
 def test_hot_path_with_states_does_not_synchronise(monkeypatch):
@@ -153,6 +209,47 @@ def test_value_checks_on_cuda_are_opt_in(monkeypatch):
     k[0, 0, 7, 0] = 0.0
     with pytest.raises(ValueError, match=r"`log_decay` must be <= 0"):
         linear_attention(q, k, v, log_decay=log_decay)
+
+
+@pytest.mark.parametrize("bad,match", [([1, 64, 64, 200], "must start at 0"), ([0, 64, 64, 199], "must end at"),
+                                       ([0, 65, 64, 200], "non-decreasing")])
+def test_cu_seqlens_values_on_cuda_are_opt_in(monkeypatch, bad, match):
+    """cu_seqlens' values (start at 0, non-decreasing, end at T) are checked like the other
+    values: always on CPU, on CUDA only when asked for (then with a sync) -- or when the
+    spans are read on the host anyway (causal=False pads the sequences into batches)."""
+    from linattn_lib import _validate
+
+    q, k, v, _, _ = _inputs(None, B=1, requires_grad=False)
+    cu = torch.tensor(bad, dtype=torch.int32)
+    with record_launches(cuda_like=True), no_host_syncs(monkeypatch):
+        linear_attention(q, k, v, cu_seqlens=cu)                  # not checked: no error, no sync
+    with record_launches(cuda_like=True), pytest.raises(ValueError, match=match):
+        linear_attention(q, k, v, cu_seqlens=cu, causal=False)    # padding reads the spans: checked then
+    monkeypatch.setattr(_validate, "CHECK_DEVICE_VALUES", True)
+    with record_launches(cuda_like=True), pytest.raises(ValueError, match=match):
+        linear_attention(q, k, v, cu_seqlens=cu)
+    with record_launches(cuda_like=True), no_host_syncs(monkeypatch), pytest.raises(HostSync):
+        linear_attention(q, k, v, cu_seqlens=cu)
+    monkeypatch.setattr(_validate, "CHECK_DEVICE_VALUES", False)
+    with pytest.raises(ValueError, match=match):
+        linear_attention(q, k, v, cu_seqlens=cu)                  # CPU: checked
+
+
+def test_packed_layout_bounds_the_chunks_without_reading_them(monkeypatch):
+    """`packed_layout` sizes the chunk list by ceil(T / BT) + N - 1 without a host read; real
+    chunks first, then padding slots of sequence N (cu[N + 1] = cu[N]: length 0). An unchecked
+    bad cu_seqlens is clamped into [0, T] and made non-decreasing: never an index outside."""
+    from linattn_lib.kernels.sequences import packed_layout
+
+    cu = torch.tensor([0, 1, 64, 64, 129, 259], dtype=torch.int32)
+    with no_host_syncs(monkeypatch):
+        cu_k, offsets, indices, NT, N = packed_layout(cu, 259, 1, 3, 64)
+    assert (NT, N) == (5 + 5 - 1, 5)
+    assert cu_k.tolist() == [0, 1, 64, 64, 129, 259, 259] and offsets.tolist() == [0, 1, 2, 2, 4, 7]
+    assert indices.tolist() == [[0, 0], [1, 0], [3, 0], [3, 1], [4, 0], [4, 1], [4, 2], [5, 0], [5, 1]]
+    cu_k, offsets, indices, NT, _ = packed_layout(torch.tensor([3, 500, 100, 259]), 259, 1, 3, 64)
+    assert cu_k.tolist() == [3, 259, 259, 259, 259] and offsets.tolist() == [0, 4, 4, 4]
+    assert NT == 5 + 2 and indices[:, 0].tolist() == [0] * 4 + [3] * 3
 
 
 def test_value_screen_overflow_falls_back_to_the_exact_check():

@@ -498,6 +498,44 @@ def test_packed_sequences_equal_each_sequence_alone(case):
         assert rel(got["g"], dg_head) < _tol("g", dtype)
 
 
+@pytest.mark.parametrize("dtype,decay,normalize", [(torch.float16, "token", True), (torch.float32, "head", False),
+                                                   (torch.float16, None, False)])
+def test_packed_chunk_count_below_its_bound(dtype, decay, normalize):
+    """The packed launches are sized by the bound NT = ceil(T / BT) + N - 1 (no host sync for the
+    true count, sequences.py); lengths 1, 63, 65, 130 have fewer chunks (7 < 8 at BT 64 in fp16,
+    11 < 12 at BT 32 in fp32), so the grids have padding slots, whose programs must do nothing.
+    Outputs, final states and every gradient equal those of the same kernels run on each sequence
+    alone."""
+    from linattn_lib.kernels.chunk_state import state_config
+    from linattn_lib.kernels.sequences import packed_layout
+
+    lengths = (1, 63, 65, 130)
+    x, cu = _packed(lengths, 16, 24, decay, normalize, dtype)
+    BT = state_config(16, 24, 8, dtype, DEVICE, normalize)["BT"]
+    cu_pad, offsets, indices, NT, N = packed_layout(cu.to(DEVICE), sum(lengths), 1, 2, BT)
+    real = sum(-(-n // BT) for n in lengths)
+    assert NT == -(-sum(lengths) // BT) + N - 1 > real and int(offsets[-1]) == real
+    assert indices[real:, 0].tolist() == [N] * (NT - real) and cu_pad.tolist()[-2:] == [sum(lengths)] * 2
+    w, wS, wz = _cotangents(x, len(lengths), normalize)
+    o, (S_T, z_T), got = _kernel_grads(x, normalize, w, wS, wz, cu_seqlens=cu.to(DEVICE))
+    dg_head = 0
+    for i in range(len(lengths)):
+        a, b = int(cu[i]), int(cu[i + 1])
+        si = slice(i, i + 1)
+        o_i, (S_i, z_i), want = _kernel_grads(_one_sequence(x, cu, i), normalize, w[:, :, a:b], wS[si],
+                                              None if wz is None else wz[si])
+        assert rel(o[:, :, a:b], o_i) < TOL[dtype], (i, rel(o[:, :, a:b], o_i))
+        assert rel(S_T[si], S_i) < 1e-5 and (z_T is None or rel(z_T[si], z_i) < 1e-5), i
+        for name, ref in want.items():
+            if name == "g" and ref.dim() == 1:
+                dg_head = dg_head + ref
+                continue
+            mine = got[name][si] if name in ("S0", "z0") else got[name][:, :, a:b]
+            assert rel(mine, ref) < _tol(name, dtype), (i, name, rel(mine, ref))
+    if decay == "head":
+        assert rel(got["g"], dg_head) < 1e-5
+
+
 # ------------------------------------------------------------------ split-T
 
 

@@ -26,6 +26,7 @@ from linattn_lib.core.varlen import (
     check_cu_seqlens,
     check_varlen,
     pad_and_batch,
+    sequence_spans,
     varlen_by_padding,
     varlen_by_splitting,
 )
@@ -104,9 +105,8 @@ def packed(form, impl, **kw):
         fn = functools.partial(reference_linear_attention, form=form, chunk_size=CHUNK)
 
     def run(q, k, v, cu, *, log_decay, initial_state, return_state):
-        spans = check_varlen("test", q, k, v, cu, log_decay=log_decay, initial_state=initial_state,
-                             normalize=kw["normalize"])
-        return pad_and_batch(fn, q, k, v, spans, log_decay=log_decay, initial_state=initial_state,
+        check_varlen("test", q, k, v, cu, log_decay=log_decay, initial_state=initial_state, normalize=kw["normalize"])
+        return pad_and_batch(fn, q, k, v, sequence_spans(cu), log_decay=log_decay, initial_state=initial_state,
                              return_state=return_state, **kw)
     return run
 
@@ -329,6 +329,9 @@ def test_bad_input_names_the_problem(case, run):
             initial_state=args["init"])
 
 
-def test_check_cu_seqlens_returns_spans():
+def test_check_cu_seqlens_returns_the_count_and_spans_are_read_apart():
+    """check_cu_seqlens returns N (from the shape: no host read on CUDA); the spans, which only
+    the padding paths need, come from sequence_spans."""
     cu = torch.tensor([0, 5, 5, 9], dtype=torch.int32)
-    assert check_cu_seqlens("f", cu, 9, torch.device("cpu")) == [(0, 5), (5, 5), (5, 9)]
+    assert check_cu_seqlens("f", cu, 9, torch.device("cpu")) == 3
+    assert sequence_spans(cu) == [(0, 5), (5, 5), (5, 9)]

@@ -18,7 +18,7 @@ from .reference import FORMS, reference_linear_attention
 from .state import DEFAULT_EPS, LinearAttentionState
 from .torch_chunked import chunked_linear_attention
 from .triton_ops import linear_attention_triton, triton_available, triton_supports
-from .varlen import check_varlen, pad_and_batch
+from .varlen import check_varlen, pad_and_batch, sequence_spans
 
 BACKENDS = ("auto", "torch", "triton")
 
@@ -92,23 +92,29 @@ def linear_attention(
             q, k, v are then (1, H, T_total, D), log_decay (H,) or (1, H, T_total), and the
             initial and final states have one row per sequence, S (N, H, Dk, Dv) and
             z (N, H, Dk). Each sequence's output and state equal running it alone: the
-            Triton kernels take the packed layout as it is (causal), the torch paths run
-            zero-padded batches of similar lengths (`linattn_lib.core.varlen`).
+            Triton kernels take the packed layout as it is (causal), the torch paths (and
+            the non-causal kernels) run zero-padded batches of similar lengths
+            (`linattn_lib.core.varlen`, which reads the spans on the host).
 
     Returns:
         o of shape (B, H, T, Dv) in the dtype of v, or (o, state) when return_state=True.
 
     Checks. Shapes, dtypes, devices and the Python arguments are always checked (metadata
     only: free). The *values* -- q, k, v finite, log_decay finite and <= 0, initial_state
-    finite -- are checked for CPU tensors in eager mode (a sum and a min / max per tensor,
-    a few percent of the torch path's forward; the element-wise search for the offending
-    index only when that screen fails). For CUDA tensors they are opt-in
+    finite, cu_seqlens starting at 0, non-decreasing and ending at T_total -- are checked
+    for CPU tensors in eager mode (a sum and a min / max per tensor, a few percent of the
+    torch path's forward; the element-wise search for the offending index only when that
+    screen fails). For CUDA tensors they are opt-in
     (`linattn_lib._validate.CHECK_DEVICE_VALUES = True`, or LINATTN_CHECK_VALUES=1 in the
     environment), because each would cost a pass over its input and a device-to-host sync
     on every training step; unchecked, the kernels give NaN in exactly the outputs that
-    depend on a non-finite input. Under torch.compile they are off. The CUDA path (forward
-    and backward) makes no host synchronisation (tests/test_hot_path.py), except with
-    `cu_seqlens`, whose chunk count sizes the kernels' state buffers.
+    depend on a non-finite input, and a bad cu_seqlens gives wrong outputs, not an access
+    outside the tensors (the kernels clamp its starts). Under torch.compile they are off.
+    The causal CUDA path (forward and backward) makes no host synchronisation, packed
+    sequences included (tests/test_hot_path.py): the kernels size their per-chunk buffers by
+    the bound ceil(T_total / BT) + N - 1, not by the chunk count. With cu_seqlens and
+    causal=False the spans are read on the host (one sync, and then checked) to pad the
+    sequences into batches.
     """
     fn = "linear_attention"
     V.check_qkv(fn, q, k, v)
@@ -122,10 +128,9 @@ def linear_attention(
     V.check_all_finite(fn, (("q", q), ("k", k), ("v", v)))
     if log_decay is not None:
         V.check_log_decay(fn, log_decay, q, causal=causal)
-    spans = None  # with cu_seqlens: the (start, end) of each packed sequence
-    if cu_seqlens is not None:
-        spans = check_varlen(fn, q, k, v, cu_seqlens, log_decay=log_decay, initial_state=initial_state,
-                             normalize=normalize)
+    packed = cu_seqlens is not None
+    if packed:
+        check_varlen(fn, q, k, v, cu_seqlens, log_decay=log_decay, initial_state=initial_state, normalize=normalize)
     elif initial_state is not None:
         B, H, _, Dk = q.shape
         V.check_state(fn, "initial_state", initial_state, B=B, H=H, Dk=Dk, Dv=v.shape[-1], device=q.device, normalize=normalize)
@@ -142,16 +147,16 @@ def linear_attention(
             raise RuntimeError(f"{fn}: backend='triton' needs the `triton` package and linattn_lib.kernels")
     kw = dict(causal=causal, normalize=normalize, log_decay=log_decay, eps=eps,
               initial_state=initial_state, return_state=return_state)
-    if use_triton and (spans is None or causal):  # the kernels take packed sequences as they are
-        return linear_attention_triton(q, k, v, cu_seqlens=cu_seqlens if spans is not None else None, **kw)
+    if use_triton and (not packed or causal):  # the kernels take packed sequences as they are
+        return linear_attention_triton(q, k, v, cu_seqlens=cu_seqlens, **kw)
     if use_triton:
         engine = linear_attention_triton
     elif form == "chunked" and backend in ("auto", "torch"):
         engine, kw = chunked_linear_attention, dict(kw, chunk_size=chunk_size)
     else:
         engine, kw = reference_linear_attention, dict(kw, form=form, chunk_size=chunk_size)
-    if spans is not None:  # each sequence alone, exactly: zero-padded batches (varlen.py)
-        return pad_and_batch(engine, q, k, v, spans, **kw)
+    if packed:  # each sequence alone, exactly: zero-padded batches (varlen.py; the spans read and checked on the host)
+        return pad_and_batch(engine, q, k, v, sequence_spans(cu_seqlens, q.shape[2], fn), **kw)
     return engine(q, k, v, **kw)
 
 

@@ -74,11 +74,17 @@ AttentionFn = Callable[..., Tensor | tuple[Tensor, LinearAttentionState]]
 # --------------------------------------------------------------------------------------
 
 
-def check_cu_seqlens(fn: str, cu_seqlens: object, T_total: int, device: torch.device) -> list[tuple[int, int]]:
-    """`cu_seqlens` is a valid (N + 1,) int32/int64 tensor of cumulative sequence starts.
+def check_cu_seqlens(fn: str, cu_seqlens: object, T_total: int, device: torch.device) -> int:
+    """`cu_seqlens` is a valid (N + 1,) int32/int64 tensor of cumulative sequence starts; returns N.
 
-    cu[0] = 0, cu[-1] = T_total, non-decreasing (zero-length sequences allowed), on `device`.
-    Returns the N spans (start, end) as Python ints (one host sync, the only one).
+    Always checked (metadata, free): a tensor, int32 or int64, 1-d with N + 1 >= 2 entries, on
+    `device`. Its *values* -- cu[0] = 0, cu[-1] = T_total, non-decreasing (zero-length
+    sequences allowed) -- are checked as every other value check is (`_validate.values_checked`):
+    for CPU tensors in eager mode; for CUDA tensors only when opted in (`CHECK_DEVICE_VALUES`,
+    LINATTN_CHECK_VALUES=1), since reading them is a device-to-host sync. Unchecked, the
+    kernels clamp the starts into [0, T_total] and make them non-decreasing
+    (`kernels.sequences.packed_starts`): a bad cu_seqlens gives wrong outputs (tokens outside
+    every span are not written), never an access outside the tensors.
     """
     if not isinstance(cu_seqlens, Tensor):
         raise TypeError(f"{fn}: `cu_seqlens` must be a torch.Tensor of int32 or int64, got {type(cu_seqlens).__name__}")
@@ -91,7 +97,13 @@ def check_cu_seqlens(fn: str, cu_seqlens: object, T_total: int, device: torch.de
         )
     if cu_seqlens.device != device:
         raise ValueError(f"{fn}: `cu_seqlens` is on {cu_seqlens.device} but `q` is on {device}")
-    cu = [int(c) for c in cu_seqlens.tolist()]
+    if V.values_checked(cu_seqlens):
+        _check_starts(fn, [int(c) for c in cu_seqlens.tolist()], T_total)
+    return cu_seqlens.numel() - 1
+
+
+def _check_starts(fn: str, cu: list[int], T_total: int) -> None:
+    """The value checks of `check_cu_seqlens`, on the starts as Python ints."""
     if cu[0] != 0:
         raise ValueError(f"{fn}: `cu_seqlens` must start at 0, got cu_seqlens[0] = {cu[0]}")
     if cu[-1] != T_total:
@@ -99,25 +111,38 @@ def check_cu_seqlens(fn: str, cu_seqlens: object, T_total: int, device: torch.de
             f"{fn}: `cu_seqlens` must end at the packed length T_total = {T_total} (q.shape[2]), "
             f"got cu_seqlens[-1] = {cu[-1]}"
         )
-    spans = list(zip(cu[:-1], cu[1:]))
-    bad = next((i for i, (s, e) in enumerate(spans) if e < s), None)
+    bad = next((i for i in range(len(cu) - 1) if cu[i + 1] < cu[i]), None)
     if bad is not None:
         raise ValueError(
             f"{fn}: `cu_seqlens` must be non-decreasing (lengths >= 0), got cu_seqlens[{bad}] = {cu[bad]} "
             f"> cu_seqlens[{bad + 1}] = {cu[bad + 1]}"
         )
-    return spans
+
+
+def sequence_spans(cu_seqlens: Tensor, T_total: int | None = None, fn: str = "sequence_spans",
+                   ) -> list[tuple[int, int]]:
+    """The N spans (start, end) of `cu_seqlens` (its metadata checked), as Python ints: what the
+    padding paths (`pad_and_batch`, `varlen_by_splitting`) loop and gather over. One host read
+    of the starts -- a device-to-host sync for a CUDA tensor, which the Triton kernels' causal
+    path never makes (they take the packed layout as it is). With T_total, the values are
+    checked too (as `check_cu_seqlens` does; free, they are on the host now), whatever the
+    device: the padding paths never run on unchecked starts."""
+    cu = [int(c) for c in cu_seqlens.tolist()]
+    if T_total is not None:
+        _check_starts(fn, cu, T_total)
+    return list(zip(cu[:-1], cu[1:]))
 
 
 def check_varlen(
     fn: str, q: Tensor, k: Tensor, v: Tensor, cu_seqlens: object, *,
     log_decay: Tensor | None, initial_state: LinearAttentionState | None, normalize: bool,
-) -> list[tuple[int, int]]:
+) -> int:
     """Packed inputs (see the module docstring): q, k, v with B = 1, a valid `cu_seqlens`, a
     log-decay of shape (H,) or (1, H, T_total) and one initial state per sequence.
 
-    Returns the spans of `check_cu_seqlens`. (The log-decay's values, <= 0 and finite, are
-    `linear_attention`'s check; here only its shape.)
+    Returns the number of sequences N. No host sync unless values are checked (see
+    `check_cu_seqlens`); `sequence_spans` gives the spans. (The log-decay's values, <= 0 and
+    finite, are `linear_attention`'s check; here only its shape.)
     """
     V.check_qkv(fn, q, k, v)
     B, H, T, Dk = q.shape
@@ -126,7 +151,7 @@ def check_varlen(
             f"{fn}: with `cu_seqlens` the sequences are packed along T of one batch row: expected q of shape "
             f"(1, H, T_total, Dk), got {V.describe(q)}"
         )
-    spans = check_cu_seqlens(fn, cu_seqlens, T, q.device)
+    N = check_cu_seqlens(fn, cu_seqlens, T, q.device)
     if log_decay is not None:
         V.check_tensor(fn, "log_decay", log_decay)
     if log_decay is not None and tuple(log_decay.shape) not in ((H,), (1, H, T)):
@@ -136,12 +161,12 @@ def check_varlen(
         )
     if initial_state is not None:
         try:
-            V.check_state(fn, "initial_state", initial_state, B=len(spans), H=H, Dk=Dk, Dv=v.shape[-1],
+            V.check_state(fn, "initial_state", initial_state, B=N, H=H, Dk=Dk, Dv=v.shape[-1],
                           device=q.device, normalize=normalize)
         except ValueError as err:
-            raise ValueError(f"{err} (with `cu_seqlens`, B is the number of sequences N = {len(spans)}: "
+            raise ValueError(f"{err} (with `cu_seqlens`, B is the number of sequences N = {N}: "
                              "one initial state per sequence)") from None
-    return spans
+    return N
 
 
 # --------------------------------------------------------------------------------------
@@ -164,10 +189,9 @@ def varlen_by_splitting(
     """
     fn = "varlen_by_splitting"
     normalize = bool(kw.get("normalize", True))
-    spans = check_varlen(fn, q, k, v, cu_seqlens, log_decay=log_decay, initial_state=initial_state,
-                         normalize=normalize)
+    check_varlen(fn, q, k, v, cu_seqlens, log_decay=log_decay, initial_state=initial_state, normalize=normalize)
     outs, states, like = [], [], None
-    for i, (s, e) in enumerate(spans):
+    for i, (s, e) in enumerate(sequence_spans(cu_seqlens, q.shape[2], fn)):
         init = _select_state(initial_state, slice(i, i + 1), normalize)
         if e == s:  # no tokens: the state passes through
             states.append(init)
@@ -204,10 +228,10 @@ def varlen_by_padding(
     chunked path, the Triton kernels).
     """
     normalize = bool(kw.get("normalize", True))
-    spans = check_varlen("varlen_by_padding", q, k, v, cu_seqlens, log_decay=log_decay,
-                         initial_state=initial_state, normalize=normalize)
-    return pad_and_batch(attn_fn, q, k, v, spans, log_decay=log_decay, initial_state=initial_state,
-                         return_state=return_state, **kw)
+    fn = "varlen_by_padding"
+    check_varlen(fn, q, k, v, cu_seqlens, log_decay=log_decay, initial_state=initial_state, normalize=normalize)
+    return pad_and_batch(attn_fn, q, k, v, sequence_spans(cu_seqlens, q.shape[2], fn), log_decay=log_decay,
+                         initial_state=initial_state, return_state=return_state, **kw)
 
 
 def pad_and_batch(
@@ -215,7 +239,8 @@ def pad_and_batch(
     log_decay: Tensor | None = None, initial_state: LinearAttentionState | None = None,
     return_state: bool = False, **kw: object,
 ) -> Tensor | tuple[Tensor, LinearAttentionState]:
-    """The engine of `varlen_by_padding`, for inputs already checked (`spans` from `check_varlen`).
+    """The engine of `varlen_by_padding`, for inputs already checked (`check_varlen`; `spans`
+    from `sequence_spans`).
 
     Per bucket of similar lengths (`_buckets`): gather its n sequences into (n, H, T_b, D),
     zeros after each sequence's end (log-decay 0 there), and call `attn_fn` once with their
@@ -342,5 +367,5 @@ def _state_or_zeros(
     return LinearAttentionState(state.S.to(dtype), state.z.to(dtype) if normalize else None)
 
 
-__all__ = ["MAX_PADDING_FACTOR", "check_cu_seqlens", "check_varlen", "pad_and_batch",
+__all__ = ["MAX_PADDING_FACTOR", "check_cu_seqlens", "check_varlen", "pad_and_batch", "sequence_spans",
            "varlen_by_padding", "varlen_by_splitting"]
