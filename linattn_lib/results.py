@@ -13,7 +13,8 @@ Where a result is looked for, in order:
    package ``linattn_lib._results`` (see setup.py), read with importlib.resources. An
    editable install (``pip install -e .``) has no copy: there the data is the checkout's
    own book/results, found through the install's PEP 610 record (direct_url.json) of the
-   checkout this very package was imported from.
+   checkout this very package was imported from; a checkout used without an install
+   (PYTHONPATH, as on the GPU machine) reads its own book/results.
 
 Nothing is downloaded: an installed copy (Colab included) carries the results with it. When
 neither place has the file, `load_result` raises FileNotFoundError naming the file, every
@@ -112,6 +113,9 @@ def _shipped() -> tuple[str, Any]:
     source = _editable_source()
     if source is not None:
         return "the checkout's results (editable install)", source
+    root = Path(__file__).resolve().parent.parent  # a checkout on sys.path (PYTHONPATH), not installed
+    if (root / "pyproject.toml").is_file() and (root / SOURCE_DIR).is_dir():
+        return "the results of the checkout linattn_lib was imported from", root / SOURCE_DIR
     return f"the results shipped with linattn_lib (no package {DATA_PACKAGE} here: not installed from a wheel)", None
 
 

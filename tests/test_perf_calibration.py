@@ -245,6 +245,32 @@ def test_the_cli_refits_on_measured_rows(tmp_path, capsys):
     assert "B2_T16384_H16_D128" in out and "+0%" in out
 
 
+def test_the_cli_refits_on_a_gpu_checks_results(tmp_path, capsys):
+    """`--measured gpu_check.json`: fla's two replayed ops are taken from the GPU check's
+    benchmark rows (ours' rows too, where the model predicts them; rows with an error are not)."""
+    import json
+
+    from linattn_lib.experiments import perf_predictions as pp
+    from linattn_lib.experiments.gpu_bench import VARIANTS
+
+    cal, comps = _stored()
+    truth = pc.Constants(eta=0.85, latency=0.4e-6, host_fwd=80e-6, host_bwd=300e-6)
+    variant = {label: v for v, label in pc.GPU_CHECK_FLA.items()}
+    assert set(variant) == set(pc.OPS.values()) and set(pc.GPU_CHECK_OURS) == set(VARIANTS)
+    rows = [dict(zip("BTHD", SHAPES[shape]), shape="B=..", provider="fla", variant=variant[label],
+                 forward_ms=pc.call_time(comps[label, shape], "fwd", truth) * 1e3,
+                 forward_backward_ms=pc.call_time(comps[label, shape], "fwd+bwd", truth) * 1e3)
+            for label in pc.OPS.values() for shape in SHAPES]
+    rows.append(dict(B=2, T=64, H=1, D=16, shape="B=..", provider="fla", variant="unnormalised", error="boom"))
+    rows.append(dict(B=2, T=64, H=1, D=16, shape="B=..", provider="sdpa", variant="unnormalised", forward_ms=1.0))
+    assert len(pc.rows_from_gpu_check({"sections": {"benchmark": {"rows": rows}}})) == 24
+    path = tmp_path / "gpu_check.json"
+    path.write_text(json.dumps({"sections": {"benchmark": {"rows": rows}}}))
+    pp.main(["--calibrate", "--measured", str(path)])
+    out = capsys.readouterr().out
+    assert out.startswith("refitted on 24 measured rows: eta 0.85, latency_us 0.4, host_fwd_us 80, host_bwd_us 300")
+
+
 def _stub(call, target):
     return pm.SassStats(registers=64, shared_bytes=16384, total=300, body=100, flops_body=4096)
 

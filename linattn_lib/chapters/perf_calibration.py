@@ -331,6 +331,28 @@ def head_to_head(comps: dict, cal: dict, Bs: Iterable[int] = HEAD_TO_HEAD_B, T: 
     return out
 
 
+# the GPU check's variants (experiments/gpu_bench.py) -> our op's label, and fla's op where the
+# calibration replays it
+GPU_CHECK_OURS = {"unnormalised": "ours, unnormalised, no decay", "per-head decay": "ours, unnormalised, per-head decay",
+                  "per-token decay": "ours, unnormalised, per-token decay", "normalised": "ours, normalised, no decay"}
+GPU_CHECK_FLA = {"unnormalised": OPS["linear_attn"], "per-head decay": OPS["retention"]}
+
+
+def rows_from_gpu_check(data: dict) -> list[dict]:
+    """The measured rows of a GPU check's results (gpu_check.json) that the model predicts, in
+    `refit_measured`'s form: ours through the op, and fla's two replayed ops, forward and
+    forward+backward, at every shape timed (rows with an error are left out)."""
+    out = []
+    for r in data.get("sections", {}).get("benchmark", {}).get("rows", []):
+        label = (GPU_CHECK_OURS if r.get("provider") == "ours: op" else
+                 GPU_CHECK_FLA if r.get("provider") == "fla" else {}).get(r.get("variant"))
+        for key, timed in (("forward_ms", "fwd"), ("forward_backward_ms", "fwd+bwd")):
+            if label and isinstance(r.get(key), (int, float)):
+                out.append({"op": label, "shape": (r["B"], r["T"], r["H"], r["D"]), "timed": timed,
+                            "measured_ms": r[key]})
+    return out
+
+
 def refit_measured(rows: list[dict], comps: dict | None = None,
                    compute: Callable[..., dict] = components) -> tuple[Constants, list[float]]:
     """Refit the constants on measured rows, e.g. a GPU check's: each {"op" (or "kernel"): an fla

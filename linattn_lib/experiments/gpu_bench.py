@@ -39,26 +39,32 @@ import torch
 from ..core.linear import linear_attention
 from ..core.ssm import retnet_log_decay
 from ..core.state import DEFAULT_EPS
+from ..results import load_result
 from .gpu_limits import Timeout, time_limit
 
 DTYPE = torch.bfloat16
 MAIN_BATCHES = (2, 1, 4)
 MAIN_H, MAIN_T, MAIN_D = 16, 16384, 128
-# fla's benchmarks/ops/registry.py SHAPE_CONFIGS (fla-org/flash-linear-attention bc3b101d): (B, T, H, D)
-REGISTRY_SHAPES = ((1, 8192, 96, 128), (2, 16384, 16, 128), (4, 2048, 16, 128), (4, 4096, 64, 128),
-                   (8, 2048, 32, 256), (8, 1024, 8, 64))
-# Measured H100 ms, bf16, pytorch/helion examples/fla/BENCHMARKS.md at fea89d20 (2026-06-30):
-# (fla fwd, fla fwd+bwd, helion fwd, helion fwd+bwd) for fla's chunk_linear_attn(normalize=False)
-# ("vanilla") and chunk_retention, by registry shape.
-PUBLISHED_H100 = {
-    "unnormalised": {(1, 8192, 96, 128): (0.726, 3.367, 0.682, 2.010), (2, 16384, 16, 128): (0.609, 2.585, 0.457, 1.355),
-                     (4, 2048, 16, 128): (0.148, 1.547, 0.149, 0.956), (4, 4096, 64, 128): (0.950, 4.530, 0.900, 2.659),
-                     (8, 2048, 32, 256): (1.338, 8.981, 1.271, 3.994), (8, 1024, 8, 64): (0.137, 0.796, 0.143, 0.755)},
-    "per-head decay": {(1, 8192, 96, 128): (0.961, 3.426, 0.691, 2.057), (2, 16384, 16, 128): (0.868, 2.776, 0.466, 1.380),
-                       (4, 2048, 16, 128): (0.358, 1.225, 0.164, 0.758), (4, 4096, 64, 128): (1.147, 4.524, 0.905, 6.260),
-                       (8, 2048, 32, 256): (1.598, 9.079, 1.271, 3.909), (8, 1024, 8, 64): (0.316, 1.299, 0.151, 0.824)},
-}
-PUBLISHED_SOURCE = "pytorch/helion examples/fla/BENCHMARKS.md @ fea89d20 (H100, bf16, fla vs Helion)"
+
+
+def _published_h100() -> tuple[tuple, dict, str]:
+    """fla's registry shapes (B, T, H, D) and the measured H100 ms published for them, by our
+    variant: {variant: {(B, T, H, D): (fla fwd, fla fwd+bwd, Helion fwd, Helion fwd+bwd)}}, for
+    fla's chunk_linear_attn(normalize=False) and chunk_retention; from book/results/
+    published_h100.json (pytorch/helion examples/fla/BENCHMARKS.md, its commit recorded there),
+    and that source in a line."""
+    data = load_result("published_h100.json")
+    shape = {name: (s["B"], s["T"], s["H"], s["D"]) for name, s in data["shapes"].items()}
+    variant = {"linear_attn": "unnormalised", "retention": "per-head decay"}
+    table: dict = {v: {} for v in variant.values()}
+    for r in data["rows"]:
+        table[variant[r["op"]]][shape[r["shape"]]] = (r["fla"]["fwd"], r["fla"]["fwd+bwd"], r["helion"]["fwd"],
+                                                      r["helion"]["fwd+bwd"])
+    src = data["source"]
+    return tuple(shape.values()), table, f"{src['repository']} {src['path']} @ {src['commit'][:8]} (H100, bf16, fla vs Helion)"
+
+
+REGISTRY_SHAPES, PUBLISHED_H100, PUBLISHED_SOURCE = _published_h100()
 
 
 @dataclass(frozen=True)

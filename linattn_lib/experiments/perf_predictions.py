@@ -266,7 +266,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--calibrate", action="store_true", help="hold the model to the published times, calibrate")
     parser.add_argument("--refit", action="store_true", help="with --calibrate: refit from the stored components")
     parser.add_argument("--measured", metavar="ROWS_JSON", help="with --calibrate: refit on measured rows, a JSON "
-                        "list of {op, shape, timed, measured_ms} (printed, nothing written)")
+                        "list of {op, shape, timed, measured_ms} or a GPU check's gpu_check.json (printed, "
+                        "nothing written)")
     parser.add_argument("--published", metavar="HELION_GIT_DIR", help="write published_h100.json from a git "
                         "directory of pytorch/helion (fla's registry from $LINATTN_FLA_SOURCE's git directory)")
     args = parser.parse_args(argv)
@@ -279,8 +280,9 @@ def main(argv: list[str] | None = None) -> None:
         return
     if args.calibrate and args.measured:
         rows = json.loads(Path(args.measured).read_text())
-        print("\n".join(refit_report(rows["rows"] if isinstance(rows, dict) else rows,
-                                     load_result("perf_calibration.json"))))
+        if isinstance(rows, dict):  # a GPU check's gpu_check.json, or {"rows": [...]}
+            rows = pc.rows_from_gpu_check(rows) if "sections" in rows else rows["rows"]
+        print("\n".join(refit_report(rows, load_result("perf_calibration.json"))))
         return
     if args.calibrate:
         out = args.out or "book/results/perf_calibration.json"
