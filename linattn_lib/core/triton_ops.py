@@ -218,6 +218,41 @@ def causal_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, S0: Tenso
             dg, dS0, dz0)
 
 
+class _CausalEager(torch.autograd.Function):
+    """The causal op in eager mode: `causal_forward` and `causal_backward`, exactly as the custom
+    op `torch.ops.linattn.causal_fwd` and its registered backward call them, without the
+    dispatcher. Through the custom op a training step's forward+backward pays about 0.3 ms of
+    host time in torch's custom-op and autograd wrappers (measured with the launches stubbed,
+    `python -m linattn_lib.experiments.host_overhead`), more than the launchers themselves; a
+    plain autograd Function pays a fraction of it. Under torch.compile the custom op is used
+    (it has the fake implementation the tracer needs), so compiled and eager run the same
+    kernels with the same arguments."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g, S0, z0, normalize, eps, return_state, cu_seqlens):
+        o, den, S_T, z_T = causal_forward(q, k, v, g, S0, z0, normalize, eps, return_state, cu_seqlens)
+        ctx.save_for_backward(q, k, v, g, S0, z0, o, den, S_T, z_T, cu_seqlens)
+        ctx.normalize = normalize
+        ctx.set_materialize_grads(False)  # unused outputs get None (the backward skips them)
+        return o, S_T, z_T
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dS_T, dz_T):
+        q, k, v, g, S0, z0, o, den, S_T, z_T, cu_seqlens = ctx.saved_tensors
+        inputs = (q, k, v, g, S0, z0)
+        needs = tuple(bool(n) and x is not None for n, x in zip(ctx.needs_input_grad[:6], inputs))
+        grads = causal_backward(q, k, v, g, S0, z0, o, den, S_T, z_T, do, dS_T, dz_T, ctx.normalize, needs,
+                                cu_seqlens)
+        return *grads, None, None, None, None
+
+
+def _eager(*tensors: Tensor | None) -> bool:
+    """Whether to call the kernels without the custom op's dispatcher: not while torch.compile
+    traces (it needs the op), and only for real tensors (a meta tensor takes the op's fake)."""
+    return not torch.compiler.is_compiling() and all(t is None or t.device.type in ("cuda", "cpu") for t in tensors)
+
+
 def linear_attention_triton(
     q: Tensor,
     k: Tensor,
@@ -238,7 +273,9 @@ def linear_attention_triton(
 
     The kernels run as the torch custom ops `torch.ops.linattn.causal_fwd` and
     `noncausal_fwd` (registered, with their backward ops, by custom_ops.py, which
-    `linattn_lib` imports), so `torch.compile(fullgraph=True)` traces this without a break.
+    `linattn_lib` imports), so `torch.compile(fullgraph=True)` traces this without a break;
+    in eager mode the causal kernels are called through `_CausalEager` instead, the same
+    functions without the dispatcher's host cost.
     """
     fn = "linear_attention"
     _check_inputs(fn, q, v)
@@ -250,7 +287,9 @@ def linear_attention_triton(
         z0 = initial_state.z if normalize else None
     eps = float(eps)
     # by name through the dispatcher, not imported: custom_ops.py imports this module
-    if causal:
+    if causal and _eager(q, k, v):
+        o, S, z = _CausalEager.apply(q, k, v, log_decay, S0, z0, normalize, eps, return_state, cu_seqlens)
+    elif causal:
         o, _, S, z = torch.ops.linattn.causal_fwd(q, k, v, log_decay, S0, z0, normalize, eps, return_state,
                                                   cu_seqlens)
     else:
