@@ -44,6 +44,7 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
+from reading_metrics import READING_SCRIPT
 
 yaml = pytest.importorskip("yaml")
 
@@ -360,12 +361,14 @@ def reports(html_dir, server, browser_context) -> dict[str, dict]:
         stem = name.replace("/", "__")
         rep["slider_checks"] = _check_sliders(page, shots, stem)
         rep["raw_markup"] = page.evaluate(_RAW_MARKUP_SCRIPT)
+        rep["reading"] = page.evaluate(READING_SCRIPT)
         page.evaluate("() => window.scrollTo(0, 0)")
         rep["screenshot"] = str(shots / f"{stem}.jpg")
         page.screenshot(path=rep["screenshot"], full_page=True, type="jpeg", quality=70)
         page.set_viewport_size(NARROW)
         page.evaluate("() => new Promise(r => requestAnimationFrame(() => requestAnimationFrame(r)))")
         rep["narrow"] = page.evaluate(_NARROW_SCRIPT)
+        rep["reading_390"] = page.evaluate(READING_SCRIPT)
         rep["screenshot_390"] = str(shots / f"{stem}-390.jpg")
         page.screenshot(path=rep["screenshot_390"], full_page=True, type="jpeg", quality=70)
         colab = _expected_colab_url(name)

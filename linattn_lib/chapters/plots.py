@@ -15,6 +15,45 @@ if TYPE_CHECKING:
 
 from ..measure import fit_loglog_slope
 
+# One colour per method across the book, one family per group: exact softmax in black,
+# additive linear attention in blues, decayed or gated updates in greens, the delta rule in
+# reds and oranges. Keys are the library's kind names (`TinyLM`, `mqar`, `charlm`).
+METHOD_COLORS: dict[str, str] = {
+    "softmax": "black", "hybrid": "grey", "sliding_window": "dimgrey",
+    "linear": "tab:blue", "performer": "lightskyblue", "cosformer": "navy",
+    "taylor": "tab:cyan", "retnet": "tab:green", "ssd": "yellowgreen",
+    "gla": "darkgreen", "rwkv6": "olive", "deltanet": "tab:red",
+    "gated_deltanet": "tab:orange", "kda": "tab:brown",
+}
+_ALIASES = {"exact": "softmax", "mamba2": "ssd", "mamba-2": "ssd", "favor+": "performer",
+            "based": "taylor", "gated deltanet": "gated_deltanet", "delta rule": "deltanet"}
+
+# The book's figure style: text at least 10 pt (10 px or more on the page at 1280 px, for
+# figures up to 10 inches wide), applied when this module is imported.
+MIN_FONT_PT = 10
+BOOK_RC = {
+    "font.size": 11, "axes.titlesize": 11, "axes.labelsize": 11, "xtick.labelsize": 10,
+    "ytick.labelsize": 10, "legend.fontsize": 10, "legend.title_fontsize": 10,
+    "figure.titlesize": 12, "figure.dpi": 100, "savefig.dpi": 100,
+}
+
+
+def method_color(name: str) -> str:
+    """The book's colour for a method (a kind name such as "deltanet", or a common alias)."""
+    key = name.lower().strip()
+    key = _ALIASES.get(key, key)
+    if key not in METHOD_COLORS:
+        raise KeyError(f"method_color: no colour for {name!r}; known: {sorted(METHOD_COLORS)}")
+    return METHOD_COLORS[key]
+
+
+def use_book_style() -> None:
+    """Set matplotlib's defaults to the book's style (text sizes, resolution)."""
+    plt.rcParams.update(BOOK_RC)
+
+
+use_book_style()
+
 
 def _np(x):
     try:
@@ -33,7 +72,7 @@ def plot_matrix(
 ) -> AxesImage:
     """Heat map of a 2-d matrix (e.g. an attention or mixing matrix), rows = queries."""
     im = ax.imshow(_np(M), cmap=cmap, vmin=vmin, vmax=vmax, interpolation="nearest")
-    ax.set_title(title, fontsize=10)
+    ax.set_title(title)
     ax.set_xlabel("key j")
     ax.set_ylabel("query i")
     if colorbar:
@@ -56,7 +95,7 @@ def plot_scaling(
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend(fontsize=8)
+    ax.legend()
     return slopes
 
 
@@ -102,7 +141,7 @@ def plot_attention_approximations(
         ax.set_xlabel("query i")
         ax.set_ylabel(row_error_label)
         ax.set_ylim(bottom=0)
-        ax.legend(fontsize=7)
+        ax.legend()
         ax.grid(True, alpha=0.3)
     if suptitle:
         fig.suptitle(suptitle, fontsize=11)
