@@ -15,7 +15,11 @@ and recorded. For each page the test asserts:
 * every same-site link resolves to a file, and every #fragment to an id on the target page;
 * notebook pages have a Colab launch link built from `_config.yml`;
 * no MyST markup shows as text outside code (```` ```{ ````, `:::{`, `{admonition}`, `{cite`, ...);
-* at phone width (390 px) no display math or image is cut off (each scrolls in its own box).
+* at phone width (390 px) no display math or image is cut off (each scrolls in its own box);
+* the reading rules (DESIGN.md, Reading; tests/reading_metrics.py measures them): display
+  equations whole at 1280 px (at most a few cut at 390 px, in the whole book), no page wider
+  than a phone, code cells and their text output at most 30% of a chapter's page, at most
+  three fact-check notes a page, and at most ten code blocks in the book that scroll sideways.
 
 A full-page screenshot of each page at 1280 px and at 390 px (`<page>-390.jpg`), and one of each
 slider after moving it, is saved next to the HTML: `<build>/screenshots/` (`_build/screenshots/` under `make test`), with report.json.
@@ -44,7 +48,15 @@ from pathlib import Path
 from urllib.parse import unquote, urlsplit
 
 import pytest
-from reading_metrics import READING_SCRIPT
+from reading_metrics import (
+    MAX_CLIPPED_NARROW,
+    MAX_CLIPPED_WIDE,
+    MAX_CODE_SHARE,
+    MAX_FACT_CHECKS,
+    MAX_SCROLLING_CODE,
+    READING_SCRIPT,
+    table,
+)
 
 yaml = pytest.importorskip("yaml")
 
@@ -475,3 +487,46 @@ def test_root_redirects_to_the_introduction(server, browser_context, html_dir):
     page.wait_for_url(re.compile(re.escape(PAGES[0]) + r"\.html$"))
     page.close()
     assert blocked[n_blocked:] == []
+
+
+def _reading_totals(reports, key: str, width: str) -> list[str]:
+    return [f"{name}: {item}" for name, rep in reports.items() for item in rep[width][key]]
+
+
+def test_display_equations_are_whole(reports):
+    """No display equation is cut at 1280 px; at 390 px at most MAX_CLIPPED_NARROW in the
+    book (a box that scrolls counts as cut: nothing shows that it scrolls)."""
+    print(table(reports))
+    wide = _reading_totals(reports, "math_clipped", "reading")
+    narrow = _reading_totals(reports, "math_clipped", "reading_390")
+    assert len(wide) <= MAX_CLIPPED_WIDE, f"display equations cut at 1280 px: {wide}"
+    assert len(narrow) <= MAX_CLIPPED_NARROW, \
+        f"{len(narrow)} display equations cut at 390 px (at most {MAX_CLIPPED_NARROW}): {narrow}"
+
+
+def test_code_blocks_fit_their_box(reports):
+    scrolling = _reading_totals(reports, "code_scrolling", "reading")
+    assert len(scrolling) <= MAX_SCROLLING_CODE, \
+        f"{len(scrolling)} code blocks scroll sideways at 1280 px (at most {MAX_SCROLLING_CODE}): {scrolling}"
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_page_fits_a_phone(reports, name):
+    overflow = reports[name]["reading_390"]["page_overflow_px"]
+    assert overflow == 0, f"{name} is {overflow} px wider than a 390-px phone"
+
+
+@pytest.mark.parametrize("name", PAGES)
+def test_fact_checks_do_not_interrupt(reports, name):
+    facts = reports[name]["reading"]["fact_checks"]
+    assert len(facts) <= MAX_FACT_CHECKS, \
+        f"{name}: {len(facts)} fact-check boxes (at most {MAX_FACT_CHECKS}; the rest go to the errata): {facts}"
+
+
+@pytest.mark.parametrize("name", [p for p in PAGES if re.match(r"book/\d\d_", p)])
+def test_chapter_is_mostly_lesson(reports, name):
+    """Code cells and their text output take at most MAX_CODE_SHARE of a chapter's page."""
+    rep = reports[name]["reading"]
+    assert rep["code_share"] <= MAX_CODE_SHARE, \
+        f"{name}: code and text output are {rep['code_share']:.0%} of the page " \
+        f"({rep['code_px']} of {rep['article_px']} px; at most {MAX_CODE_SHARE:.0%})"

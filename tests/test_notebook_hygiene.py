@@ -88,3 +88,64 @@ def test_code_compiles_without_syntax_warnings(path):
             except SyntaxError as err:  # a SyntaxWarning raised as an error arrives as one
                 bad.append(f"cell {i}: {err}")
     assert not bad, bad
+
+
+# Figures (DESIGN.md, Reading): one numbering, "**Figure N.k.**" in a markdown cell right
+# after the figure's cell (N: the chapter's number, A for appendix A, EN for chapter N's
+# errata computations), one figure per cell; text of at least 10 pt and figures at most
+# 10 inches wide (at the book's column width that keeps rendered text at 10 px or more).
+_REMOVED = {"remove-output", "remove_output", "remove-cell", "remove_cell"}
+_BEFORE_IMAGES = ("application/vnd.jupyter.widget-view+json", "application/javascript", "text/html")
+CHAPTER_CODE = sorted((BOOK.parent / "linattn_lib" / "chapters").glob("*.py"))
+SMALL_FONT = re.compile(r"fontsize\s*=\s*(?:(\d+(?:\.\d+)?)|[\"'](?:x+-)?small[\"'])")
+WIDE_FIGURE = re.compile(r"figsize\s*=\s*\(\s*(\d+(?:\.\d+)?)\s*,")
+
+
+def _figure_prefix(path: Path) -> str | None:
+    if m := re.match(r"(\d\d)_", path.name):
+        return str(int(m.group(1)))
+    if m := re.match(r"errata_ch(\d\d)", path.name):
+        return f"E{int(m.group(1))}"
+    return "A" if path.name == "appendix_kernels.ipynb" else None
+
+
+def _figures_shown(cell: dict) -> int:
+    if _REMOVED & set(cell.get("metadata", {}).get("tags", [])):
+        return 0
+    n = 0
+    for out in cell.get("outputs", []):
+        data = out.get("data", {})
+        shown = next((m for m in _BEFORE_IMAGES if m in data), None)
+        html = "".join(data.get("text/html", ""))
+        n += (shown is None and any(m.startswith("image/") for m in data)) or "linattn-slider" in html
+    return n
+
+
+@pytest.mark.parametrize("path", [p for p in NOTEBOOKS if _figure_prefix(p)], ids=lambda p: p.name)
+def test_figures_are_numbered_and_captioned(path):
+    prefix, k, problems = _figure_prefix(path), 0, []
+    cells = _cells(path)
+    for i, cell in enumerate(cells):
+        n = _figures_shown(cell) if cell["cell_type"] == "code" else 0
+        if n == 0:
+            continue
+        k += 1
+        nxt = cells[i + 1] if i + 1 < len(cells) else None
+        caption = "".join(nxt["source"]).lstrip() if nxt and nxt["cell_type"] == "markdown" else ""
+        if n > 1:
+            problems.append(f"cell {i} shows {n} figures (one figure per cell)")
+        if not caption.startswith(f"**Figure {prefix}.{k}.**"):
+            problems.append(f"cell {i}: the next cell must start with **Figure {prefix}.{k}.**")
+    assert not problems, f"{path.name}: {problems}"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS + CHAPTER_CODE, ids=lambda p: p.name)
+def test_figure_text_is_readable(path):
+    if path.suffix == ".ipynb":
+        source = "\n".join("".join(c["source"]) for c in _cells(path) if c["cell_type"] == "code")
+    else:
+        source = path.read_text(encoding="utf-8")
+    small = [m.group(0) for m in SMALL_FONT.finditer(source) if not m.group(1) or float(m.group(1)) < 10]
+    wide = [m.group(0) for m in WIDE_FIGURE.finditer(source) if float(m.group(1)) > 10]
+    assert not small, f"{path.name}: text below 10 pt: {small}"
+    assert not wide, f"{path.name}: figures wider than 10 inches: {wide}"

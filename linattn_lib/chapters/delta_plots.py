@@ -25,6 +25,7 @@ from matplotlib.figure import Figure
 from torch import Tensor
 
 from ..core.delta import delta_rule_attention
+from .plots import method_color
 
 BETAS = (0.1, 0.3, 0.5, 1.0, 1.5, 2.0)
 ALPHAS = (1.0, 0.95, 0.8)
@@ -89,20 +90,21 @@ def draw_recall_by_age(
                              sharey=True, squeeze=False)
     for ax, alpha in zip(axes[0], alphas):
         err = recall_by_age(beta, alpha)
-        ax.plot(ages, additive, color="0.6", lw=2, label="additive (linear attn.)")
+        ax.plot(ages, additive, color=method_color("linear"), lw=2, label="additive (linear attn.)")
         ax.axhline(1.0, color="k", ls=":", lw=1, label="forgotten (answers 0)")
-        ax.plot(ages, err, "C0", lw=2, label=f"delta rule, β = {beta:g}")
-        ax.axvline(DK, color="C3", ls="--", lw=0.8, label=f"age = d_k = {DK}")
+        ax.plot(ages, err, color=method_color("deltanet" if alpha == 1 else "gated_deltanet"), lw=2,
+                label=f"delta rule, β = {beta:g}")
+        ax.axvline(DK, color="0.4", ls="--", lw=0.8, label=f"age = d_k = {DK}")
         name = "DeltaNet" if alpha == 1 else "Gated DeltaNet"
-        ax.set_title(f"{name}, α = {alpha:g}", fontsize=9)
+        ax.set_title(f"{name}, α = {alpha:g}")
         ax.set_xlabel("age of the pair (writes since)")
         ax.set_xlim(-1, len(additive))
         ax.set_ylim(0, ymax)
         ax.grid(True, alpha=0.3)
     axes[0, 0].set_ylabel("recall error ‖Sᵀk − v‖ / ‖v‖")
-    fig.suptitle(f"{N_PAIRS} pairs in a {DK} × {DV} state, β = {beta:g}", fontsize=10)
+    fig.suptitle(f"{N_PAIRS} pairs in a {DK} × {DV} state, β = {beta:g}")
     fig.tight_layout()
     handles, labels = axes[0, 0].get_legend_handles_labels()
-    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=len(labels),
-               fontsize=8, frameon=False)
+    fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2,
+               frameon=False)
     return fig

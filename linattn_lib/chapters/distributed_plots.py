@@ -17,17 +17,17 @@ def draw_rank_scan(world_size: int = 4, *, ax: Axes | None = None, mode: str = "
     if mode not in ("ring", "all_gather"):
         raise ValueError(f"draw_rank_scan: `mode` must be 'ring' or 'all_gather', got {mode!r}")
     if ax is None:
-        _, ax = plt.subplots(figsize=(6, 2.6))
+        _, ax = plt.subplots(figsize=(8, 3.2))
     W = world_size
     colors = plt.get_cmap("tab10")
     for r in range(W):
         x0 = r * 1.5
         ax.add_patch(Rectangle((x0, 2.0), 1.2, 0.45, color=colors(r), alpha=0.35))
-        ax.text(x0 + 0.6, 2.22, f"rank {r}: tokens", ha="center", va="center", fontsize=7)
+        ax.text(x0 + 0.6, 2.22, f"rank {r}: tokens", ha="center", va="center", fontsize=10)
         ax.add_patch(Rectangle((x0 + 0.35, 1.0), 0.5, 0.5, color=colors(r), alpha=0.8))
-        ax.text(x0 + 0.6, 1.25, f"$S_{r}$", ha="center", va="center", fontsize=9, color="white")
+        ax.text(x0 + 0.6, 1.25, f"$S_{r}$", ha="center", va="center", fontsize=11, color="white")
         ax.add_patch(FancyArrowPatch((x0 + 0.6, 2.0), (x0 + 0.6, 1.5), arrowstyle="->", mutation_scale=8))
-        ax.text(x0 + 0.6, 0.28, f"$S^{{in}}_{r}$", ha="center", va="center", fontsize=9)
+        ax.text(x0 + 0.6, 0.28, f"$S^{{in}}_{r}$", ha="center", va="center", fontsize=11)
     if mode == "ring":
         for r in range(W - 1):
             x0 = r * 1.5
@@ -35,18 +35,18 @@ def draw_rank_scan(world_size: int = 4, *, ax: Axes | None = None, mode: str = "
                                          mutation_scale=10, color="k"))
             ax.add_patch(FancyArrowPatch((x0 + 0.75, 1.0), (x0 + 1.3, 0.3), arrowstyle="->", mutation_scale=8,
                                          color="0.4", linestyle="--"))
-            ax.text(x0 + 1.32, 0.12, f"step {r + 1}", ha="center", fontsize=7)
+            ax.text(x0 + 1.32, 0.12, f"step {r + 1}", ha="center", fontsize=10)
         title = rf"ring: {W - 1} sequential sends; rank $r$ sends $e^{{G_r}} S^{{in}}_r + S_r$ to rank $r+1$"
     else:
         ax.add_patch(Rectangle((-0.1, 0.55), 1.5 * W - 0.1, 0.2, color="0.6", alpha=0.5))
         ax.text(0.75 * W - 0.15, 0.65, "all_gather: every rank receives every $(S_s, z_s, G_s)$",
-                ha="center", va="center", fontsize=7)
+                ha="center", va="center", fontsize=10)
         for r in range(W):
             ax.add_patch(FancyArrowPatch((r * 1.5 + 0.6, 1.0), (r * 1.5 + 0.6, 0.75), arrowstyle="->", mutation_scale=8))
             ax.add_patch(FancyArrowPatch((r * 1.5 + 0.6, 0.55), (r * 1.5 + 0.6, 0.42), arrowstyle="->", mutation_scale=8))
         title = r"all-gather: one collective; rank $r$ adds $e^{G_{s+1}+\dots+G_{r-1}} S_s$ over $s<r$"
     ax.set_xlim(-0.2, 1.5 * W)
     ax.set_ylim(0.0, 2.6)
-    ax.set_title(title, fontsize=9)
+    ax.set_title(title, fontsize=11)
     ax.axis("off")
     return ax

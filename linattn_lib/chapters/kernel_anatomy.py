@@ -534,7 +534,7 @@ def _draw_program_dataflow(ax1: Axes, current: int) -> None:
 
     def box(x, y, w, h, label, color):
         ax1.add_patch(Rectangle((x, y), w, h, facecolor=color, edgecolor="black", lw=0.8))
-        ax1.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=9.5)
+        ax1.text(x + w / 2, y + h / 2, label, ha="center", va="center", fontsize=10)
 
     def arrow(x0, y0, x1, y1, color="black"):
         ax1.add_patch(FancyArrowPatch((x0, y0), (x1, y1), arrowstyle="-|>", mutation_scale=11, color=color, lw=1.2))
@@ -553,7 +553,7 @@ def _draw_program_dataflow(ax1: Axes, current: int) -> None:
     arrow(5.6, 3.2, 7.15, 5.2, "tab:red")
     arrow(5.6, 3.0, 8.85, 5.2, "tab:red")
     ax1.text(6.0, 1.2, "per chunk:\nread q, k, v tiles\nwrite o tile (+ den)\n"
-             "the state never\ngoes to memory", fontsize=9.5, va="center")
+             "the state never\ngoes to memory", fontsize=10, va="center")
 
 
 def plot_roofline(
@@ -585,5 +585,5 @@ def plot_roofline(
     ax.set_xlabel("arithmetic intensity (FLOP per byte of memory traffic)")
     ax.set_ylabel("attainable TFLOP/s")
     ax.grid(True, which="major", alpha=0.3)
-    ax.legend(fontsize=7.5, loc="lower right")
+    ax.legend(loc="lower right")
     return fig

@@ -31,6 +31,7 @@ _ALIASES = {"exact": "softmax", "mamba2": "ssd", "mamba-2": "ssd", "favor+": "pe
 # The book's figure style: text at least 10 pt (10 px or more on the page at 1280 px, for
 # figures up to 10 inches wide), applied when this module is imported.
 MIN_FONT_PT = 10
+MAX_FIGURE_INCHES = 10
 BOOK_RC = {
     "font.size": 11, "axes.titlesize": 11, "axes.labelsize": 11, "xtick.labelsize": 10,
     "ytick.labelsize": 10, "legend.fontsize": 10, "legend.title_fontsize": 10,
@@ -100,8 +101,9 @@ def plot_scaling(
 
 
 def small_multiples(n: int, *, ncols: int | None = None, size: float = 2.6) -> tuple[Figure, list[Axes]]:
-    """A row (or grid) of n axes for a static sweep of one parameter."""
-    ncols = ncols or n
+    """A row (or grid) of n axes for a static sweep of one parameter; by default as many
+    columns as fit in MAX_FIGURE_INCHES."""
+    ncols = ncols or max(1, min(n, int(MAX_FIGURE_INCHES // size)))
     nrows = -(-n // ncols)
     fig, axes = plt.subplots(nrows, ncols, figsize=(size * ncols, size * nrows), squeeze=False)
     for ax in axes.flat[n:]:
@@ -126,8 +128,12 @@ def plot_attention_approximations(
     Returns the figure (callers show it, or hand it to `widgets.static_slider`).
     """
     n = 1 + len(approximations) + (1 if row_errors else 0)
-    fig, axes = plt.subplots(1, n, figsize=(size * n, size * 1.05), squeeze=False)
-    axes = list(axes.flat)
+    nrows = -(-n // max(1, min(int(MAX_FIGURE_INCHES // size), 3)))  # at most 3 a row
+    ncols = -(-n // nrows)
+    fig, grid = plt.subplots(nrows, ncols, figsize=(size * ncols, size * 1.05 * nrows), squeeze=False)
+    for ax in grid.flat[n:]:
+        fig.delaxes(ax)
+    axes = list(grid.flat[:n])
     E = _np(exact)
     vmax = float(E.max())
     plot_matrix(axes[0], E, title="exact softmax", vmin=0.0, vmax=vmax, colorbar=False)
