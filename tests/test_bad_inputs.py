@@ -33,6 +33,14 @@ def qkv(B=1, H=2, T=4, D=8):
     return tuple(torch.rand(B, H, T, D, generator=g) for _ in range(3))
 
 
+def _nan_last(qkv_):
+    """(q, k, v) with v's last token NaN."""
+    q, k, v = qkv_
+    v = v.clone()
+    v[:, :, -1] = NAN
+    return q, k, v
+
+
 def q4():
     return qkv()[0]
 
@@ -322,7 +330,14 @@ ROWS = [
     # --- core/ssm.py: RWKV-5/6
     row("rwkv6_attention", lambda: L.rwkv6_attention(*qkv(), torch.rand(1, 2, 4, 8), torch.zeros(2, 8)), ValueError,
         "rwkv6_attention", "log_w", id="log_w-positive"),
-    # --- core/gla.py
+    # --- core/gla.py: a NaN in v at the last token would reach every earlier output through the
+    # chunk's masked matmuls (0 * NaN), so every form refuses it, as linear_attention does
+    row("gla_chunkwise", lambda: L.gla_chunkwise(*_nan_last(qkv()), -torch.rand(1, 2, 4, 8)),
+        ValueError, "gla_chunkwise", "v", "non-finite", id="nan-v"),
+    row("gla_attention", lambda: L.gla_attention(*_nan_last(gla_args()[:3]), gla_args()[3]),
+        ValueError, "gla_attention", "v", "non-finite", id="nan-v-chunked"),
+    row("gla_attention", lambda: L.gla_attention(*_nan_last(gla_args()[:3]), gla_args()[3], form="quadratic"),
+        ValueError, "gla_attention", "v", "non-finite", id="nan-v-quadratic"),
     row("gla_chunkwise", lambda: L.gla_chunkwise(*qkv(), -torch.rand(1, 2, 4, 8), chunk_size=8, sub_chunk=3),
         ValueError, "gla_chunkwise", "sub_chunk", id="sub_chunk-not-dividing"),
     # --- core/delta.py

@@ -1,6 +1,6 @@
 """The delta rule (DeltaNet, Gated DeltaNet): its three forms agree with the definition and with
 each other in float64, forward and backward; a gate reset is exact; the state behaves as an
-online least-squares memory (it overwrites, additive linear attention sums); beta in (0, 2]
+online least-squares memory (it overwrites, additive linear attention sums); beta in [0, 2]
 keeps it bounded; the decode step is the recurrence; bad arguments are refused by name."""
 from __future__ import annotations
 
@@ -267,6 +267,38 @@ def test_state_stays_bounded_for_beta_up_to_two():
         delta_rule_attention(q, k, v, torch.full_like(beta, 2.5))
 
 
+@pytest.mark.parametrize("form", ["recurrent", "chunked"])
+@pytest.mark.parametrize("decay", [None, "head", "token"])
+def test_beta_zero_writes_nothing(form, decay):
+    """beta = 0 is accepted (fp16's sigmoid is exactly 0 below -18) and is a no-op write: the
+    token's key and value then change no output and no state, and with beta = 0 everywhere the
+    state only decays. The same for the decode step."""
+    B, H, T, Dk, Dv = 2, 3, 11, 4, 5
+    q, k, v, beta, g = inputs(B, H, T, Dk, Dv, decay=decay, seed=21)
+    S0 = torch.randn(B, H, Dk, Dv, dtype=D64)
+    silent = torch.zeros(T, dtype=torch.bool)
+    silent[[0, 4, 5, 10]] = True
+    beta[:, :, silent] = 0.0
+    kw = dict(log_decay=g, form=form, chunk_size=4, initial_state=S0, return_state=True)
+    o, st = delta_rule_attention(q, k, v, beta, **kw)
+    k2, v2 = k.clone(), v.clone()
+    k2[:, :, silent] = F.normalize(torch.randn_like(k2[:, :, silent]), dim=-1)
+    v2[:, :, silent] = 100.0 * torch.randn_like(v2[:, :, silent])
+    o2, st2 = delta_rule_attention(q, k2, v2, beta, **kw)
+    assert (o - o2).abs().max() < 1e-12 and (st.S - st2.S).abs().max() < 1e-12
+    _, st0 = delta_rule_attention(q, k, v, torch.zeros_like(beta), **kw)
+    total = torch.zeros(B, H, dtype=D64) if g is None else (T * g if decay == "head" else g.sum(-1))
+    total = total.expand(B, H)
+    assert (st0.S - total.exp()[..., None, None] * S0).abs().max() < 1e-12
+    state = LinearAttentionState(S0, None)
+    for t in range(T):
+        g_t = None if g is None else (g if decay == "head" else g[:, :, t])
+        o_t, state = delta_rule_decode_step(q[:, :, t], k2[:, :, t], v2[:, :, t], beta[:, :, t], state,
+                                            log_decay=g_t)
+        assert (o_t - o[:, :, t]).abs().max() < 1e-12
+    assert (state.S - st.S).abs().max() < 1e-12
+
+
 @pytest.mark.parametrize("decay", [None, "head", "token"])
 def test_decode_step_equals_recurrent(decay):
     B, H, T, Dk, Dv = 2, 3, 12, 4, 5
@@ -298,8 +330,8 @@ def _call(**changes):
 BAD = [
     (dict(beta=torch.ones(B0, H0, dtype=D64)), r"`beta`.*\(2, 3\)"),
     (dict(beta=torch.ones(B0, H0, T0 + 1, dtype=D64)), r"`beta` has shape \(2, 3, 8\).*T=7"),
-    (dict(beta=torch.zeros(B0, H0, T0, dtype=D64)), r"`beta` must be > 0"),
-    (dict(beta=-torch.ones(B0, H0, T0, dtype=D64)), r"`beta` must be > 0"),
+    (dict(beta=-torch.ones(B0, H0, T0, dtype=D64)), r"`beta` must be >= 0"),
+    (dict(beta=torch.full((B0, H0, T0), -1e-9, dtype=D64)), r"`beta` must be >= 0"),
     (dict(beta=torch.full((B0, H0, T0), 2.0 + 1e-9, dtype=D64)), r"`beta` must be <= 2"),
     (dict(beta=torch.full((B0, H0, T0), float("nan"), dtype=D64)), r"`beta` contains NaN"),
     (dict(k=torch.ones(B0, H0, T0, DK0, dtype=D64), check_unit_keys=True), r"check_unit_keys.*`k`.*norm 2"),

@@ -230,3 +230,11 @@ def test_backend_choice():
         delta_rule_attention(*(t.double() for t in args), backend="triton")
     with pytest.raises(ValueError, match="backend"):
         delta_rule_attention(*args, backend="cuda")
+    # the interpreter has no bf16 arithmetic (it returned all-NaN): refused, as linear_attention does
+    with pytest.raises(TypeError, match="delta_rule_attention: bfloat16 on CPU"):
+        delta_rule_attention(*(t.bfloat16() for t in args), backend="triton")
+    # beta = 0 (a no-op write) through the kernels equals the torch path
+    beta0 = x["beta"].clone()
+    beta0[:, :, ::3] = 0.0
+    tri0 = delta_rule_attention(x["q"], x["k"], x["v"], beta0, log_decay=x["g"], backend="triton")
+    assert rel(tri0, delta_rule_attention(x["q"], x["k"], x["v"], beta0, log_decay=x["g"])) < 1e-5

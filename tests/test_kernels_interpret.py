@@ -628,6 +628,30 @@ def test_decode_steps_match_parallel_form(backend, normalize, decay, dtype):
     assert rel(state.S, final.S) < tol
 
 
+@pytest.mark.parametrize("normalize", [True, False])
+def test_decode_step_takes_the_torch_paths_state(normalize):
+    """The state that linear_attention's torch path returns (a transposed, non-contiguous view)
+    decodes on the Triton kernel: the kernel works on a copy and writes it back in place, so both
+    backends give the same outputs and the same state."""
+    B, H, T, Dk, Dv = 2, 2, 9, 16, 8
+    g = torch.Generator().manual_seed(5)
+    q, k = (torch.rand(B, H, T, Dk, generator=g) for _ in range(2))
+    v = torch.randn(B, H, T, Dv, generator=g)
+    states = {}
+    for backend in ("torch", "triton"):
+        _, st = linear_attention(q[:, :, :-1], k[:, :, :-1], v[:, :, :-1], normalize=normalize,
+                                 backend="torch", return_state=True)
+        st = LinearAttentionState(st.S.transpose(-1, -2).contiguous().transpose(-1, -2), st.z)
+        assert not st.S.is_contiguous()
+        ptr = st.S.data_ptr()
+        o = linear_attention_decode_step(q[:, :, -1], k[:, :, -1], v[:, :, -1], st, normalize=normalize,
+                                         backend=backend)
+        assert st.S.data_ptr() == ptr
+        states[backend] = (o, st)
+    (o_t, st_t), (o_k, st_k) = states["torch"], states["triton"]
+    assert rel(o_k, o_t) < 1e-5 and rel(st_k.S, st_t.S) < 1e-5
+
+
 def test_decode_step_checks_its_inputs():
     q = torch.rand(1, 2, 16)
     state = LinearAttentionState(torch.zeros(1, 2, 16, 8), torch.zeros(1, 2, 16))

@@ -294,12 +294,15 @@ def linear_attention_decode_step(
             return _decode_torch(q_t, k_t, v_t, S, z, log_decay_t, eps)
         triton_ops._check_inputs(fn, q_t, v_t)
         for name, x in (("state.S", S), ("state.z", z)):
-            if x is not None and not x.is_contiguous():
-                raise ValueError(
-                    f"{fn}: backend='triton' updates `{name}` in place and needs it contiguous, got strides "
-                    f"{tuple(x.stride())} for shape {tuple(x.shape)}; pass a contiguous state (.contiguous())"
-                )
-        for name, x in (("state.S", S), ("state.z", z)):
             if x is not None and x.dtype not in triton_ops.SUPPORTED_DTYPES:
                 raise TypeError(f"{fn}: backend='triton' needs a float32/float16/bfloat16 `{name}`, got {x.dtype}")
-        return triton_ops.load_kernels().decode_step(q_t, k_t, v_t, S, z, log_decay=log_decay_t, eps=eps)
+        if contiguous:
+            return triton_ops.load_kernels().decode_step(q_t, k_t, v_t, S, z, log_decay=log_decay_t, eps=eps)
+        # the kernel updates a contiguous state in place: work on a copy, write it back (any
+        # state the library returns is accepted, e.g. a transposed view from the torch path)
+        S_c, z_c = S.contiguous(), (None if z is None else z.contiguous())
+        o = triton_ops.load_kernels().decode_step(q_t, k_t, v_t, S_c, z_c, log_decay=log_decay_t, eps=eps)
+        S.copy_(S_c)
+        if z is not None:
+            z.copy_(z_c)
+        return o

@@ -64,17 +64,20 @@ DEFAULT_CHUNK_SIZE = 64  # of backend="torch"; the kernels pick their own (see `
 UNIT_KEY_TOLERANCE = {torch.float64: 1e-8, torch.float32: 1e-5}
 UNIT_KEY_TOLERANCE_LOW_PRECISION = 1e-2
 
-_BETA_WHY = "a write strength in (0, 2]: the transition's eigenvalue 1 - beta ||k||^2 stays in [-1, 1) for unit keys"
+_BETA_WHY = (
+    "a write strength in [0, 2]: the transition's eigenvalue 1 - beta ||k||^2 stays in [-1, 1] for unit keys; "
+    "beta = 0 writes nothing"
+)
 
 
 # --- checks ------------------------------------------------------------------------------
 
 
 def _check_beta(fn: str, beta: object, q: Tensor, expected: tuple[int, ...], layout: tuple[str, ...]) -> None:
-    """beta has the shape `expected` (named by `layout`), q's dtype and device, values in (0, 2]."""
+    """beta has the shape `expected` (named by `layout`), q's dtype and device, values in [0, 2]."""
     V.check_shape(fn, "beta", beta, expected, layout)
     V.check_same(fn, [("q", q), ("beta", beta)])
-    V.check_values(fn, "beta", beta, low=0.0, strict=True, why=_BETA_WHY)
+    V.check_values(fn, "beta", beta, low=0.0, why=_BETA_WHY)
     V.check_values(fn, "beta", beta, high=2.0, why=_BETA_WHY)
 
 
@@ -141,6 +144,9 @@ def _use_triton(fn: str, backend: str, form: str, q: Tensor, v: Tensor, chunk_si
     if not triton_supports(q, v):
         raise ValueError(f"{fn}: backend='triton' takes float32, float16 or bfloat16 inputs with head dims up "
                          f"to 256 (and needs triton), got {q.dtype}, Dk={q.shape[-1]}, Dv={v.shape[-1]}")
+    if q.is_cpu and q.dtype == torch.bfloat16:  # the interpreter's bf16 dots return NaN, silently
+        raise TypeError(f"{fn}: bfloat16 on CPU would run in the Triton interpreter, which has no bfloat16 "
+                        "arithmetic; use a CUDA device, float16/float32, or backend='torch'")
     return True
 
 
@@ -279,14 +285,15 @@ def delta_rule_attention(
         q, k: (B, H, T, Dk). DeltaNet L2-normalises the keys (and usually the queries):
             pass ``k = F.normalize(k, dim=-1)``; the stability argument below needs ||k_t|| = 1.
         v: (B, H, T, Dv).
-        beta: (B, H, T) write strengths in (0, 2], same dtype and device as q (DeltaNet uses
-            a sigmoid, in (0, 1); 2 * sigmoid reaches the reflections). The transition
-            I - beta k k^T leaves the directions orthogonal to k alone (eigenvalue 1) and
-            scales the component along k by 1 - beta ||k||^2. For a unit key and beta in (0, 2]
-            that is in [-1, 1): every transition is non-expansive (spectral norm 1: the old state
+        beta: (B, H, T) write strengths in [0, 2], same dtype and device as q (DeltaNet uses
+            a sigmoid, in [0, 1): in half precision sigmoid(x) is exactly 0 for x <= -18;
+            2 * sigmoid reaches the reflections). beta = 0 writes nothing: the token only
+            decays the state. The transition I - beta k k^T leaves the directions orthogonal to
+            k alone (eigenvalue 1) and scales the component along k by 1 - beta ||k||^2. For a
+            unit key and beta in [0, 2] that is in [-1, 1]: every transition is non-expansive (spectral norm 1: the old state
             never grows, only the writes add; chapter 10 measures the norm staying flat for beta
             below 2 and growing like sqrt(t) at beta = 2, a Householder reflection); beta > 2
-            (or beta <= 0) would amplify the component along k, exponentially over time.
+            (or beta < 0) would amplify the component along k, exponentially over time.
         log_decay: None (DeltaNet) or the log of the gate alpha_t, <= 0 (Gated DeltaNet):
             (H,) per head or (B, H, T) per token.
         form: "recurrent" (token loop), "chunked" (WY representation / UT transform) or
@@ -348,7 +355,7 @@ def delta_rule_decode_step(
     Args:
         q, k: (B, H, Dk) this token's query and key (unit keys, as for `delta_rule_attention`).
         v: (B, H, Dv).
-        beta: (B, H) write strengths in (0, 2], same dtype and device as q.
+        beta: (B, H) write strengths in [0, 2], same dtype and device as q.
         state: S_{t-1}, a (B, H, Dk, Dv) tensor or LinearAttentionState(S, None); None starts
             from zeros.
         log_decay: None, (H,) per head or (B, H) for this token, <= 0 (Gated DeltaNet).

@@ -36,6 +36,7 @@ def _check_inputs(fn: str, q: Tensor, k: Tensor, v: Tensor, g: Tensor, chunk_siz
     V.check_shape(fn, "g", g, tuple(k.shape), ("B", "H", "T", "Dk"))
     V.check_same(fn, [("q", q), ("g", g)])
     V.check_values(fn, "g", g, high=0.0, why="a log-gate: the gate exp(g) lies in (0, 1]")
+    V.check_all_finite(fn, (("q", q), ("k", k), ("v", v)))
     V.check_positive_int(fn, "chunk_size", chunk_size)
     V.check_positive_int(fn, "sub_chunk", sub_chunk)
     if chunk_size % sub_chunk:

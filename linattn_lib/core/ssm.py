@@ -157,7 +157,8 @@ def zoh_discretize(A: Tensor, B: Tensor, dt: Tensor, *, method: str = "zoh") -> 
 
     Zero-order hold (u constant over the step)::
 
-        A_bar = exp(dt A),    B_bar = (dt A)^{-1} (exp(dt A) - I) dt B = expm1(dt A) / A * B,
+        A_bar = exp(dt A),
+        B_bar = (dt A)^{-1} (exp(dt A) - I) dt B = expm1(dt A) / A * B,
 
     computed with expm1 so that it stays exact as dt A -> 0, where B_bar -> dt B.
     method="mamba" gives Mamba's simplification B_bar = dt B (what its kernels and SSD use);
@@ -296,6 +297,7 @@ def _check_gla_inputs(fn: str, q: Tensor, k: Tensor, v: Tensor, log_gates: Tenso
     V.check_shape(fn, "log_gates", log_gates, tuple(k.shape), ("B", "H", "T", "Dk"))
     V.check_same(fn, [("q", q), ("log_gates", log_gates)])
     V.check_values(fn, "log_gates", log_gates, high=0.0, why="a gate exp(g) in (0, 1]")
+    V.check_all_finite(fn, (("q", q), ("k", k), ("v", v)))
 
 
 def _gla_block(q: Tensor, k: Tensor, v: Tensor, g: Tensor, S: Tensor) -> tuple[Tensor, Tensor]:

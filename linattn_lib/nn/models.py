@@ -19,7 +19,7 @@ Unnormalised variants (RetNet, Mamba-2 / SSD style, the delta rule) normalise ea
 output instead (a per-head RMS norm, as RetNet's GroupNorm does). The two delta-rule kinds
 run `delta_rule_attention` (core/delta.py) instead of `linear_attention`: the state is
 corrected towards v_t for the key k_t (S <- S - beta_t k_t (k_t^T S - v_t^T)) instead of
-only added to, which needs unit keys and beta in (0, 2] to stay bounded.
+only added to, which needs unit keys and beta in [0, 2] to stay bounded.
 """
 from __future__ import annotations
 
