@@ -175,7 +175,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.build:
         out = html.parent.parent if html.name == "html" else html.parent
         jb = Path(sys.executable).with_name("jupyter-book")
-        subprocess.run([str(jb), "build", str(ROOT), "-W", "-n", "--keep-going", "--path-output", str(out)],
+        # no -W: a page not yet in _toc.yml (a new notebook) must not stop the measurement
+        subprocess.run([str(jb), "build", str(ROOT), "-n", "--keep-going", "--path-output", str(out)],
                        check=True, stdout=subprocess.DEVNULL)
         html = out / "_build" / "html"
     reports = measure(html, args.pages)
