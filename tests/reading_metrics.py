@@ -42,7 +42,9 @@ READING_SCRIPT = """() => {
   const vw = document.documentElement.clientWidth;
   const article = document.querySelector('article.bd-article') || document.querySelector('main')
                   || document.body;
-  const shown = e => e.getClientRects().length > 0;
+  // visible to a reader: Chromium keeps layout boxes (and client rects) for the content of a
+  // closed <details>, so ask checkVisibility() where the browser has it
+  const shown = e => (e.checkVisibility ? e.checkVisibility() : e.getClientRects().length > 0);
   const height = e => e.getBoundingClientRect().height;
   const label = e => (e.getAttribute('aria-label') || e.textContent).replace(/\\s+/g, ' ')
                      .slice(0, 70);
@@ -68,8 +70,9 @@ READING_SCRIPT = """() => {
   let code = 0;
   for (const cell of cells) {
     for (const input of cell.querySelectorAll('.cell_input')) if (shown(input)) code += height(input);
-    for (const d of cell.querySelectorAll('details.hide')) {
-      if (!d.open) code += height(d);
+    for (const d of cell.querySelectorAll('details.hide')) {  // a folded cell: its toggle bar
+      const bar = d.querySelector('summary');
+      if (!d.open && bar) code += height(bar);
     }
     for (const out of cell.querySelectorAll('.cell_output > .output, .cell_output > div')) {
       if (!shown(out) || out.querySelector('img, .linattn-slider')) continue;

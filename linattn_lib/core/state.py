@@ -92,3 +92,21 @@ def noncausal(
         z = k.sum(-2) if z0 is None else z0.to(dtype) + k.sum(-2)
         o = o / (q @ z.unsqueeze(-1) + eps)
     return o, S, z
+
+
+def layout_of(x: Tensor | None) -> tuple | None:
+    """(shape, strides) of an input, for `grad_in_layout`; None for None."""
+    return None if x is None else (tuple(x.shape), x.stride())
+
+
+def grad_in_layout(g: Tensor | None, layout: tuple | None) -> Tensor | None:
+    """Under torch.compile, a custom backward's gradient in the strides of its input.
+
+    AOT autograd compiles the graph around a custom autograd.Function assuming that the
+    gradient of an input has that input's strides; a permuted input (a head split, a
+    transposed decay) that gets a contiguous gradient makes the compiled backward's views
+    fail. In eager mode the gradient is returned as it is (no copy on the hot path)."""
+    if g is None or layout is None or not torch.compiler.is_compiling():
+        return g
+    shape, stride = layout  # (a gradient's own strides are unknown while Dynamo traces a backward)
+    return torch.empty_strided(shape, stride, dtype=g.dtype, device=g.device).copy_(g)

@@ -52,7 +52,15 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .masks import decay_mask
-from .state import LinearAttentionState, compute_dtype, noncausal, suffix_sum, sum_after
+from .state import (
+    LinearAttentionState,
+    compute_dtype,
+    grad_in_layout,
+    layout_of,
+    noncausal,
+    suffix_sum,
+    sum_after,
+)
 
 BLOCK_TOKENS = 4096  # tokens per block: ~50 torch calls each, so not too many blocks; temporaries ~1 MiB
 SCAN_ONE_LEVEL_MAX = 16  # scans over more chunks than this go in two levels (see _Scan)
@@ -360,6 +368,7 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         ctx.save_for_backward(qc, kc, vc, out, den, log_decay, S0, z0)
         ctx.gc, ctx.checkpoints, ctx.S_T = gc, checkpoints, S_T
         ctx.shape = (B, H, T, Dk, Dv, C, N)
+        ctx.layouts = tuple(layout_of(x) for x in (q, k, v, log_decay))
         o = out.view(B, H, N * C, Dv)[:, :, :T]
         S_out, z_out = _split_state(S_T.clone(), B, H, Dv, normalize)
         return o, S_out, z_out
@@ -406,8 +415,9 @@ class _ChunkedLinearAttention(torch.autograd.Function):
             return x.view(B, H, N * C, -1)[:, :, :T].to(like.dtype)
 
         dS0_, dz0_ = _split_state(dS0, B, H, Dv, normalize)
+        grads = (unchunk(dq, qc), unchunk(dk, kc), unchunk(dv, vc), dlog)
         return (
-            unchunk(dq, qc), unchunk(dk, kc), unchunk(dv, vc), dlog,
+            *(grad_in_layout(g, layout) for g, layout in zip(grads, ctx.layouts)),
             None if S0 is None else dS0_.to(S0.dtype),
             None if z0 is None else dz0_.to(z0.dtype),
             None, None, None,
@@ -463,8 +473,12 @@ def _backward_block(q, k, v, decay, S, h, do, o, den, dS, dq, dk, dv, dc, ws):
         va = _with_ones(v, ws, "va")
         dy = ws("dy", G, C, Dv + 1)
         rden = den.reciprocal().unsqueeze(-1)
-        torch.mul(do, rden, out=dy[..., :Dv])
-        torch.sum(torch.mul(do, o, out=ws("do_o", G, C, Dv)), -1, keepdim=True, out=dy[..., Dv:])
+        if torch.compiler.is_compiling():  # functionalisation takes no non-contiguous out=
+            dy[..., :Dv] = do * rden
+            dy[..., Dv:] = (do * o).sum(-1, keepdim=True)
+        else:
+            torch.mul(do, rden, out=dy[..., :Dv])
+            torch.sum(torch.mul(do, o, out=ws("do_o", G, C, Dv)), -1, keepdim=True, out=dy[..., Dv:])
         dy[..., Dv:].mul_(rden).neg_()
     Dva = va.shape[-1]
     k_in = k if decay is None else torch.mul(k, decay.k_scale, out=ws("k_in", G, C, Dk))

@@ -166,7 +166,9 @@ class LinearAttention(nn.Module):
         if self.kind == "retnet":
             return self.log_decay.to(x.dtype)
         if self.kind in ("ssd", "gated_deltanet"):
-            return -F.softplus(self.decay_proj(x)).transpose(1, 2)  # (B, H, T), data-dependent
+            # -softplus(z) as logsigmoid(-z), the same function: AOT autograd (backend="aot_eager",
+            # torch 2.13) compiled softplus's backward after a cumsum into a failing view
+            return F.logsigmoid(-self.decay_proj(x)).transpose(1, 2)  # (B, H, T), data-dependent
         return None
 
     def forward(

@@ -1,0 +1,39 @@
+"""Every layer kind as one graph: `torch.compile(fullgraph=True)` of `LinearAttention`, forward
+and backward, equal to eager mode (float64, CPU, the default torch path).
+
+aot_eager (AOT autograd without code generation: the graph that inductor would receive) for
+every kind; inductor, which generates C++ on CPU (about 40 s a kind on 2 cores), for the kind
+that uses most of the library (gated_deltanet: decay, delta rule, output norm). Three things used to break here: an `out=` into a non-contiguous
+slice in the chunked backward, gradients of permuted inputs (a head split, a transposed decay)
+returned in other strides by the chunked Function, and softplus's backward after a cumsum
+under AOT autograd. The Triton paths and packed batches are compiled in test_custom_ops.py.
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linattn_lib import LinearAttention
+from linattn_lib.nn.models import LINEAR_KINDS
+
+INDUCTOR_KINDS = ("gated_deltanet",)
+
+
+def _run(fn, x):
+    y = fn(x)
+    (g,) = torch.autograd.grad(y.square().sum(), x)
+    return y.detach(), g
+
+
+@pytest.mark.parametrize("backend", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+def test_layer_compiles_as_one_graph(kind, backend):
+    if backend == "inductor" and kind not in INDUCTOR_KINDS:
+        pytest.skip("inductor: one kind (aot_eager covers every kind)")
+    torch.manual_seed(0)
+    layer = LinearAttention(16, 2, kind=kind, chunk_size=16).double()
+    x = torch.randn(2, 40, 16, dtype=torch.float64, requires_grad=True)  # T = 40: a partial chunk
+    torch._dynamo.reset()
+    y, g = _run(layer, x)
+    yc, gc = _run(torch.compile(layer, fullgraph=True, backend=backend), x)
+    assert (yc - y).abs().max() < 1e-12 and (gc - g).abs().max() < 1e-12
