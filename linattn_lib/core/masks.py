@@ -23,10 +23,9 @@ def segsum(g: Tensor) -> Tensor:
     if g.dim() < 1:
         raise ValueError(f"segsum: `g` must have at least one axis (..., T), got {V.describe(g)}")
     T = g.shape[-1]
+    x = g.unsqueeze(-1).expand(*g.shape, T)  # x[..., i, j] = g[i]
     strict = torch.ones(T, T, dtype=torch.bool, device=g.device).tril(-1)
-    # x[..., i, j] = g[i] where i > j, else 0 (a broadcast, not an expanded view: the backward
-    # of an expand of a permuted g failed to run once compiled by AOT autograd)
-    x = torch.where(strict, g.unsqueeze(-1), 0.0)
+    x = x.masked_fill(~strict, 0.0)  # keep g[i] only where i > j
     out = torch.cumsum(x, dim=-2)  # out[..., i, j] = sum_{j < s <= i} g[s]
     causal = torch.ones(T, T, dtype=torch.bool, device=g.device).tril()
     return out.masked_fill(~causal, float("-inf"))
