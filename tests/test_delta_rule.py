@@ -4,6 +4,8 @@ online least-squares memory (it overwrites, additive linear attention sums); bet
 keeps it bounded; the decode step is the recurrence; bad arguments are refused by name."""
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -386,3 +388,48 @@ def test_decode_step_refuses_bad_arguments():
         delta_rule_decode_step(q, k, v, beta, S[..., :2])
     with pytest.raises(ValueError, match=r"`k` has shape"):
         delta_rule_decode_step(q, k[..., :2], v, beta, S)
+
+
+# --- packed sequences (cu_seqlens) ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("form", ["chunked", "recurrent"])
+@pytest.mark.parametrize("decay", [None, "head", "token"])
+def test_packed_sequences_equal_separate_runs(form, decay):
+    """cu_seqlens: each packed sequence equals its own call (outputs, per-sequence final states
+    and gradients), from its own initial state; a sequence of length 0 passes its state on."""
+    lengths = [5, 0, 9, 1]
+    H, Dk, Dv, T = 2, 4, 3, sum(lengths)
+    q, k, v, beta, g = inputs(1, H, T, Dk, Dv, decay=decay, seed=31)
+    S0 = torch.randn(len(lengths), H, Dk, Dv, dtype=D64)
+    leaves = [x.requires_grad_() for x in (q, k, v, beta, S0)]
+    cu = torch.tensor([0] + list(itertools.accumulate(lengths)))
+    o, st = delta_rule_attention(q, k, v, beta, log_decay=g, form=form, chunk_size=4, initial_state=S0,
+                                 return_state=True, cu_seqlens=cu)
+    outs, states = [], []
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if s == e:
+            states.append(S0[i:i + 1])
+            continue
+        g_i = None if g is None else (g if decay == "head" else g[:, :, s:e])
+        o_i, st_i = delta_rule_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], beta[:, :, s:e], log_decay=g_i,
+                                         form=form, chunk_size=4, initial_state=S0[i:i + 1], return_state=True)
+        outs.append(o_i)
+        states.append(st_i.S)
+    o_ref, S_ref = torch.cat(outs, dim=2), torch.cat(states)
+    assert (o - o_ref).abs().max() < 1e-12 and (st.S - S_ref).abs().max() < 1e-12
+    w = torch.randn_like(o)
+    grads = torch.autograd.grad((o * w).sum() + st.S.sum(), leaves)
+    grads_ref = torch.autograd.grad((o_ref * w).sum() + S_ref.sum(), leaves)
+    assert all((a - b).abs().max() < 1e-12 for a, b in zip(grads, grads_ref))
+
+
+def test_packed_sequences_are_checked():
+    q, k, v, beta, _ = inputs(2, 2, 6, 4, 3, seed=32)
+    with pytest.raises(ValueError, match=r"delta_rule_attention: with `cu_seqlens`.*B must be 1"):
+        delta_rule_attention(q, k, v, beta, cu_seqlens=torch.tensor([0, 6]))
+    with pytest.raises(ValueError, match=r"delta_rule_attention: `cu_seqlens` must end at"):
+        delta_rule_attention(q[:1], k[:1], v[:1], beta[:1], cu_seqlens=torch.tensor([0, 5]))
+    with pytest.raises(ValueError, match=r"delta_rule_attention: `initial_state\.S` has shape \(1, 2, 4, 3\).*\(2, 2, 4, 3\)"):
+        delta_rule_attention(q[:1], k[:1], v[:1], beta[:1], cu_seqlens=torch.tensor([0, 2, 6]),
+                             initial_state=torch.zeros(1, 2, 4, 3, dtype=D64))

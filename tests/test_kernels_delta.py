@@ -238,3 +238,8 @@ def test_backend_choice():
     beta0[:, :, ::3] = 0.0
     tri0 = delta_rule_attention(x["q"], x["k"], x["v"], beta0, log_decay=x["g"], backend="triton")
     assert rel(tri0, delta_rule_attention(x["q"], x["k"], x["v"], beta0, log_decay=x["g"])) < 1e-5
+    # packed sequences (cu_seqlens) on the kernels equal the torch path's
+    cu = torch.tensor([0, 7, 7, 20])
+    packed = [t[:1] for t in args]
+    tri_p = delta_rule_attention(*packed, log_decay=x["g"], cu_seqlens=cu, backend="triton")
+    assert rel(tri_p, delta_rule_attention(*packed, log_decay=x["g"], cu_seqlens=cu, backend="torch")) < 1e-5

@@ -43,6 +43,7 @@ from a chunk's start), never a difference of prefix sums, so every exponent is <
 """
 from __future__ import annotations
 
+import functools
 from typing import Literal, overload
 
 import torch
@@ -54,6 +55,7 @@ from .delta_triton import delta_rule_triton
 from .masks import segsum
 from .state import LinearAttentionState, compute_dtype, expand_log_decay, sum_after
 from .triton_ops import triton_supports
+from .varlen import check_cu_seqlens, sequence_spans
 
 FORMS = ("recurrent", "chunked", "quadratic")
 BACKENDS = ("auto", "torch", "triton")
@@ -252,6 +254,7 @@ def delta_rule_attention(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, log_decay: Tensor | None = ..., form: str = ...,
     chunk_size: int | None = ..., initial_state: Tensor | LinearAttentionState | None = ...,
     return_state: Literal[False] = ..., check_unit_keys: bool = ..., backend: str = ...,
+    cu_seqlens: Tensor | None = ...,
 ) -> Tensor: ...
 
 
@@ -260,6 +263,7 @@ def delta_rule_attention(
     q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, log_decay: Tensor | None = ..., form: str = ...,
     chunk_size: int | None = ..., initial_state: Tensor | LinearAttentionState | None = ...,
     return_state: Literal[True], check_unit_keys: bool = ..., backend: str = ...,
+    cu_seqlens: Tensor | None = ...,
 ) -> tuple[Tensor, LinearAttentionState]: ...
 
 
@@ -276,6 +280,7 @@ def delta_rule_attention(
     return_state: bool = False,
     check_unit_keys: bool = False,
     backend: str = "auto",
+    cu_seqlens: Tensor | None = None,
 ) -> Tensor | tuple[Tensor, LinearAttentionState]:
     """Causal delta-rule attention (DeltaNet; Gated DeltaNet with `log_decay`).
 
@@ -310,6 +315,12 @@ def delta_rule_attention(
             on CUDA, interpreted on CPU) or "auto" (Triton for CUDA tensors it supports with
             form="chunked", torch otherwise). Gradients reach q, k, v, beta, log_decay and
             initial_state on every backend.
+        cu_seqlens: packed variable-length sequences, as in `linear_attention`: B = 1, the N
+            sequences laid end to end along T, cu_seqlens the (N + 1,) int32/int64 cumulative
+            starts (0, ..., T). Each sequence runs alone (on the chosen backend), from its own
+            row of initial_state (then (N, H, Dk, Dv)); the returned state has one row per
+            sequence (a sequence of length 0 passes its initial state through). The starts are
+            read on the host: one sync for CUDA tensors.
 
     Returns:
         o (B, H, T, Dv) in the dtype of v, or (o, state) when return_state=True. Sums are kept in
@@ -321,6 +332,9 @@ def delta_rule_attention(
         what was expected.
     """
     fn = "delta_rule_attention"
+    if cu_seqlens is not None:
+        return _packed(fn, q, k, v, beta, cu_seqlens, initial_state, return_state, log_decay=log_decay,
+                       form=form, chunk_size=chunk_size, check_unit_keys=check_unit_keys, backend=backend)
     S0 = _check_inputs(fn, q, k, v, beta, log_decay, form, chunk_size, initial_state, return_state, check_unit_keys)
     if _use_triton(fn, backend, form, q, v, chunk_size):
         o, S = delta_rule_triton(q, k, v, beta, log_decay=log_decay, initial_state=S0, chunk_size=chunk_size)
@@ -339,6 +353,37 @@ def delta_rule_attention(
         o, S = _chunked(qq, kk, vv, bb, g, S, int(chunk_size))
     o = o.to(v.dtype)
     return (o, LinearAttentionState(S, None)) if return_state else o
+
+
+def _packed(fn, q, k, v, beta, cu_seqlens, initial_state, return_state, **kw):
+    """`delta_rule_attention` over packed sequences: each span alone, outputs laid back end to
+    end, one state row per sequence."""
+    _check_inputs(fn, q, k, v, beta, kw["log_decay"], kw["form"], kw["chunk_size"], None, return_state,
+                  kw["check_unit_keys"])
+    if q.shape[0] != 1:
+        raise ValueError(f"{fn}: with `cu_seqlens` the sequences are packed along T, so B must be 1, "
+                         f"got `q` with {V.describe(q)}")
+    H, Dk, Dv = q.shape[1], q.shape[-1], v.shape[-1]
+    N = check_cu_seqlens(fn, cu_seqlens, q.shape[2], q.device)
+    S0 = None if initial_state is None else _check_state(
+        fn, "initial_state", initial_state, B=N, H=H, Dk=Dk, Dv=Dv, device=q.device)
+    g = kw.pop("log_decay")
+    outs, states = [], []
+    for i, (s, e) in enumerate(sequence_spans(cu_seqlens, q.shape[2], fn)):
+        start = None if S0 is None else S0[i:i + 1]
+        if e == s:  # no tokens: the state passes through
+            states.append(q.new_zeros(1, H, Dk, Dv, dtype=compute_dtype(q)) if start is None else start)
+            continue
+        g_i = None if g is None else (g if g.dim() == 1 else g[:, :, s:e])
+        o, st = delta_rule_attention(q[:, :, s:e], k[:, :, s:e], v[:, :, s:e], beta[:, :, s:e], log_decay=g_i,
+                                     initial_state=start, return_state=True, **kw)
+        outs.append(o)
+        states.append(st.S)
+    o = torch.cat(outs, dim=2)
+    if not return_state:
+        return o
+    dtype = functools.reduce(torch.promote_types, [S.dtype for S in states])
+    return o, LinearAttentionState(torch.cat([S.to(dtype) for S in states]), None)
 
 
 def delta_rule_decode_step(

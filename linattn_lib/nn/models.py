@@ -33,11 +33,13 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate as V
-from ..core.delta import delta_rule_attention
+from ..core.decode import linear_attention_decode_step
+from ..core.delta import delta_rule_attention, delta_rule_decode_step
 from ..core.features import RandomFeatureMap, elu_plus_one
 from ..core.linear import linear_attention
 from ..core.ssm import retnet_log_decay
 from ..core.state import LinearAttentionState
+from ..core.varlen import check_cu_seqlens
 
 # what one layer carries between calls: a linear layer's state, a softmax layer's KV cache
 LayerState = LinearAttentionState | tuple[Tensor, Tensor] | None
@@ -97,6 +99,17 @@ class LinearAttention(nn.Module):
         max_len: cosFormer's M, the longest sequence the re-weighting is defined for.
         seed: seed of the Performer projection.
         chunk_size: chunk length of the chunked algorithm.
+        backend: "auto" (the Triton kernels for CUDA inputs they support, torch otherwise),
+            "torch" or "triton"; passed to `linear_attention` / `delta_rule_attention`.
+
+    `forward(x, cu_seqlens=...)` takes packed sequences (B = 1, the sequences end to end, as
+    flash-attn's varlen functions do; cosFormer's positions restart at each sequence), with one
+    state row per sequence. A one-token call with a state and no gradient (generation under
+    `torch.no_grad()`) runs the library's decode step instead of the chunked form: the same
+    output, a fraction of the work. `reset_parameters()` restores the initial weights after a
+    host model's own initialisation (nanoGPT's `_init_weights` would reset the decay's bias).
+    Under `torch.compile` the value checks are skipped (see `linear_attention`): a NaN or inf
+    in the input is then not refused.
     """
 
     def __init__(
@@ -109,10 +122,13 @@ class LinearAttention(nn.Module):
         max_len: int = 1024,
         seed: int | None = 0,
         chunk_size: int = 64,
+        backend: str = "auto",
     ) -> None:
         super().__init__()
         fn = "LinearAttention"
         V.check_choice(fn, "kind", kind, LINEAR_KINDS)
+        V.check_choice(fn, "backend", backend, ("auto", "torch", "triton"))
+        self.backend = backend
         _check_width(fn, d_model, n_heads)
         V.check_positive_int(fn, "max_len", max_len)
         V.check_positive_int(fn, "chunk_size", chunk_size)
@@ -134,13 +150,29 @@ class LinearAttention(nn.Module):
             self.beta_proj = nn.Linear(d_model, n_heads)  # beta_t = sigmoid(.) in (0, 1)
         if kind in ("ssd", "gated_deltanet"):
             self.decay_proj = nn.Linear(d_model, n_heads)
-            # softplus(b) = -log(0.95): tokens start out remembering ~20 steps back
-            nn.init.zeros_(self.decay_proj.weight)
-            nn.init.constant_(self.decay_proj.bias, math.log(math.expm1(-math.log(0.95))))
+            self._init_decay()
         if not self.normalize:
             self.out_norm = nn.Parameter(torch.ones(self.d_head))
 
-    def _features(self, q: Tensor, k: Tensor, pos_offset: int) -> tuple[Tensor, Tensor]:
+    def _init_decay(self) -> None:
+        # softplus(b) = -log(0.95): tokens start out remembering ~20 steps back
+        nn.init.zeros_(self.decay_proj.weight)
+        nn.init.constant_(self.decay_proj.bias, math.log(math.expm1(-math.log(0.95))))
+
+    def reset_parameters(self) -> None:
+        """Re-initialise every parameter as the constructor did (new random weights, the decay
+        starting at 0.95 per token, output norm at one); the Performer projection is kept."""
+        self.qkv.reset_parameters()
+        self.proj.reset_parameters()
+        if hasattr(self, "beta_proj"):
+            self.beta_proj.reset_parameters()
+        if hasattr(self, "decay_proj"):
+            self._init_decay()
+        if hasattr(self, "out_norm"):
+            nn.init.ones_(self.out_norm)
+
+    def _features(self, q: Tensor, k: Tensor, pos_offset: int, cu_seqlens: Tensor | None = None,
+                  ) -> tuple[Tensor, Tensor]:
         if self.kind == "linear":
             return elu_plus_one(q), elu_plus_one(k)
         if self.kind == "performer":
@@ -154,6 +186,9 @@ class LinearAttention(nn.Module):
             if pos_offset + T > self.max_len:
                 raise ValueError(f"LinearAttention(cosformer): position {pos_offset + T} exceeds max_len={self.max_len} (M)")
             i = torch.arange(pos_offset + 1, pos_offset + T + 1, device=q.device, dtype=torch.float64)
+            if cu_seqlens is not None:  # positions restart at every packed sequence
+                starts = cu_seqlens[:-1].to(q.device)
+                i = i - torch.repeat_interleave(starts, cu_seqlens.diff(), output_size=T).double()
             ang = (math.pi / 2 * i / self.max_len).to(q.dtype)[:, None]
             rq, rk = F.relu(q), F.relu(k)
             # cos(a_i - a_j) = cos a_i cos a_j + sin a_i sin a_j: one linear attention on [cos, sin] features
@@ -178,20 +213,38 @@ class LinearAttention(nn.Module):
         state: LinearAttentionState | None = None,
         pos_offset: int = 0,
         return_state: bool = False,
+        cu_seqlens: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, LinearAttentionState]:
         """x: (B, T, d_model) -> (B, T, d_model) [, new state].
 
         `state` is a LinearAttentionState(S (B, H, F, d_head), z (B, H, F) when normalised),
         F = `feature_size`, as returned with return_state=True; `pos_offset` (>= 0) is the
-        position of x's first token (cosFormer's re-weighting depends on it).
+        position of x's first token (cosFormer's re-weighting depends on it). With
+        `cu_seqlens` ((N + 1,) cumulative starts, B = 1) the state has N rows, one a sequence.
         """
         fn = "LinearAttention"
         _check_input(fn, x, self, self.d_model)
         pos_offset = V.check_int(fn, "pos_offset", pos_offset, low=0)
         return_state = V.check_flag(fn, "return_state", return_state)
+        rows = x.shape[0] if cu_seqlens is None else check_cu_seqlens(fn, cu_seqlens, x.shape[1], x.device)
+        if cu_seqlens is not None and x.shape[0] != 1:
+            raise ValueError(f"{fn}: with `cu_seqlens` the sequences are packed along T, so B must be 1, "
+                             f"got `x` with {V.describe(x)}")
         if state is not None:
-            self.check_state(fn, "state", state, batch=x.shape[0], device=x.device)
-        return self._forward(x, state=state, pos_offset=pos_offset, return_state=return_state)
+            self.check_state(fn, "state", state, batch=rows, device=x.device)
+        return self._forward(x, state=state, pos_offset=pos_offset, return_state=return_state,
+                             cu_seqlens=cu_seqlens)
+
+    def _decode(self, q, k, v, beta, g, state):
+        """One token from `state` with the decode-step functions (no gradient): o (B, H, 1, Dv)."""
+        g_t = None if g is None else (g if g.dim() == 1 else g[:, :, 0])
+        if self.kind in DELTA_KINDS:
+            o, new = delta_rule_decode_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], beta[:, :, 0], state, log_decay=g_t)
+            return o.unsqueeze(2), new
+        new = LinearAttentionState(state[0].clone(), None if state[1] is None else state[1].clone())
+        o = linear_attention_decode_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], new, log_decay_t=g_t,
+                                         normalize=self.normalize, backend=self.backend)
+        return o.unsqueeze(2), new
 
     @property
     def feature_size(self) -> int:
@@ -209,20 +262,24 @@ class LinearAttention(nn.Module):
             device=device, normalize=self.normalize,
         )
 
-    def _forward(self, x: Tensor, *, state=None, pos_offset: int = 0, return_state: bool = False):
+    def _forward(self, x: Tensor, *, state=None, pos_offset: int = 0, return_state: bool = False,
+                 cu_seqlens: Tensor | None = None):
         """`forward` without the input checks (for callers that checked already)."""
         q, k, v = (_split_heads(t, self.n_heads) for t in self.qkv(x).chunk(3, dim=-1))
-        phi_q, phi_k = self._features(q, k, pos_offset)
-        if self.kind in DELTA_KINDS:
-            beta = torch.sigmoid(self.beta_proj(x)).transpose(1, 2)  # (B, H, T)
+        phi_q, phi_k = self._features(q, k, pos_offset, cu_seqlens)
+        g = self._decay(x)
+        beta = torch.sigmoid(self.beta_proj(x)).transpose(1, 2) if self.kind in DELTA_KINDS else None  # (B, H, T)
+        if x.shape[1] == 1 and state is not None and cu_seqlens is None and not torch.is_grad_enabled():
+            o, new_state = self._decode(phi_q, phi_k, v, beta, g, state)
+        elif self.kind in DELTA_KINDS:
             o, new_state = delta_rule_attention(
-                phi_q, phi_k, v, beta, log_decay=self._decay(x), chunk_size=self.chunk_size,
-                initial_state=state, return_state=True,
+                phi_q, phi_k, v, beta, log_decay=g, chunk_size=self.chunk_size, initial_state=state,
+                return_state=True, backend=self.backend, cu_seqlens=cu_seqlens,
             )
         else:
             o, new_state = linear_attention(
-                phi_q, phi_k, v, causal=True, normalize=self.normalize, log_decay=self._decay(x),
-                chunk_size=self.chunk_size, initial_state=state, return_state=True,
+                phi_q, phi_k, v, causal=True, normalize=self.normalize, log_decay=g, chunk_size=self.chunk_size,
+                initial_state=state, return_state=True, backend=self.backend, cu_seqlens=cu_seqlens,
             )
         if not self.normalize:
             o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * self.out_norm
@@ -239,6 +296,11 @@ class SoftmaxAttention(nn.Module):
         self.n_heads, self.d_head = n_heads, d_model // n_heads
         self.qkv = nn.Linear(d_model, 3 * d_model, bias=False)
         self.proj = nn.Linear(d_model, d_model, bias=False)
+
+    def reset_parameters(self) -> None:
+        """Re-initialise the projections as the constructor did."""
+        self.qkv.reset_parameters()
+        self.proj.reset_parameters()
 
     def check_state(self, fn: str, name: str, state: object, *, batch: int, device: torch.device) -> None:
         """`state` is a KV cache (keys, values), each (batch, H, S, d_head), S >= 1, finite, on `device`."""

@@ -1,0 +1,114 @@
+"""The layer's API for real models (issue 32): packed batches, the backend, the one-token
+decode path and reset_parameters, for every kind of `LinearAttention`.
+
+* cu_seqlens: a packed batch (B = 1, sequences end to end, one of length 0) equals each
+  sequence run alone, outputs and per-sequence states; cosFormer's positions restart;
+* the one-token call under no_grad (generation) uses the decode steps and equals the
+  parallel form, token by token, for every kind;
+* backend="triton" (the interpreter on CPU) equals backend="torch";
+* reset_parameters restores what a host model's init overwrote (nanoGPT's `_init_weights`
+  zeroes biases: the decay then starts at 0.5 a token instead of 0.95).
+"""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from linattn_lib import LinearAttention
+from linattn_lib.nn.models import LINEAR_KINDS, SoftmaxAttention
+
+D64 = torch.float64
+
+
+def _layer(kind, **kw):
+    torch.manual_seed(0)
+    return LinearAttention(16, 2, kind=kind, chunk_size=8, **kw).double()
+
+
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+def test_packed_batch_equals_separate_sequences(kind):
+    layer = _layer(kind)
+    lengths = [7, 0, 12, 3]
+    cu = torch.tensor([0, 7, 7, 19, 22])
+    x = torch.randn(1, sum(lengths), 16, dtype=D64)
+    y, st = layer(x, cu_seqlens=cu, return_state=True)
+    assert st.S.shape[0] == len(lengths)
+    for i, (s, e) in enumerate(zip(cu[:-1].tolist(), cu[1:].tolist())):
+        if s == e:
+            assert st.S[i].abs().max() == 0  # no tokens: the (zero) state passes through
+            continue
+        y_i, st_i = layer(x[:, s:e], return_state=True)
+        assert (y[:, s:e] - y_i).abs().max() < 1e-10
+        assert (st.S[i] - st_i.S[0]).abs().max() < 1e-10
+    with pytest.raises(ValueError, match=r"LinearAttention: with `cu_seqlens`.*B must be 1"):
+        layer(x.expand(2, -1, -1), cu_seqlens=cu)
+
+
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+def test_one_token_decode_equals_the_parallel_form(kind):
+    layer = _layer(kind)
+    x = torch.randn(2, 12, 16, dtype=D64)
+    with torch.no_grad():
+        full = layer(x)
+        y, state = layer(x[:, :5], return_state=True)
+        steps = [y]
+        for t in range(5, 12):
+            y_t, state = layer(x[:, t:t + 1], state=state, pos_offset=t, return_state=True)
+            steps.append(y_t)
+    assert (torch.cat(steps, dim=1) - full).abs().max() < 1e-10
+
+
+def test_one_token_decode_leaves_the_callers_state_alone():
+    layer = _layer("linear")
+    x = torch.randn(1, 6, 16, dtype=D64)
+    with torch.no_grad():
+        _, state = layer(x[:, :5], return_state=True)
+        S, z = state.S.clone(), state.z.clone()
+        layer(x[:, 5:], state=state, pos_offset=5, return_state=True)
+    assert torch.equal(state.S, S) and torch.equal(state.z, z)
+
+
+@pytest.mark.parametrize("kind", ["linear", "retnet", "gated_deltanet"])
+def test_triton_backend_equals_torch(kind):
+    pytest.importorskip("triton")
+    torch.manual_seed(0)
+    x = torch.randn(1, 40, 32)
+    layers = {b: LinearAttention(32, 2, kind=kind, backend=b) for b in ("torch", "triton")}
+    layers["triton"].load_state_dict(layers["torch"].state_dict())
+    y_t, y_k = (layers[b](x) for b in ("torch", "triton"))
+    assert ((y_t - y_k).norm() / y_t.norm()).item() < 1e-5
+    with pytest.raises(ValueError, match=r"LinearAttention: unknown backend=.cuda."):
+        LinearAttention(32, 2, kind=kind, backend="cuda")
+
+
+def _nanogpt_init(module):  # karpathy/nanoGPT's model.py, _init_weights
+    if isinstance(module, nn.Linear):
+        torch.nn.init.normal_(module.weight, mean=0.0, std=0.02)
+        if module.bias is not None:
+            torch.nn.init.zeros_(module.bias)
+
+
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+def test_reset_parameters_restores_the_initialisation(kind):
+    layer = _layer(kind)
+    init = {n: p.detach().clone() for n, p in layer.named_parameters()}
+    layer.apply(_nanogpt_init)
+    if hasattr(layer, "decay_proj"):
+        assert math.exp(-torch.nn.functional.softplus(layer.decay_proj.bias).max().item()) == pytest.approx(0.5)
+    layer.reset_parameters()
+    for name, p in layer.named_parameters():
+        assert p.shape == init[name].shape
+        if name.startswith(("decay_proj", "out_norm")):
+            assert torch.allclose(p, init[name], rtol=1e-6), name  # the constructor's values
+        else:
+            assert p.std() > 0.05, name  # nn.Linear's default init again, not std 0.02
+    if hasattr(layer, "decay_proj"):
+        decay = torch.exp(-torch.nn.functional.softplus(layer.decay_proj.bias))
+        assert torch.allclose(decay, torch.full_like(decay, 0.95))
+    softmax = SoftmaxAttention(16, 2)
+    softmax.apply(_nanogpt_init)
+    softmax.reset_parameters()
+    assert softmax.qkv.weight.std() > 0.05
