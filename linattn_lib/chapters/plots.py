@@ -26,7 +26,8 @@ METHOD_COLORS: dict[str, str] = {
     "gated_deltanet": "tab:orange", "kda": "tab:brown",
 }
 _ALIASES = {"exact": "softmax", "mamba2": "ssd", "mamba-2": "ssd", "favor+": "performer",
-            "based": "taylor", "gated deltanet": "gated_deltanet", "delta rule": "deltanet"}
+            "based": "taylor", "gated deltanet": "gated_deltanet", "delta rule": "deltanet",
+            "decayed": "ssd", "softmax_fused": "softmax"}
 
 # The book's figure style: text at least 10 pt (10 px or more on the page at 1280 px, for
 # figures up to 10 inches wide), applied when this module is imported.
