@@ -37,3 +37,28 @@ def test_layer_compiles_as_one_graph(kind, backend):
     y, g = _run(layer, x)
     yc, gc = _run(torch.compile(layer, fullgraph=True, backend=backend), x)
     assert (yc - y).abs().max() < 1e-12 and (gc - g).abs().max() < 1e-12
+
+
+def test_delta_rule_on_the_kernels_compiles_as_one_graph():
+    """delta_rule_attention(backend="triton") under fullgraph (the custom ops of delta_ops.py;
+    its autograd Function used to break the graph), forward and backward, equal to eager."""
+    pytest.importorskip("triton")
+    import torch.nn.functional as F
+
+    from linattn_lib import delta_rule_attention
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(1, 2, 40, 16, requires_grad=True) for _ in range(3))
+    x = torch.randn(1, 40, 2, requires_grad=True)
+
+    def attend(q, k, v, x):
+        beta, g = torch.sigmoid(x).transpose(1, 2), F.logsigmoid(-x).transpose(1, 2)
+        o, st = delta_rule_attention(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, beta, log_decay=g,
+                                     backend="triton", return_state=True)
+        return o.square().sum() + st.S.sum()
+
+    torch._dynamo.reset()
+    grads = torch.autograd.grad(attend(q, k, v, x), (q, k, v, x))
+    compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
+    grads_c = torch.autograd.grad(compiled(q, k, v, x), (q, k, v, x))
+    assert all((a - b).abs().max() < 1e-6 for a, b in zip(grads, grads_c))

@@ -51,6 +51,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .. import _validate as V
+from . import delta_ops  # noqa: F401 - registers torch.ops.linattn.delta_fwd / delta_bwd for torch.compile
 from .delta_triton import delta_rule_triton
 from .masks import segsum
 from .state import LinearAttentionState, compute_dtype, expand_log_decay, sum_after

@@ -138,4 +138,6 @@ def delta_rule_triton(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, *, log_deca
     """(o in the dtype of v, S_final fp32) of the chunked delta rule on the Triton kernels, with
     autograd. log_decay: None, (H,) or (B, H, T); initial_state: (B, H, Dk, Dv) or None;
     chunk_size: None (the kernels' own: 64 for 16-bit inputs, 32 for fp32) or a power of two >= 16."""
+    if torch.compiler.is_compiling():  # the custom op (delta_ops.py, registered by delta.py)
+        return torch.ops.linattn.delta_fwd(q, k, v, beta, log_decay, initial_state, chunk_size)
     return _DeltaRuleTriton.apply(q, k, v, beta, log_decay, initial_state, chunk_size)
