@@ -62,3 +62,26 @@ def test_delta_rule_on_the_kernels_compiles_as_one_graph():
     compiled = torch.compile(attend, fullgraph=True, backend="aot_eager")
     grads_c = torch.autograd.grad(compiled(q, k, v, x), (q, k, v, x))
     assert all((a - b).abs().max() < 1e-6 for a, b in zip(grads, grads_c))
+
+
+@pytest.mark.parametrize("decay, state", [(None, False), ("token", True)])
+def test_opcheck_delta_ops(decay, state):
+    """torch.library.opcheck on linattn::delta_fwd and delta_bwd: schema, fake tensors,
+    autograd registration and AOT dispatch agree with the real kernels (interpreter on CPU)."""
+    pytest.importorskip("triton")
+    import torch.nn.functional as F
+
+    from linattn_lib.core import delta_ops  # noqa: F401 - registers the ops
+
+    gen = torch.Generator().manual_seed(0)
+    B, H, T, D = 1, 2, 24, 16
+    q = torch.randn(B, H, T, D, generator=gen, requires_grad=True)
+    k = F.normalize(torch.randn(B, H, T, D, generator=gen), dim=-1).requires_grad_()
+    v = torch.randn(B, H, T, D, generator=gen, requires_grad=True)
+    beta = torch.rand(B, H, T, generator=gen, requires_grad=True)
+    g = -torch.rand(B, H, T, generator=gen) if decay else None
+    S0 = torch.randn(B, H, D, D, generator=gen) if state else None
+    torch.library.opcheck(torch.ops.linattn.delta_fwd.default, (q, k, v, beta, g, S0, None))
+    do, dS = torch.randn(B, H, T, D, generator=gen), torch.randn(B, H, D, D, generator=gen)
+    args = (q.detach(), k.detach(), v.detach(), beta.detach(), g, S0, do, dS, None)
+    torch.library.opcheck(torch.ops.linattn.delta_bwd.default, args)
