@@ -85,3 +85,16 @@ def test_opcheck_delta_ops(decay, state):
     do, dS = torch.randn(B, H, T, D, generator=gen), torch.randn(B, H, D, D, generator=gen)
     args = (q.detach(), k.detach(), v.detach(), beta.detach(), g, S0, do, dS, None)
     torch.library.opcheck(torch.ops.linattn.delta_bwd.default, args)
+
+
+def test_production_layer_compiles_as_one_graph():
+    """Gated DeltaNet with SiLU, Mamba-2's gate and the output gate (fla's layer without its
+    short convolution), fullgraph with aot_eager, equal to eager."""
+    torch.manual_seed(0)
+    layer = LinearAttention(16, 2, kind="gated_deltanet", chunk_size=16, activation="silu", gate="mamba",
+                            output_gate=True).double()
+    x = torch.randn(2, 40, 16, dtype=torch.float64, requires_grad=True)
+    torch._dynamo.reset()
+    y, g = _run(layer, x)
+    yc, gc = _run(torch.compile(layer, fullgraph=True, backend="aot_eager"), x)
+    assert (yc - y).abs().max() < 1e-12 and (gc - g).abs().max() < 1e-12

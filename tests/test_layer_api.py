@@ -112,3 +112,81 @@ def test_reset_parameters_restores_the_initialisation(kind):
     softmax.apply(_nanogpt_init)
     softmax.reset_parameters()
     assert softmax.qkv.weight.std() > 0.05
+
+
+# --- production options: SiLU on q, k, v; Mamba-2's gate; output gate with RMSNorm ---------
+
+PRODUCTION = dict(activation="silu", gate="mamba", output_gate=True)
+PRODUCTION_KINDS = ("linear", "retnet", "ssd", "deltanet", "gated_deltanet")
+
+
+def _production(kind):
+    kw = dict(PRODUCTION)
+    if kind not in ("ssd", "gated_deltanet"):
+        kw.pop("gate")
+    return _layer(kind, **kw)
+
+
+@pytest.mark.parametrize("kind", PRODUCTION_KINDS)
+def test_production_options_keep_every_equivalence(kind):
+    """With the options on, packed == separate and the one-token decode == the parallel form."""
+    layer = _production(kind)
+    x = torch.randn(1, 19, 16, dtype=D64)
+    cu = torch.tensor([0, 7, 19])
+    with torch.no_grad():
+        full, _ = layer(x, return_state=True)
+        packed = layer(x, cu_seqlens=cu)
+        alone = torch.cat([layer(x[:, :7]), layer(x[:, 7:])], dim=1)
+        y, state = layer(x[:, :10], return_state=True)
+        steps = [y]
+        for t in range(10, 19):
+            y_t, state = layer(x[:, t:t + 1], state=state, pos_offset=t, return_state=True)
+            steps.append(y_t)
+    assert (packed - alone).abs().max() < 1e-10
+    assert (torch.cat(steps, dim=1) - full).abs().max() < 1e-10
+
+
+def test_production_options_compute_what_fla_computes():
+    """Gated DeltaNet with the options, written out in float64 from fla's GatedDeltaNet layer
+    (fla/layers/gated_deltanet.py, no short convolution): q, k, v = silu(proj), L2-normalised q
+    and k, beta = sigmoid(b_proj x), g = -exp(A_log) softplus(a_proj x + dt_bias), the gated
+    delta rule, o = RMSNorm(o) * silu(g_proj x), then o_proj."""
+    import torch.nn.functional as F
+
+    from linattn_lib import delta_rule_attention
+
+    layer = _production("gated_deltanet")
+    dt = F.softplus(layer.dt_bias)
+    assert ((layer.A_log.exp() > 0) & (layer.A_log.exp() < 16)).all()
+    assert ((dt > 1e-3 - 1e-12) & (dt < 0.1 + 1e-12)).all()
+    x = torch.randn(2, 13, 16, dtype=D64)
+    B, T, H, dh = 2, 13, 2, 8
+
+    def heads(t):
+        return t.view(B, T, H, dh).transpose(1, 2)
+
+    q, k, v = (heads(t) for t in F.silu(layer.qkv(x)).chunk(3, dim=-1))
+    beta = torch.sigmoid(layer.beta_proj(x)).transpose(1, 2)
+    g = (-layer.A_log.exp() * F.softplus(layer.decay_proj(x) + layer.dt_bias)).transpose(1, 2)
+    o = delta_rule_attention(F.normalize(q, dim=-1), F.normalize(k, dim=-1), v, beta, log_decay=g,
+                             form="recurrent")
+    o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * layer.out_norm
+    o = o * F.silu(heads(layer.gate_proj(x)))
+    y = layer.proj(o.transpose(1, 2).reshape(B, T, H * dh))
+    assert (layer(x) - y).abs().max() < 1e-10
+
+
+def test_production_options_are_checked_and_reset():
+    with pytest.raises(ValueError, match=r"LinearAttention: unknown gate='exp'"):
+        LinearAttention(16, 2, kind="ssd", gate="exp")
+    with pytest.raises(ValueError, match=r"LinearAttention: unknown activation='gelu'"):
+        LinearAttention(16, 2, activation="gelu")
+    layer = _production("gated_deltanet")
+    layer.apply(_nanogpt_init)
+    with torch.no_grad():
+        layer.A_log.zero_()
+        layer.dt_bias.zero_()
+    layer.reset_parameters()
+    dt = torch.nn.functional.softplus(layer.dt_bias)
+    assert (layer.A_log != 0).all() and ((dt > 1e-3 - 1e-12) & (dt < 0.1 + 1e-12)).all()
+    assert layer.gate_proj.weight.std() > 0.05

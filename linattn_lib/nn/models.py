@@ -101,6 +101,14 @@ class LinearAttention(nn.Module):
         chunk_size: chunk length of the chunked algorithm.
         backend: "auto" (the Triton kernels for CUDA inputs they support, torch otherwise),
             "torch" or "triton"; passed to `linear_attention` / `delta_rule_attention`.
+        activation: None or "silu": applied to q, k and v after the projection, before the
+            kind's feature map (fla's layers without a short convolution do this; Gated
+            DeltaNet then L2-normalises q and k, as every delta kind here does).
+        gate: how "ssd" and "gated_deltanet" make their decay: "softplus" (g = -softplus(w.x
+            + b), starting at 0.95 a token) or "mamba" (Mamba-2's and fla's Gated DeltaNet:
+            g = -exp(A_log) softplus(w.x + dt_bias), A ~ U(0, 16), dt ~ logU(0.001, 0.1)).
+        output_gate: multiply the per-head RMS-normalised output by silu(W_g x) (fla's
+            FusedRMSNormGated; Qwen3-Next, Kimi Linear) before the output projection.
 
     `forward(x, cu_seqlens=...)` takes packed sequences (B = 1, the sequences end to end, as
     flash-attn's varlen functions do; cosFormer's positions restart at each sequence), with one
@@ -123,12 +131,18 @@ class LinearAttention(nn.Module):
         seed: int | None = 0,
         chunk_size: int = 64,
         backend: str = "auto",
+        activation: str | None = None,
+        gate: str = "softplus",
+        output_gate: bool = False,
     ) -> None:
         super().__init__()
         fn = "LinearAttention"
         V.check_choice(fn, "kind", kind, LINEAR_KINDS)
         V.check_choice(fn, "backend", backend, ("auto", "torch", "triton"))
-        self.backend = backend
+        V.check_choice(fn, "activation", activation, (None, "silu"))
+        V.check_choice(fn, "gate", gate, ("softplus", "mamba"))
+        self.backend, self.activation, self.gate = backend, activation, gate
+        self.output_gate = V.check_flag(fn, "output_gate", output_gate)
         _check_width(fn, d_model, n_heads)
         V.check_positive_int(fn, "max_len", max_len)
         V.check_positive_int(fn, "chunk_size", chunk_size)
@@ -149,12 +163,25 @@ class LinearAttention(nn.Module):
         if kind in DELTA_KINDS:
             self.beta_proj = nn.Linear(d_model, n_heads)  # beta_t = sigmoid(.) in (0, 1)
         if kind in ("ssd", "gated_deltanet"):
-            self.decay_proj = nn.Linear(d_model, n_heads)
+            self.decay_proj = nn.Linear(d_model, n_heads, bias=gate == "softplus")
+            if gate == "mamba":
+                self.A_log = nn.Parameter(torch.zeros(n_heads))
+                self.dt_bias = nn.Parameter(torch.zeros(n_heads))
             self._init_decay()
-        if not self.normalize:
+        if not self.normalize or self.output_gate:
             self.out_norm = nn.Parameter(torch.ones(self.d_head))
+        if self.output_gate:
+            self.gate_proj = nn.Linear(d_model, d_model, bias=False)
 
     def _init_decay(self) -> None:
+        if self.gate == "mamba":  # as fla's GatedDeltaNet (and Mamba-2): A ~ U(0, 16), dt ~ logU(1e-3, 0.1)
+            self.decay_proj.reset_parameters()
+            with torch.no_grad():
+                self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0, 16).log())
+                lo, hi = math.log(1e-3), math.log(0.1)
+                dt = torch.exp(torch.rand_like(self.dt_bias) * (hi - lo) + lo).clamp(min=1e-4)
+                self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
+            return
         # softplus(b) = -log(0.95): tokens start out remembering ~20 steps back
         nn.init.zeros_(self.decay_proj.weight)
         nn.init.constant_(self.decay_proj.bias, math.log(math.expm1(-math.log(0.95))))
@@ -170,6 +197,8 @@ class LinearAttention(nn.Module):
             self._init_decay()
         if hasattr(self, "out_norm"):
             nn.init.ones_(self.out_norm)
+        if hasattr(self, "gate_proj"):
+            self.gate_proj.reset_parameters()
 
     def _features(self, q: Tensor, k: Tensor, pos_offset: int, cu_seqlens: Tensor | None = None,
                   ) -> tuple[Tensor, Tensor]:
@@ -203,6 +232,9 @@ class LinearAttention(nn.Module):
         if self.kind in ("ssd", "gated_deltanet"):
             # -softplus(z) as logsigmoid(-z), the same function: AOT autograd (backend="aot_eager",
             # torch 2.13) compiled softplus's backward after a cumsum into a failing view
+            if self.gate == "mamba":
+                z = self.decay_proj(x) + self.dt_bias
+                return (self.A_log.exp() * F.logsigmoid(-z)).transpose(1, 2)
             return F.logsigmoid(-self.decay_proj(x)).transpose(1, 2)  # (B, H, T), data-dependent
         return None
 
@@ -265,7 +297,10 @@ class LinearAttention(nn.Module):
     def _forward(self, x: Tensor, *, state=None, pos_offset: int = 0, return_state: bool = False,
                  cu_seqlens: Tensor | None = None):
         """`forward` without the input checks (for callers that checked already)."""
-        q, k, v = (_split_heads(t, self.n_heads) for t in self.qkv(x).chunk(3, dim=-1))
+        qkv = self.qkv(x)
+        if self.activation == "silu":
+            qkv = F.silu(qkv)
+        q, k, v = (_split_heads(t, self.n_heads) for t in qkv.chunk(3, dim=-1))
         phi_q, phi_k = self._features(q, k, pos_offset, cu_seqlens)
         g = self._decay(x)
         beta = torch.sigmoid(self.beta_proj(x)).transpose(1, 2) if self.kind in DELTA_KINDS else None  # (B, H, T)
@@ -281,8 +316,10 @@ class LinearAttention(nn.Module):
                 phi_q, phi_k, v, causal=True, normalize=self.normalize, log_decay=g, chunk_size=self.chunk_size,
                 initial_state=state, return_state=True, backend=self.backend, cu_seqlens=cu_seqlens,
             )
-        if not self.normalize:
+        if not self.normalize or self.output_gate:
             o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + 1e-6) * self.out_norm
+        if self.output_gate:
+            o = o * F.silu(_split_heads(self.gate_proj(x), self.n_heads))
         y = self.proj(_merge_heads(o))
         return (y, new_state) if return_state else y
 
