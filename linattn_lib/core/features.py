@@ -485,8 +485,8 @@ def taylor_features(x: Tensor, *, scale: float | None = None) -> Tensor:
     * Exact for its own kernel, and that kernel is positive: 1 + s + s^2/2 = ((1 + s)^2 + 1) / 2
       has its minimum 1/2 at s = -1, so normalised attention never divides by ~0.
     * Only an approximation of exp(s): the error is the Taylor remainder, about s^3/6, so it is
-      good for small abs(s) and poor for large ones (Based keeps d small, e.g. 16, and normalises
-      q, k). The feature count grows as d^2 (273 for d = 16).
+      good for small abs(s) and poor for large ones (Based keeps d small, e.g. 16; its code
+      does not normalise q and k). The feature count grows as d^2 (273 for d = 16).
 
     Only the full d^2 quadratic block is produced (x_i x_j and x_j x_i both appear); the
     symmetric d(d+1)/2 form would give the same kernel with fewer features.
