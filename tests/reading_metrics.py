@@ -10,7 +10,10 @@
 * ``fact_checks``: admonitions titled "Fact check";
 * ``code_scrolling``: code blocks (cell sources, outputs, literal blocks) wider than their box,
   measured with every fold opened, so a folded cell that scrolls counts too;
-* ``page_overflow_px``: how far the page itself is wider than the window.
+* ``page_overflow_px``: how far the page itself is wider than the window;
+* ``first_figure_px``: where the page's first figure starts, from the top of the page;
+* ``figure_scales``: each figure's shown width over its natural width (the book's figures
+  are drawn at 100 dpi with text of at least 10 pt, 13.9 px at scale 1).
 
 `python tests/reading_metrics.py [report.json]` prints the per-page table from the browser
 test's report (`_build/screenshots/report.json` under `make test`).
@@ -37,6 +40,8 @@ MAX_CLIPPED_NARROW = 5        # display equations cut at 390 px, whole book
 MAX_CODE_SHARE = 0.30         # code + text output per chapter page, at 1280 px
 MAX_FACT_CHECKS = 3           # fact-check notes per page
 MAX_SCROLLING_CODE = 10       # code blocks that scroll sideways at 1280 px, whole book
+FIRST_FIGURE_PX = 1800        # a chapter's key figure within its first two screens (900 px each)
+MIN_TEXT_PX = 10              # figure text as rendered at 1280 px
 
 READING_SCRIPT = """() => {
   const vw = document.documentElement.clientWidth;
@@ -91,7 +96,13 @@ READING_SCRIPT = """() => {
     .map(p => p.textContent.split('\\n').reduce((a, b) => (b.length > a.length ? b : a), '')
                 .slice(0, 90));
   closed.forEach(d => { d.open = false; });
+  const imgs = [...article.querySelectorAll('.cell_output img, img')].filter(shown);
+  const tops = imgs.map(i => i.getBoundingClientRect().top + window.scrollY);
+  const figures = [...article.querySelectorAll('.cell_output img')].filter(shown)
+    .filter(i => i.naturalWidth > 0);
   return {
+    first_figure_px: tops.length ? Math.round(Math.min(...tops)) : null,
+    figure_scales: figures.map(i => i.getBoundingClientRect().width / i.naturalWidth),
     viewport: vw,
     page_overflow_px: Math.max(0, document.documentElement.scrollWidth - vw),
     article_px: Math.round(height(article)),

@@ -49,11 +49,13 @@ from urllib.parse import unquote, urlsplit
 
 import pytest
 from reading_metrics import (
+    FIRST_FIGURE_PX,
     MAX_CLIPPED_NARROW,
     MAX_CLIPPED_WIDE,
     MAX_CODE_SHARE,
     MAX_FACT_CHECKS,
     MAX_SCROLLING_CODE,
+    MIN_TEXT_PX,
     READING_SCRIPT,
     table,
 )
@@ -530,3 +532,21 @@ def test_chapter_is_mostly_lesson(reports, name):
     assert rep["code_share"] <= MAX_CODE_SHARE, \
         f"{name}: code and text output are {rep['code_share']:.0%} of the page " \
         f"({rep['code_px']} of {rep['article_px']} px; at most {MAX_CODE_SHARE:.0%})"
+
+
+@pytest.mark.parametrize("name", [p for p in PAGES if re.match(r"book/\d\d_", p)])
+def test_chapter_shows_its_key_figure_early(reports, name):
+    top = reports[name]["reading"]["first_figure_px"]
+    assert top is not None and top <= FIRST_FIGURE_PX, \
+        f"{name}: the first figure starts at {top} px (within the first two screens: <= {FIRST_FIGURE_PX})"
+
+
+@pytest.mark.parametrize("name", [p for p in PAGES if re.match(r"book/\d\d_", p)])
+def test_figure_text_is_readable_on_the_page(reports, name):
+    """The book's figures are drawn at savefig.dpi with text of at least MIN_FONT_PT; shown at
+    1280 px, each one's scale keeps that text at MIN_TEXT_PX or more."""
+    from linattn_lib.chapters.plots import BOOK_RC, MIN_FONT_PT
+
+    natural_px = MIN_FONT_PT * BOOK_RC["savefig.dpi"] / 72
+    small = [round(s, 2) for s in reports[name]["reading"]["figure_scales"] if natural_px * s < MIN_TEXT_PX - 0.05]
+    assert not small, f"{name}: figures shown at scales {small}: their smallest text is below {MIN_TEXT_PX} px"

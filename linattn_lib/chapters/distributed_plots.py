@@ -40,7 +40,8 @@ def draw_rank_scan(world_size: int = 4, *, ax: Axes | None = None, mode: str = "
     else:
         ax.add_patch(Rectangle((-0.1, 0.55), 1.5 * W - 0.1, 0.2, color="0.6", alpha=0.5))
         ax.text(0.75 * W - 0.15, 0.65, "all_gather: every rank receives every $(S_s, z_s, G_s)$",
-                ha="center", va="center", fontsize=10)
+                ha="center", va="center", fontsize=10, zorder=3,
+                bbox=dict(facecolor="white", edgecolor="none", alpha=0.9, pad=1.5))  # over the arrows
         for r in range(W):
             ax.add_patch(FancyArrowPatch((r * 1.5 + 0.6, 1.0), (r * 1.5 + 0.6, 0.75), arrowstyle="->", mutation_scale=8))
             ax.add_patch(FancyArrowPatch((r * 1.5 + 0.6, 0.55), (r * 1.5 + 0.6, 0.42), arrowstyle="->", mutation_scale=8))
