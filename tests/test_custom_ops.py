@@ -25,7 +25,7 @@ import torch
 
 pytest.importorskip("triton")
 
-import linattn_lib.nn.models as models  # noqa: E402
+import linattn_lib.nn.layers as layers  # noqa: E402
 from linattn_lib import LinearAttention, LinearAttentionState, linear_attention  # noqa: E402
 from linattn_lib.core import custom_ops  # noqa: E402
 from linattn_lib.core.triton_ops import triton_available  # noqa: E402
@@ -191,7 +191,7 @@ def _module_matches(module, compiled, x, rtol, atol):
 def test_compiled_module_through_the_kernels_is_one_graph(monkeypatch):
     """LinearAttention on CUDA runs the kernels; routed to them here, it compiles to one graph
     (data-dependent decay included)."""
-    monkeypatch.setattr(models, "linear_attention", functools.partial(linear_attention, backend="triton"))
+    monkeypatch.setattr(layers, "linear_attention", functools.partial(linear_attention, backend="triton"))
     module, x = _module_and_input("ssd")
     compiled = torch.compile(module, fullgraph=True, backend="aot_eager")
     _module_matches(module, compiled, x, rtol=1e-4, atol=1e-5)

@@ -51,8 +51,7 @@ from .common import (
 
 IGNORE = -100
 # The kinds of the legacy sweep (book/results/mqar.json holds exactly these), then the
-# delta-rule kinds (chapter 10). Every function and the CLI
-# accept ALL_KINDS.
+# delta-rule kinds (chapter 10). Every function and the CLI accept ALL_KINDS.
 KINDS = ("softmax", "performer", "linear", "cosformer", "retnet", "ssd", "hybrid")
 DELTA_KINDS = ("deltanet", "gated_deltanet")
 # GLA (a vector gate per key channel, `GatedLinearAttention`) runs in the Zoology sweep only
@@ -86,6 +85,7 @@ class MQARConfig:
     n_head: int = 2
     softmax_layers: tuple = ()
     token_shift: bool = True
+    short_conv: bool = False    # LinearAttention(short_conv=True): a kernel-4 causal conv on q, k, v
     steps: int = 1500
     batch_size: int = 32
     lr: float = 3e-3
@@ -303,8 +303,7 @@ def build_model(cfg: MQARConfig) -> TinyLM:
     model = TinyLM(ModelConfig(
         vocab_size=cfg.vocab_size, block_size=cfg.seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head,
         d_model=cfg.d_model, attention="linear" if cfg.attention == "gla" else cfg.attention,
-        softmax_layers=cfg.hybrid_layers, seed=cfg.seed,
-    ))
+        softmax_layers=cfg.hybrid_layers, seed=cfg.seed, layer_options={"short_conv": True} if cfg.short_conv else {}))
     if cfg.attention == "gla":
         torch.manual_seed(cfg.seed + 2)
         for i, block in enumerate(model.blocks):
