@@ -54,6 +54,7 @@ from .. import _validate as V
 from . import delta_ops  # noqa: F401 - registers torch.ops.linattn.delta_fwd / delta_bwd for torch.compile
 from .delta_triton import delta_rule_triton
 from .masks import segsum
+from .packed_ops import make_packed_op
 from .state import LinearAttentionState, compute_dtype, expand_log_decay, sum_after
 from .triton_ops import triton_supports
 from .varlen import check_cu_seqlens, sequence_spans
@@ -376,6 +377,10 @@ def _packed(fn, q, k, v, beta, cu_seqlens, initial_state, return_state, **kw):
     S0 = None if initial_state is None else _check_state(
         fn, "initial_state", initial_state, B=N, H=H, Dk=Dk, Dv=Dv, device=q.device)
     g = kw.pop("log_decay")
+    if torch.compiler.is_compiling():  # the loop below, as one op opaque to the compiler
+        o, S, _ = _packed_op(q, k, v, beta, g, S0, None, cu_seqlens, True, False, kw["form"], 0.0,
+                             kw["chunk_size"], kw["backend"])
+        return (o, LinearAttentionState(S, None)) if return_state else o
     outs, states = [], []
     for i, (s, e) in enumerate(sequence_spans(cu_seqlens, q.shape[2], fn)):
         start = None if S0 is None else S0[i:i + 1]
@@ -392,6 +397,15 @@ def _packed(fn, q, k, v, beta, cu_seqlens, initial_state, return_state, **kw):
         return o
     dtype = functools.reduce(torch.promote_types, [S.dtype for S in states])
     return o, LinearAttentionState(torch.cat([S.to(dtype) for S in states]), None)
+
+
+def _packed_eager(q, k, v, beta, g, S0, z0, cu_seqlens, *, causal, normalize, form, eps, chunk_size, backend):
+    o, st = _packed("delta_rule_attention", q, k, v, beta, cu_seqlens, S0, True, log_decay=g, form=form,
+                    chunk_size=chunk_size, check_unit_keys=False, backend=backend)
+    return o, st.S, None
+
+
+_packed_op = make_packed_op("delta_packed", _packed_eager)
 
 
 def delta_rule_decode_step(

@@ -14,6 +14,7 @@ from torch import Tensor
 
 from .. import _validate as V
 from . import custom_ops  # noqa: F401  (registers torch.ops.linattn.*, which the Triton path calls)
+from .packed_ops import make_packed_op
 from .reference import FORMS, reference_linear_attention
 from .state import DEFAULT_EPS, LinearAttentionState
 from .torch_chunked import chunked_linear_attention
@@ -155,9 +156,35 @@ def linear_attention(
         engine, kw = chunked_linear_attention, dict(kw, chunk_size=chunk_size)
     else:
         engine, kw = reference_linear_attention, dict(kw, form=form, chunk_size=chunk_size)
+    if packed and torch.compiler.is_compiling():  # the host loop below, as one op opaque to the compiler
+        return _packed_compiled(q, k, v, cu_seqlens, form=form, chunk_size=chunk_size, backend=backend, **kw)
     if packed:  # each sequence alone, exactly: zero-padded batches (varlen.py; the spans read and checked on the host)
         return pad_and_batch(engine, q, k, v, sequence_spans(cu_seqlens, q.shape[2], fn), **kw)
     return engine(q, k, v, **kw)
+
+
+def _packed_compiled(q, k, v, cu_seqlens, *, causal, normalize, log_decay, eps, initial_state, return_state,
+                     form, chunk_size, backend):
+    S0, z0 = (None, None) if initial_state is None else initial_state
+    o, S, z = _packed_op(q, k, v, None, log_decay, S0, z0, cu_seqlens, causal, normalize, form, eps, chunk_size,
+                         backend)
+    return (o, LinearAttentionState(S, z if normalize else None)) if return_state else o
+
+
+def _packed_eager(q, k, v, beta, g, S0, z0, cu_seqlens, *, causal, normalize, form, eps, chunk_size, backend):
+    """linear_attention on packed sequences in eager mode, as (o, S, z) (S, z zero when non-causal)."""
+    state = None if S0 is None else LinearAttentionState(S0, z0)
+    kw = dict(causal=causal, normalize=normalize, log_decay=g, form=form, chunk_size=chunk_size, eps=eps,
+              initial_state=state, backend=backend, cu_seqlens=cu_seqlens)
+    if causal:
+        o, st = linear_attention(q, k, v, return_state=True, **kw)
+        return o, st.S, st.z
+    N, H, Dk, Dv = cu_seqlens.shape[0] - 1, q.shape[1], q.shape[-1], v.shape[-1]
+    zeros = q.new_zeros(N, H, Dk, Dv)
+    return linear_attention(q, k, v, **kw), zeros, zeros[..., 0] if normalize else None
+
+
+_packed_op = make_packed_op("linear_packed", _packed_eager)
 
 
 

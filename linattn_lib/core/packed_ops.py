@@ -1,0 +1,110 @@
+"""Packed batches (cu_seqlens) on the paths that loop on the host, as torch custom ops, so that
+`torch.compile(fullgraph=True)` traces a packed call in one graph.
+
+The torch paths of `linear_attention` and every path of `delta_rule_attention` run packed
+sequences one span at a time: they read cu_seqlens on the host, which a traced graph cannot.
+Wrapped in an op, the loop is opaque to the compiler: the graph holds one call whose fake
+(meta) implementation gives the shapes, and the loop runs at run time as in eager mode.
+
+    <name>_fwd (q, k, v, beta?, g?, S0?, z0?, cu_seqlens, causal, normalize, form, eps,
+                chunk_size?, backend) -> (o, S, z)
+    <name>_bwd (the same inputs, do?, dS?, dz?) -> (dq, dk, dv, dbeta, dg, dS0, dz0)
+
+o is in v's dtype, S (N, H, Dk, Dv) and z (N, H, Dk) in the library's accumulation dtype
+(float64 for float64 q, else float32); z is empty (shape (0,)) when not normalising, as is the
+gradient of an input that is None; gradients come in their inputs' strides. The backward recomputes the forward under autograd and
+differentiates it (once differentiable): a packed call costs one extra forward when compiled.
+`make_packed_op(name, eager)` registers one op pair; linear.py and delta.py each make theirs
+from their own eager function, so this module imports neither.
+"""
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+Eager = Callable[..., tuple[Tensor, Tensor, Tensor | None]]
+_DIFFERENTIABLE = 7  # q, k, v, beta, g, S0, z0; then cu_seqlens and the settings
+
+
+def _absent(like: Tensor) -> Tensor:
+    return torch.empty(0, dtype=torch.float32, device=like.device)
+
+
+def _accumulation(q: Tensor) -> torch.dtype:
+    return torch.float64 if q.dtype == torch.float64 else torch.float32
+
+
+def _autograd_inside_op() -> contextlib.AbstractContextManager:
+    """Autograd back on inside a custom op's implementation, which the dispatcher runs below
+    the autograd keys (torch.enable_grad alone records nothing there). Private torch API
+    (dispatch-key TLS, torch 2.x); the backward op below is its only user."""
+    C = torch._C
+    exclude = C._dispatch_tls_local_exclude_set()
+    for key in (C.DispatchKey.AutogradOther, C.DispatchKey.AutogradNestedTensor, C.DispatchKey.AutogradFunctionality):
+        exclude = exclude.remove(key)
+    return C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude)
+
+
+def make_packed_op(name: str, eager: Eager) -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
+    """Register `linattn::<name>_fwd` / `_bwd` around `eager(q, k, v, beta, g, S0, z0, cu_seqlens,
+    causal=, normalize=, form=, eps=, chunk_size=, backend=) -> (o, S, z or None)`; return the
+    forward op."""
+
+    @torch.library.custom_op(f"linattn::{name}_fwd", mutates_args=())
+    def fwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor | None, g: Tensor | None, S0: Tensor | None,
+            z0: Tensor | None, cu_seqlens: Tensor, causal: bool, normalize: bool, form: str, eps: float,
+            chunk_size: int | None, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+        o, S, z = eager(q, k, v, beta, g, S0, z0, cu_seqlens, causal=causal, normalize=normalize, form=form,
+                        eps=eps, chunk_size=chunk_size, backend=backend)
+        return o.contiguous(), S.to(_accumulation(q)).contiguous(), _absent(q) if z is None else z.contiguous()
+
+    @fwd.register_fake
+    def _fwd_fake(q, k, v, beta, g, S0, z0, cu_seqlens, causal, normalize, form, eps, chunk_size, backend):
+        B, H, T, Dk = q.shape
+        N, dtype = cu_seqlens.shape[0] - 1, _accumulation(q)
+        o = torch.empty(B, H, T, v.shape[-1], dtype=v.dtype, device=q.device)
+        S = torch.empty(N, H, Dk, v.shape[-1], dtype=dtype, device=q.device)
+        return o, S, torch.empty(N, H, Dk, dtype=dtype, device=q.device) if normalize else _absent(q)
+
+    @torch.library.custom_op(f"linattn::{name}_bwd", mutates_args=())
+    def bwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor | None, g: Tensor | None, S0: Tensor | None,
+            z0: Tensor | None, cu_seqlens: Tensor, causal: bool, normalize: bool, form: str, eps: float,
+            chunk_size: int | None, backend: str, do: Tensor | None, dS: Tensor | None, dz: Tensor | None,
+            ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+        inputs = [None if t is None else t.detach().requires_grad_() for t in (q, k, v, beta, g, S0, z0)]
+        with _autograd_inside_op(), torch.enable_grad():
+            o, S, z = eager(*inputs, cu_seqlens, causal=causal, normalize=normalize, form=form, eps=eps,
+                            chunk_size=chunk_size, backend=backend)
+        pairs = [(out, grad) for out, grad in ((o, do), (S, dS), (z, dz)) if out is not None and grad is not None]
+        wanted = [t for t in inputs if t is not None]
+        grads = torch.autograd.grad([p[0] for p in pairs], wanted, [p[1].to(p[0].dtype) for p in pairs],
+                                    allow_unused=True) if pairs else [None] * len(wanted)
+        it = iter(grads)
+        out = []
+        for t in inputs:
+            grad = None if t is None else next(it)
+            # each gradient in its input's strides (a head split's q is a transposed view)
+            out.append(_absent(q) if t is None else torch.zeros_like(t) if grad is None else
+                       torch.empty_like(t).copy_(grad))
+        return tuple(out)
+
+    @bwd.register_fake
+    def _bwd_fake(q, k, v, beta, g, S0, z0, *rest):
+        return tuple(_absent(q) if t is None else torch.empty_like(t) for t in (q, k, v, beta, g, S0, z0))
+
+    def setup(ctx, inputs, output) -> None:
+        ctx.save_for_backward(*inputs[:_DIFFERENTIABLE + 1])
+        ctx.settings = inputs[_DIFFERENTIABLE + 1:]  # causal, normalize, form, eps, chunk_size, backend
+        ctx.set_materialize_grads(False)
+
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do, dS, dz):
+        *saved, cu_seqlens = ctx.saved_tensors
+        grads = bwd(*saved, cu_seqlens, *ctx.settings, do, dS, dz if ctx.settings[1] else None)
+        return (*(None if t is None else d for t, d in zip(saved, grads)), *([None] * (1 + len(ctx.settings))))
+
+    fwd.register_autograd(backward, setup_context=setup)
+    return fwd
