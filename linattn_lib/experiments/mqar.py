@@ -9,8 +9,8 @@ number of pairs and the model width (hence the state size).
 
 Every model gets the same *token shift* in front of its first layer, e_t + W e_{t-1} (RWKV's token
 shift; H3, Mamba and Based use short convolutions for the same purpose): a value token then
-carries its key, so one attention layer can bind the pair; without it a model first has to
-learn a previous-token head, which on a CPU budget it does not (see `MQARConfig.token_shift`).
+carries its key, so one attention layer can bind the pair. Without it or `short_conv` (a kernel-4
+convolution on q, k, v) recall stays low (book/results/mqar_conv.json: experiments.mqar_conv).
 
 Two generators. `make_zoology_batch` ("zoology", `--task zoology`, chapter 7's sweep) is Zoology's
 `multiquery_ar`: each key queried once at power-law gaps among random filler, answers never fed
@@ -69,7 +69,7 @@ class MQARConfig:
     [vocab_size/2, vocab_size). `kind` is an attention kind of the zoo or "hybrid" (linear
     attention with the layers in `softmax_layers` using softmax; default: the first layer).
     token_shift adds a learned mix of the previous token's embedding to every token's (see
-    `ShiftedEmbedding`); without it, no model learned the task within a CPU budget in our trials.
+    `ShiftedEmbedding`); short_conv gives every linear layer a short causal convolution on q, k, v.
     Each training batch mixes the pair counts in `train_pairs`; accuracy is reported for each
     count in `eval_pairs`. `task` picks the generator: "legacy" (`make_mqar_batch`, the task of
     book/results/mqar.json) or "zoology" (`make_zoology_batch`, Zoology's own, chapter 7's).
