@@ -9,8 +9,7 @@ number of pairs and the model width (hence the state size).
 
 Every model gets the same *token shift* in front of its first layer, e_t + W e_{t-1} (RWKV's token
 shift; H3, Mamba and Based use short convolutions for the same purpose): a value token then
-carries its key, so one attention layer can bind the pair. Without it or `short_conv` (a kernel-4
-convolution on q, k, v) recall stays low (book/results/mqar_conv.json: experiments.mqar_conv).
+carries its key, so one attention layer can bind the pair. Without it or `short_conv`, recall stays low.
 
 Two generators. `make_zoology_batch` ("zoology", `--task zoology`, chapter 7's sweep) is Zoology's
 `multiquery_ar`: each key queried once at power-law gaps among random filler, answers never fed
@@ -39,6 +38,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from ..measure import torch_threads
+from ..nn.conv import ShiftedEmbedding  # noqa: F401  (its home before nn/conv.py)
 from ..nn.models import ModelConfig, TinyLM
 from .common import (
     parse_cli,
@@ -86,6 +86,7 @@ class MQARConfig:
     softmax_layers: tuple = ()
     token_shift: bool = True
     short_conv: bool = False    # LinearAttention(short_conv=True): a kernel-4 causal conv on q, k, v
+    write: str = "delta"        # the delta kinds' write rule; "additive": S += beta k v^T (chapter 10)
     steps: int = 1500
     batch_size: int = 32
     lr: float = 3e-3
@@ -237,28 +238,6 @@ def answer_visible_share(inputs: Tensor, targets: Tensor, num_pairs: int) -> flo
 # --------------------------------------------------------------------------------------
 
 
-class ShiftedEmbedding(nn.Module):
-    """Token embedding plus a learned mix of the previous token's embedding (a token shift).
-
-    e_t = E[x_t] + W E[x_{t-1}] (E[x_{-1}] = 0). It shares `weight` with the embedding it
-    wraps, so a tied output head stays tied. It sees one sequence at a time in parallel form
-    only: a model using it must not be run token by token (its generate() would lose the
-    shift), which MQAR never does.
-    """
-
-    def __init__(self, embedding: nn.Embedding) -> None:
-        super().__init__()
-        self.weight = embedding.weight
-        d = embedding.weight.shape[1]
-        self.mix = nn.Linear(d, d, bias=False)
-        nn.init.normal_(self.mix.weight, std=0.02)
-
-    def forward(self, idx: Tensor) -> Tensor:
-        e = F.embedding(idx, self.weight)
-        prev = F.pad(e, (0, 0, 1, 0))[:, :-1]  # e_{t-1}, zero at t = 0
-        return e + self.mix(prev)
-
-
 class GatedLinearAttention(nn.Module):
     """GLA (Yang et al. 2024) as a TinyLM layer: S_t = diag(exp(g_t)) S_{t-1} + k_t v_t^T.
 
@@ -300,10 +279,11 @@ def build_model(cfg: MQARConfig) -> TinyLM:
     "gla" is not a TinyLM kind: its model is built as "linear" and every linear layer's
     attention is then replaced, under the same seed, by a `GatedLinearAttention`.
     """
+    opts = dict(short_conv=True) if cfg.short_conv else {}
     model = TinyLM(ModelConfig(
         vocab_size=cfg.vocab_size, block_size=cfg.seq_len, n_layer=cfg.n_layer, n_head=cfg.n_head,
-        d_model=cfg.d_model, attention="linear" if cfg.attention == "gla" else cfg.attention,
-        softmax_layers=cfg.hybrid_layers, seed=cfg.seed, layer_options={"short_conv": True} if cfg.short_conv else {}))
+        d_model=cfg.d_model, attention="linear" if cfg.attention == "gla" else cfg.attention, seed=cfg.seed,
+        softmax_layers=cfg.hybrid_layers, layer_options=opts if cfg.write == "delta" else dict(opts, write=cfg.write)))
     if cfg.attention == "gla":
         torch.manual_seed(cfg.seed + 2)
         for i, block in enumerate(model.blocks):
@@ -578,6 +558,8 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--task", default=MQARConfig.task, choices=TASKS,
                    help="legacy: the old, easier generator; zoology: Zoology's multiquery_ar (needs --vocab-size > --seq-len)")
     p.add_argument("--power-a", type=float, default=MQARConfig.power_a, help="zoology: power law of the query gaps")
+    p.add_argument("--write", default="delta", choices=("delta", "additive"),
+                   help="the delta kinds' write rule; additive: S += beta k v^T, their layer otherwise unchanged")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="runs in parallel, one thread each")
     p.add_argument("--no-progress", action="store_true")
     args = parse_cli(p, argv, "book/results/mqar.json")
@@ -589,6 +571,7 @@ def main(argv: list[str] | None = None) -> dict:
     common = dict(
         train_pairs=tuple(args.pairs), eval_pairs=tuple(args.pairs), seq_len=args.seq_len, vocab_size=args.vocab_size,
         steps=args.steps, batch_size=args.batch_size, lr=args.lr, task=args.task, power_a=args.power_a,
+        write=args.write,
     )
     payload = _sweep(args, argv, common)
     print(f"wrote {len(payload['results'])} runs to {args.out} in {payload['meta']['sweep_seconds']:.0f} s")

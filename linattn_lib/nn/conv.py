@@ -11,6 +11,9 @@ It is depthwise (one K-tap filter per channel) and causal, so it costs O(T C K) 
 recurrent state is just the last K - 1 inputs: a (B, C, K-1) cache, carried beside the
 attention state when generating (`ConvLayerState`). With `cu_seqlens` (packed sequences, B = 1)
 every sequence starts from its own cache row and nothing crosses a sequence boundary.
+
+`ShiftedEmbedding` is the cheapest mixing of all, RWKV's token shift on the embeddings
+(chapter 7's MQAR models have it in front of their first layer).
 """
 from __future__ import annotations
 
@@ -98,3 +101,25 @@ class ShortConvolution(nn.Module):
         n = torch.arange(N, device=x.device)[:, None]
         new = torch.where((rel >= 0)[..., None], xs[idx], past[n, :, (rel + K - 1).clamp(0, K - 2)])
         return y.unsqueeze(0), new.transpose(1, 2).contiguous()
+
+
+class ShiftedEmbedding(nn.Module):
+    """Token embedding plus a learned mix of the previous token's embedding (a token shift).
+
+    e_t = E[x_t] + W E[x_{t-1}] (E[x_{-1}] = 0). It shares `weight` with the embedding it
+    wraps, so a tied output head stays tied. It sees one sequence at a time in parallel form
+    only: a model using it must not be run token by token (its generate() would lose the
+    shift), which MQAR never does.
+    """
+
+    def __init__(self, embedding: nn.Embedding) -> None:
+        super().__init__()
+        self.weight = embedding.weight
+        d = embedding.weight.shape[1]
+        self.mix = nn.Linear(d, d, bias=False)
+        nn.init.normal_(self.mix.weight, std=0.02)
+
+    def forward(self, idx: Tensor) -> Tensor:
+        e = F.embedding(idx, self.weight)
+        prev = F.pad(e, (0, 0, 1, 0))[:, :-1]  # e_{t-1}, zero at t = 0
+        return e + self.mix(prev)

@@ -117,6 +117,9 @@ class LinearAttention(nn.Module):
             g = -exp(A_log) softplus(w.x + dt_bias), A ~ U(0, 16), dt ~ logU(0.001, 0.1)).
         output_gate: multiply the per-head RMS-normalised output by silu(W_g x) (fla's
             FusedRMSNormGated; Qwen3-Next, Kimi Linear) before the output projection.
+        write: the delta kinds' write rule: "delta" (S <- S + beta k (v - S^T k)^T) or
+            "additive" (S <- S + beta k v^T: the same unit keys, beta, decay and output norm,
+            a running sum instead of the correction; chapter 10's control for the write rule).
 
     `forward(x, cu_seqlens=...)` takes packed sequences (B = 1, the sequences end to end, as
     flash-attn's varlen functions do; cosFormer's positions restart at each sequence), with one
@@ -147,6 +150,7 @@ class LinearAttention(nn.Module):
         beta_bias: bool = True,
         norm_eps: float = 1e-6,
         q_scale: bool = False,
+        write: str = "delta",
     ) -> None:
         super().__init__()
         fn = "LinearAttention"
@@ -154,7 +158,11 @@ class LinearAttention(nn.Module):
         V.check_choice(fn, "backend", backend, ("auto", "torch", "triton"))
         V.check_choice(fn, "activation", activation, ACTIVATIONS)
         V.check_choice(fn, "gate", gate, ("softplus", "mamba"))
-        self.backend, self.activation, self.gate = backend, activation, gate
+        V.check_choice(fn, "write", write, ("delta", "additive"))
+        if write == "additive" and kind not in DELTA_KINDS:
+            raise ValueError(f"{fn}: write='additive' applies to the delta kinds {DELTA_KINDS}; kind={kind!r} "
+                             "adds to its state already")
+        self.backend, self.activation, self.gate, self.write = backend, activation, gate, write
         self.output_gate = V.check_flag(fn, "output_gate", output_gate)
         self.short_conv = V.check_flag(fn, "short_conv", short_conv)
         self.norm_eps = V.check_finite_number(fn, "norm_eps", norm_eps, positive=True)
@@ -296,13 +304,18 @@ class LinearAttention(nn.Module):
     def _decode(self, q, k, v, beta, g, state):
         """One token from `state` with the decode-step functions (no gradient): o (B, H, 1, Dv)."""
         g_t = None if g is None else (g if g.dim() == 1 else g[:, :, 0])
-        if self.kind in DELTA_KINDS:
+        if self._delta:
             o, new = delta_rule_decode_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], beta[:, :, 0], state, log_decay=g_t)
             return o.unsqueeze(2), new
         new = LinearAttentionState(state[0].clone(), None if state[1] is None else state[1].clone())
         o = linear_attention_decode_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], new, log_decay_t=g_t,
                                          normalize=self.normalize, backend=self.backend)
         return o.unsqueeze(2), new
+
+    @property
+    def _delta(self) -> bool:
+        """Whether the layer writes with the delta rule (a delta kind with write="delta")."""
+        return self.kind in DELTA_KINDS and self.write == "delta"
 
     @property
     def feature_size(self) -> int:
@@ -338,9 +351,11 @@ class LinearAttention(nn.Module):
         phi_q, phi_k = self._features(q, k, pos_offset, cu_seqlens)
         g = self._decay(x)
         beta = torch.sigmoid(self.beta_proj(x)).transpose(1, 2) if self.kind in DELTA_KINDS else None  # (B, H, T)
+        if self.write == "additive":  # S += beta_t k_t v_t^T: beta scales the key it writes
+            phi_k = phi_k * beta[..., None]
         if x.shape[1] == 1 and state is not None and cu_seqlens is None and not torch.is_grad_enabled():
             o, new_state = self._decode(phi_q, phi_k, v, beta, g, state)
-        elif self.kind in DELTA_KINDS:
+        elif self._delta:
             o, new_state = delta_rule_attention(
                 phi_q, phi_k, v, beta, log_decay=g, chunk_size=self.chunk_size, initial_state=state,
                 return_state=True, backend=self.backend, cu_seqlens=cu_seqlens,
