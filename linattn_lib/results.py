@@ -46,6 +46,10 @@ COMMANDS = {
                          " --d-model 32 --pairs 2 4 8 --seq-len 32 --vocab-size 256 --batch-size 24 --steps 2000"
                          " --lrs 3e-3 1e-2 --fallback-lr 1e-3 --seeds 0 1 2 --jobs 1"
                          " --out book/results/mqar_zoology.json",
+    "mqar_additive.json": "python -m linattn_lib.experiments.mqar --task zoology --kinds deltanet --state-kinds"
+                          " deltanet --d-models 16 32 64 --d-model 32 --pairs 2 4 8 --seq-len 32 --vocab-size 256"
+                          " --batch-size 24 --steps 2000 --lrs 3e-3 1e-2 --fallback-lr 1e-3 --seeds 0 1 2"
+                          " --write additive --out book/results/mqar_additive.json",
     "mqar_conv.json": "python -m linattn_lib.experiments.mqar_conv --out book/results/mqar_conv.json",
     "charlm.json": "python -m linattn_lib.experiments.charlm --out book/results/charlm.json",
     "complexity_cpu.json": "python -m linattn_lib.experiments.complexity --out book/results/complexity_cpu.json",

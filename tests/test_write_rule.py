@@ -85,3 +85,13 @@ def test_mqar_builds_the_additive_control(tmp_path):
                          "--steps", "3", "--seq-len", "16", "--vocab-size", "32", "--pairs", "2", "4",
                          "--batch-size", "4", "--jobs", "1", "--write", "additive", "--out", str(out), "--no-progress"])
     assert {r["config"]["write"] for r in payload["results"]} == {"additive"}
+
+
+def test_committed_additive_sweep_is_the_control():
+    from linattn_lib.results import load_result
+
+    res = load_result("mqar_additive.json")
+    assert "--write additive" in res["meta"]["command"]
+    cells = {(r["d_model"], r["config"]["seed"]) for r in res["results"]}
+    assert cells == {(d, s) for d in (16, 32, 64) for s in (0, 1, 2)}
+    assert all(r["kind"] == "deltanet" and r["config"]["write"] == "additive" for r in res["results"])
