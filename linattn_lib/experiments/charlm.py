@@ -179,6 +179,7 @@ class CharLMConfig:
     pos_init: str = "sinusoidal"
     pos_scale: float = 0.1
     seed: int = 0
+    softmax_layers: tuple = ()  # a hybrid: these layers softmax, the others `attention`
 
     @property
     def batch_size(self) -> int:
@@ -214,7 +215,7 @@ def make_model(cfg: CharLMConfig, vocab_size: int) -> TinyLM:
         raise ValueError(f"make_model: `pos_init` must be one of {POS_INITS}, got {cfg.pos_init!r}")
     model = TinyLM(ModelConfig(
         vocab_size=vocab_size, block_size=cfg.ctx, n_layer=cfg.n_layer, n_head=cfg.n_head,
-        d_model=cfg.d_model, attention=cfg.attention, seed=cfg.seed,
+        d_model=cfg.d_model, attention=cfg.attention, seed=cfg.seed, softmax_layers=tuple(cfg.softmax_layers),
     ))
     if cfg.pos_init == "sinusoidal":
         with torch.no_grad():

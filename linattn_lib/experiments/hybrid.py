@@ -1,0 +1,186 @@
+"""Hybrid stacks: which layers stay softmax, measured on recall and on decoding cost.
+
+A stack is a string with one letter a layer, from the input up: "S" is softmax attention,
+"L" the stack's linear kind (Gated DeltaNet unless told otherwise). The production hybrids
+keep a minority of softmax layers: Qwen3-Next and Kimi Linear one in four, MiniMax-01 and
+Jamba one in eight. `STACKS` names the ones chapter 11 compares, all eight layers deep, so
+that only the mixture changes:
+
+    all softmax  SSSSSSSS        1:7 first   SLLLLLLL
+    all linear   LLLLLLLL        1:7 middle  LLLSLLLL
+    1:3          LLLSLLLS        1:7 last    LLLLLLLS
+
+Two measurements, each a CLI task:
+
+* ``--task mqar``: chapter 7's Zoology MQAR (its pairs, length, vocabulary, batch and steps,
+  token shift in front), every stack at one width and learning rate, several seeds. Recall per
+  pair count, the model's generation state in numbers, CPU time.
+* ``--task decode``: untrained stacks of a wider model; for each context length, the bytes
+  the per-layer states hold after the prompt (a softmax layer's KV cache grows with the
+  context, a linear layer's state does not) and the time per generated token from them.
+
+CLI: `python -m linattn_lib.experiments.hybrid --task mqar --out book/results/hybrid_mqar.json`
+(6 stacks x 3 seeds, single-threaded runs, `--jobs` in parallel; resumes from <out>.partial),
+`--task decode --out book/results/hybrid_decode.json`; `--quick` is a smoke run of seconds.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+
+from .. import _validate as V
+from ..measure import torch_threads
+from ..nn.models import ModelConfig, TinyLM
+from .common import parse_cli, progress_bar, run_metadata, write_json
+from .mqar import config_for, run
+
+STACKS = {
+    "all softmax": "SSSSSSSS",
+    "all linear": "LLLLLLLL",
+    "1:3": "LLLSLLLS",
+    "1:7 first": "SLLLLLLL",
+    "1:7 middle": "LLLSLLLL",
+    "1:7 last": "LLLLLLLS",
+}
+# chapter 7's Zoology task (book/results/mqar_zoology.json), the width where the linear kinds
+# alone fall short of softmax
+MQAR_SETTINGS = dict(train_pairs=(2, 4, 8), eval_pairs=(2, 4, 8), seq_len=32, vocab_size=256, steps=2000,
+                     batch_size=24, task="zoology", power_a=0.01, d_model=16, n_head=2, lr=3e-3)
+
+
+def softmax_positions(pattern: str) -> tuple[int, ...]:
+    """The indices of the "S" layers of a stack pattern such as "LLLSLLLS" -> (3, 7)."""
+    V.check_instance("softmax_positions", "pattern", pattern, str, "a string of 'S' and 'L'")
+    if not pattern or set(pattern) - {"S", "L"}:
+        raise ValueError(f"softmax_positions: a stack is a non-empty string of 'S' (softmax) and 'L' (linear) "
+                         f"layers, got {pattern!r}")
+    return tuple(i for i, c in enumerate(pattern) if c == "S")
+
+
+def model_config(pattern: str, *, linear_kind: str = "gated_deltanet", **kw: object) -> ModelConfig:
+    """The TinyLM config of a stack: `n_layer` = len(pattern), softmax where it says "S"."""
+    soft = softmax_positions(pattern)
+    attention = "softmax" if len(soft) == len(pattern) else linear_kind
+    return ModelConfig(n_layer=len(pattern), attention=attention, softmax_layers=soft if attention != "softmax" else (),
+                       **kw)
+
+
+def mqar_job(name: str, seed: int, settings: dict, linear_kind: str = "gated_deltanet") -> dict:
+    """Train one stack on MQAR (single-threaded) and return mqar.run's result, with the stack."""
+    pattern = STACKS.get(name, name)
+    soft = softmax_positions(pattern)
+    kind = "softmax" if len(soft) == len(pattern) else linear_kind
+    with torch_threads(1):
+        cfg = config_for(kind, n_layer=len(pattern), softmax_layers=soft if kind != "softmax" else (), seed=seed,
+                         **settings)
+        return dict(run(cfg), stack=name, pattern=pattern)
+
+
+def _mqar_worker(job: tuple) -> dict:
+    return mqar_job(*job)
+
+
+def sweep_mqar(args: argparse.Namespace, argv: list[str] | None) -> dict:
+    """Every stack x seed, checkpointed to <out>.partial after each run, resumed from it."""
+    settings = dict(MQAR_SETTINGS)
+    if args.quick:
+        settings.update(steps=5, batch_size=6, eval_batches=1, eval_batch_size=8)
+    jobs = [(name, seed, settings) for seed in args.seeds for name in args.stacks]
+    checkpoint = Path(str(args.out) + ".partial")
+    done = {(r["stack"], r["config"]["seed"]): r
+            for r in (json.loads(checkpoint.read_text())["results"] if checkpoint.exists() else [])}
+    meta = run_metadata("linattn_lib.experiments.hybrid", argv)
+    meta.update(task="mqar", jobs=args.jobs, threads_per_job=1, cpu_count=os.cpu_count(), settings=settings,
+                stacks={n: STACKS.get(n, n) for n in args.stacks}, seeds=list(args.seeds))
+    todo = [j for j in jobs if (j[0], j[1]) not in done]
+    t0, pool = time.perf_counter(), None
+    if args.jobs > 1 and len(todo) > 1:
+        import multiprocessing as mp
+
+        pool = mp.get_context("spawn").Pool(args.jobs)
+    try:
+        stream = pool.imap_unordered(_mqar_worker, todo) if pool else map(_mqar_worker, todo)
+        for r in progress_bar(stream, desc="hybrid MQAR", total=len(todo), enabled=not args.no_progress):
+            done[(r["stack"], r["config"]["seed"])] = r
+            write_json(checkpoint, {"meta": meta, "results": list(done.values())})
+    finally:
+        if pool is not None:
+            pool.terminate()
+    meta["sweep_seconds"] = round(time.perf_counter() - t0, 1)
+    results = [done[(name, seed)] for name, seed, _ in jobs]
+    payload = {"meta": meta, "results": results}
+    write_json(args.out, payload)
+    checkpoint.unlink(missing_ok=True)
+    return payload
+
+
+@torch.no_grad()
+def decode_cost(pattern: str, contexts: Sequence[int], *, d_model: int = 256, n_head: int = 4,
+                vocab_size: int = 256, steps: int = 16, seed: int = 0) -> list[dict]:
+    """For each context length L: the bytes of the states after an L-token prompt and the time
+    per generated token from them (median of `steps` one-token calls), for an untrained stack."""
+    torch.manual_seed(seed)
+    block = max(contexts) + steps
+    model = TinyLM(model_config(pattern, vocab_size=vocab_size, block_size=block, n_head=n_head,
+                                d_model=d_model, seed=seed)).eval()
+    gen = torch.Generator().manual_seed(seed)
+    rows = []
+    for L in contexts:
+        prompt = torch.randint(vocab_size, (1, L), generator=gen)
+        logits, states = model(prompt, return_states=True)
+        nbytes = model.state_nbytes(states)
+        times = []
+        for t in range(steps):
+            nxt = logits[:, -1:].argmax(-1)
+            t0 = time.perf_counter()
+            logits, states = model(nxt, states=states, pos_offset=L + t, return_states=True)
+            times.append(time.perf_counter() - t0)
+        rows.append({"context": L, "state_bytes": nbytes, "ms_per_token": round(1e3 * statistics.median(times), 3)})
+    return rows
+
+
+def sweep_decode(args: argparse.Namespace, argv: list[str] | None) -> dict:
+    contexts = [64, 128] if args.quick else args.contexts
+    d_model = 32 if args.quick else args.decode_width
+    meta = run_metadata("linattn_lib.experiments.hybrid", argv)
+    meta.update(task="decode", d_model=d_model, n_head=4, contexts=contexts, threads=torch.get_num_threads(),
+                stacks={n: STACKS.get(n, n) for n in args.stacks})
+    results = []
+    for name in progress_bar(args.stacks, desc="decode cost", enabled=not args.no_progress):
+        pattern = STACKS.get(name, name)
+        results.append({"stack": name, "pattern": pattern,
+                        "rows": decode_cost(pattern, contexts, d_model=d_model, steps=4 if args.quick else 16)})
+    payload = {"meta": meta, "results": results}
+    write_json(args.out, payload)
+    return payload
+
+
+def main(argv: list[str] | None = None) -> dict:
+    p = argparse.ArgumentParser(prog="python -m linattn_lib.experiments.hybrid", description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", choices=("mqar", "decode"), default="mqar")
+    p.add_argument("--stacks", nargs="+", default=list(STACKS),
+                   help="names in STACKS or patterns of S (softmax) and L (linear) layers")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--contexts", nargs="+", type=int, default=[512, 2048, 8192], help="decode: prompt lengths")
+    p.add_argument("--decode-width", type=int, default=256, help="decode: d_model of the untrained stacks")
+    p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="mqar: runs in parallel, one thread each")
+    p.add_argument("--no-progress", action="store_true")
+    args = parse_cli(p, argv, "book/results/hybrid_mqar.json")
+    for name in args.stacks:
+        softmax_positions(STACKS.get(name, name))
+    if args.quick:
+        args.stacks, args.seeds, args.jobs = ["all softmax", "1:7 last"], [0], 1
+    payload = (sweep_mqar if args.task == "mqar" else sweep_decode)(args, argv)
+    print(f"wrote {len(payload['results'])} results to {args.out}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()

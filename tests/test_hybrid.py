@@ -1,0 +1,62 @@
+"""Hybrid stacks (experiments/hybrid.py): stack patterns, the models they build, the MQAR and
+decode-cost tasks (smoke runs), and that a softmax layer's cache grows while a linear layer's
+state does not."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from linattn_lib.experiments import hybrid
+
+
+def test_patterns_place_the_softmax_layers():
+    assert hybrid.softmax_positions("LLLSLLLS") == (3, 7)
+    assert hybrid.softmax_positions("SLLLLLLL") == (0,)
+    assert all(len(p) == 8 for p in hybrid.STACKS.values())
+    for bad in ("", "LLX", 3):
+        with pytest.raises((ValueError, TypeError), match="softmax_positions"):
+            hybrid.softmax_positions(bad)
+
+
+def test_model_config_builds_the_stack():
+    from linattn_lib.nn.models import TinyLM
+
+    model = TinyLM(hybrid.model_config("LLLS", vocab_size=16, block_size=8, n_head=2, d_model=8))
+    kinds = [type(b.attn).__name__ for b in model.blocks]
+    assert kinds == ["LinearAttention"] * 3 + ["SoftmaxAttention"]
+    assert model.blocks[0].attn.kind == "gated_deltanet"
+    soft = TinyLM(hybrid.model_config("SS", vocab_size=16, block_size=8, n_head=2, d_model=8))
+    assert all(type(b.attn).__name__ == "SoftmaxAttention" for b in soft.blocks)
+
+
+def test_decode_cost_state_grows_only_with_softmax_layers():
+    lin = hybrid.decode_cost("LLLL", [16, 64], d_model=16, steps=2)
+    mixed = hybrid.decode_cost("LLLS", [16, 64], d_model=16, steps=2)
+    assert lin[0]["state_bytes"] == lin[1]["state_bytes"]
+    # one softmax layer: K and V, 64 - 16 more tokens of d_model floats each
+    assert mixed[1]["state_bytes"] - mixed[0]["state_bytes"] == 2 * (64 - 16) * 16 * 4
+    assert all(r["ms_per_token"] > 0 for r in lin + mixed)
+
+
+@pytest.mark.parametrize("task", ["mqar", "decode"])
+def test_quick_runs(task, tmp_path):
+    out = tmp_path / f"{task}.json"
+    payload = hybrid.main(["--task", task, "--quick", "--out", str(out), "--no-progress"])
+    assert json.loads(out.read_text())["meta"]["task"] == task
+    assert [r["stack"] for r in payload["results"]] == ["all softmax", "1:7 last"]
+    if task == "mqar":
+        r = payload["results"][1]
+        assert list(r["config"]["softmax_layers"]) == [7] and r["config"]["n_layer"] == 8
+        assert r["pattern"] == "LLLLLLLS"
+        assert payload["results"][0]["state_numbers"] > r["state_numbers"]
+    assert not (tmp_path / f"{task}.json.partial").exists()
+
+
+def test_charlm_config_builds_a_hybrid():
+    from linattn_lib.experiments import charlm
+
+    cfg = charlm.CharLMConfig(attention="gated_deltanet", ctx=16, n_layer=4, softmax_layers=(1, 3))
+    model = charlm.make_model(cfg, vocab_size=20)
+    kinds = [type(b.attn).__name__ for b in model.blocks]
+    assert kinds == ["LinearAttention", "SoftmaxAttention"] * 2
