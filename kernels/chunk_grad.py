@@ -1,43 +1,57 @@
-"""Two-phase causal backward: the state gradient per chunk, then every chunk's dq, dk, dv.
+"""Two-phase causal backward: the state gradient per chunk, then every chunk's
+dq, dk, dv.
 
-The autograd wrapper is `causal_backward` in linattn_lib/core/triton_ops.py; the tests are
-tests/test_kernels_two_phase.py (each phase against float64) and tests/test_kernels_interpret.py
-(gradients of the whole op). The forward (chunk_state.py, chunk_output.py) computes, per chunk
-with entry state (S_n, z_n), gc_i the decay from the chunk start to token i, a_j from token j
-to the chunk end and L_ij from j to i (all from `chunk_log_decays`, all <= 0):
+The autograd wrapper is `causal_backward` in linattn_lib/core/triton_ops.py; the
+tests are tests/test_kernels_two_phase.py (each phase against float64) and
+tests/test_kernels_interpret.py (gradients of the whole op). The forward
+(chunk_state.py, chunk_output.py) computes, per chunk with entry state
+(S_n, z_n), gc_i the decay from the chunk start to token i, a_j from token j to
+the chunk end and L_ij from j to i (all from `chunk_log_decays`, all <= 0):
 
-    num_i = sum_{j <= i} exp(L_ij) (q_i . k_j) v_j + exp(gc_i) q_i S_n,    o_i = num_i / den_i
+    num_i = sum_{j <= i} exp(L_ij) (q_i . k_j) v_j + exp(gc_i) q_i S_n
     den_i = sum_{j <= i} exp(L_ij) (q_i . k_j)     + exp(gc_i) q_i . z_n + eps
+    o_i   = num_i / den_i
 
-With dO the output cotangent, r_i = 1 / den_i and e_i = -(dO_i . o_i) / den_i (the gradient of
-den_i), both fp32, formed by `chunk_bwd_prep_kernel`, the gradient is linear attention again:
+With dO the output cotangent, r_i = 1 / den_i and e_i = -(dO_i . o_i) / den_i
+(the gradient of den_i), both fp32, formed by `chunk_bwd_prep_kernel`, the
+gradient is linear attention again:
 
-    phase 1  dH_n: the gradient of the state leaving chunk n, from the last chunk back,
-             dH_{n-1} = exp(g_last) dH_n + sum_i exp(gc_i) r_i q_i^T dO_i  (dZ with e_i q_i)
-             -- chunk_state.py run in reverse with (k, v) = (q, dO), keys scaled by r;
-             the state before chunk 0 comes out as the gradient of the initial state;
-    phase 2  every chunk on its own, with W_ij = exp(L_ij) (r_i (dO_i . v_j) + e_i), i >= j,
-             dq_i = sum_j W_ij k_j + exp(gc_i) (r_i dO_i S_n^T + e_i z_n)      chunk_dqk_kernel
-             dk_j = sum_i W_ij q_i + exp(a_j)  (v_j dH_n^T + dZ_n)            chunk_dqk_kernel
-             dv_j = sum_i exp(L_ij) r_i (q_i . k_j) dO_i + exp(a_j) k_j dH_n   chunk_dv_kernel
+    phase 1  dH_n: the gradient of the state leaving chunk n,
+             from the last chunk back,
+             dH_{n-1} = exp(g_last) dH_n + sum_i exp(gc_i) r_i q_i^T dO_i
+                                                          (dZ with e_i q_i)
+             -- chunk_state.py run in reverse with (k, v) = (q, dO),
+             keys scaled by r; the state before chunk 0 comes out as the
+             gradient of the initial state;
+    phase 2  every chunk on its own, with
+             W_ij = exp(L_ij) (r_i (dO_i . v_j) + e_i), i >= j,
+             dq_i = sum_j W_ij k_j + exp(gc_i) (r_i dO_i S_n^T + e_i z_n)
+                                                           chunk_dqk_kernel
+             dk_j = sum_i W_ij q_i + exp(a_j)  (v_j dH_n^T + dZ_n)
+                                                           chunk_dqk_kernel
+             dv_j = sum_i exp(L_ij) r_i (q_i . k_j) dO_i + exp(a_j) k_j dH_n
+                                                            chunk_dv_kernel
 
-and the log-decay's gradient, dL/dG_t = q_t . dq_t - k_t . dk_t, summed over the tokens after
-each (a suffix sum, decay_grad_kernel). The dqk kernel forms the row products from its fp32 dq, dk
-before they are rounded, one partial per Dk block.
+and the log-decay's gradient, dL/dG_t = q_t . dq_t - k_t . dk_t, summed over the
+tokens after each (a suffix sum, decay_grad_kernel). The dqk kernel forms the
+row products from its fp32 dq, dk before they are rounded, one partial per Dk
+block.
 
-Precision. 1 / den and dL/dden are fp32 and never meet fp16: dO / den underflows fp16 for a
-mean loss over long sequences (where the previous engine needed loss scaling and fp32 copies
-of dO). The products that carry r or e (W with k and q, the state terms) are fp32 operands
-(tf32 for 16-bit inputs, fp32 range); dO v^T and q k^T run in the input dtype. (Phase 1's
-product is the exception for bf16, whose range is fp32's: its scaled queries are rounded to
-bf16, as the forward's decayed keys are; see chunk_state.py.) dq, dk, dv are written in the
-input dtype directly. For bf16 inputs the per-chunk states are stored in bf16 between the
-kernels, as fla stores its forward's (half the bytes of the largest tensors), and so are the
-state gradients unless the log-decay's gradient is asked for (`chunk_bwd_two_phase`): the
-products that read them take them back to fp32 (tf32).
+Precision. 1 / den and dL/dden are fp32 and never meet fp16: dO / den underflows
+fp16 for a mean loss over long sequences (where the previous engine needed loss
+scaling and fp32 copies of dO). The products that carry r or e (W with k and q,
+the state terms) are fp32 operands (tf32 for 16-bit inputs, fp32 range); dO v^T
+and q k^T run in the input dtype. (Phase 1's product is the exception for bf16,
+whose range is fp32's: its scaled queries are rounded to bf16, as the forward's
+decayed keys are; see chunk_state.py.) dq, dk, dv are written in the input dtype
+directly. For bf16 inputs the per-chunk states are stored in bf16 between the
+kernels, as fla stores its forward's (half the bytes of the largest tensors),
+and so are the state gradients unless the log-decay's gradient is asked for
+(`chunk_bwd_two_phase`): the products that read them take them back to fp32
+(tf32).
 
-Masks select, they do not multiply, and the dead tail (tokens from `lengths`: past the last
-nonzero cotangent) is read as 0, as in the forward kernels.
+Masks select, they do not multiply, and the dead tail (tokens from `lengths`:
+past the last nonzero cotangent) is read as 0, as in the forward kernels.
 """
 from __future__ import annotations
 
@@ -61,15 +75,18 @@ from .sequences import (
 
 @triton.jit
 def chunk_bwd_prep_kernel(do_ptr, o_ptr, den_ptr, r_ptr, e_ptr, len_ptr, T, Dv,
-                          BT: tl.constexpr, BV: tl.constexpr, NORMALIZE: tl.constexpr, FIND_LEN: tl.constexpr):
-    """Per row of dO (one program: BT tokens of one (batch, head) row, the whole Dv):
+                          BT: tl.constexpr, BV: tl.constexpr,
+                          NORMALIZE: tl.constexpr, FIND_LEN: tl.constexpr):
+    """Per row of dO (one program: BT tokens of one (batch, head) row, the
+    whole Dv):
 
-    NORMALIZE  r = 1 / den and e = -(dO . o) / den (fp32), 0 for a row whose dO is all zero:
-               a zero cotangent selects zero, for an output no loss term depends on
-               (padding, one after a NaN) may be inf or NaN, and 0 * NaN would carry it into
-               every earlier gradient;
-    FIND_LEN   len[b, h] = 1 + the last token whose dO is not all zero (atomic max; len must
-               start at 0): the tokens after it are the dead tail the other kernels skip.
+    NORMALIZE  r = 1 / den and e = -(dO . o) / den (fp32), 0 for a row whose dO
+               is all zero: a zero cotangent selects zero, for an output no loss
+               term depends on (padding, one after a NaN) may be inf or NaN, and
+               0 * NaN would carry it into every earlier gradient;
+    FIND_LEN   len[b, h] = 1 + the last token whose dO is not all zero
+               (atomic max; len must start at 0): the tokens after it are the
+               dead tail the other kernels skip.
     """
     i_t = tl.program_id(0)
     i_bh = tl.program_id(1).to(tl.int64)
@@ -78,26 +95,31 @@ def chunk_bwd_prep_kernel(do_ptr, o_ptr, den_ptr, r_ptr, e_ptr, len_ptr, T, Dv,
     rows = i_bh * T + t
     cols = tl.arange(0, BV)
     m = m_t[:, None] & (cols < Dv)[None, :]
-    do = tl.load(do_ptr + rows[:, None] * Dv + cols[None, :], mask=m, other=0.0).to(tl.float32)
+    do = tl.load(do_ptr + rows[:, None] * Dv + cols[None, :], mask=m,
+                 other=0.0).to(tl.float32)
     used = do != 0
     row_used = tl.max(used.to(tl.int32), axis=1) > 0
     if NORMALIZE:
-        o = tl.load(o_ptr + rows[:, None] * Dv + cols[None, :], mask=m, other=0.0).to(tl.float32)
+        o = tl.load(o_ptr + rows[:, None] * Dv + cols[None, :], mask=m,
+                    other=0.0).to(tl.float32)
         dot = tl.sum(tl.where(used, do * o, 0.0), axis=1)
         den = tl.load(den_ptr + rows, mask=m_t & row_used, other=1.0)
         tl.store(r_ptr + rows, tl.where(row_used, 1.0 / den, 0.0), mask=m_t)
         tl.store(e_ptr + rows, tl.where(dot != 0, -dot / den, 0.0), mask=m_t)
     if FIND_LEN:
-        tl.atomic_max(len_ptr + i_bh, tl.max(tl.where(row_used, t + 1, 0), axis=0))
+        tl.atomic_max(len_ptr + i_bh,
+                      tl.max(tl.where(row_used, t + 1, 0), axis=0))
 
 
 @triton.jit
-def live_length_kernel(do_ptr, len_ptr, T, Dv, P, BT: tl.constexpr, BV: tl.constexpr):
-    """len[b, h] = 1 + the last token whose dO is not all zero (atomic max; len must start at
-    0), as chunk_bwd_prep_kernel's FIND_LEN finds it but read from the end: program p of a
-    row's P reads its blocks of BT tokens p, p + P, ... counted from the last one, and stops
-    at the first that holds a nonzero row. A row with no dead tail is read P blocks deep, not
-    all of it (where r and e are not needed: the unnormalised backward)."""
+def live_length_kernel(do_ptr, len_ptr, T, Dv, P,
+                       BT: tl.constexpr, BV: tl.constexpr):
+    """len[b, h] = 1 + the last token whose dO is not all zero (atomic max; len
+    must start at 0), as chunk_bwd_prep_kernel's FIND_LEN finds it but read from
+    the end: program p of a row's P reads its blocks of BT tokens p,
+    p + P, ... counted from the last one, and stops at the first that holds a
+    nonzero row. A row with no dead tail is read P blocks deep, not all of it
+    (where r and e are not needed: the unnormalised backward)."""
     i_bh = tl.program_id(1).to(tl.int64)
     cols = tl.arange(0, BV)
     n = tl.cdiv(T, BT) - 1 - tl.program_id(0)
@@ -105,7 +127,8 @@ def live_length_kernel(do_ptr, len_ptr, T, Dv, P, BT: tl.constexpr, BV: tl.const
     while (last < 0) & (n >= 0):
         t = n * BT + tl.arange(0, BT)
         m = (t < T)[:, None] & (cols < Dv)[None, :]
-        do = tl.load(do_ptr + (i_bh * T + t)[:, None] * Dv + cols[None, :], mask=m, other=0.0)
+        do = tl.load(do_ptr + (i_bh * T + t)[:, None] * Dv + cols[None, :],
+                     mask=m, other=0.0)
         used = tl.max((do != 0).to(tl.int32), axis=1) > 0
         last = tl.max(tl.where(used, t, -1), axis=0)
         n -= P
@@ -115,14 +138,18 @@ def live_length_kernel(do_ptr, len_ptr, T, Dv, P, BT: tl.constexpr, BV: tl.const
 @triton.jit
 def _load_rows(ptr, row0, t, m_t, o_c, m_c, D):
     """A (BT x block) tile of a (rows x D) tensor; 0 outside the masks."""
-    return tl.load(ptr + (row0 + t)[:, None] * D + o_c[None, :], mask=m_t[:, None] & m_c[None, :], other=0.0)
+    return tl.load(ptr + (row0 + t)[:, None] * D + o_c[None, :],
+                   mask=m_t[:, None] & m_c[None, :], other=0.0)
 
 
 @triton.jit
-def _dqk_products(do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_k, m_k, Dk, Dv,
-                  BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Over the blocks of Dv: dO v^T (BT x BT), dO S_n^T (BT x BK) and dH_n v^T (BK x BT: dk's
-    state term, transposed like dk), fp32."""
+def _dqk_products(
+    do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_k, m_k, Dk, Dv,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DOT_PREC: tl.constexpr,
+):
+    """Over the blocks of Dv: dO v^T (BT x BT), dO S_n^T (BT x BK) and dH_n v^T
+    (BK x BT: dk's state term, transposed like dk), fp32."""
     A = tl.zeros([BT, BT], dtype=tl.float32)
     dqS = tl.zeros([BT, BK], dtype=tl.float32)
     dkH = tl.zeros([BK, BT], dtype=tl.float32)
@@ -133,44 +160,54 @@ def _dqk_products(do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_k, m_k, Dk,
         v = _load_rows(v_ptr, row0, t, m_t, o_v, m_v, Dv)
         s_off = i_s * Dk * Dv + o_k[:, None] * Dv + o_v[None, :]
         m_kv = m_k[:, None] & m_v[None, :]
-        S = tl.load(h_ptr + s_off, mask=m_kv, other=0.0).to(tl.float32)  # fp32 or bf16 (see below)
+        # fp32 or bf16 (see below)
+        S = tl.load(h_ptr + s_off, mask=m_kv, other=0.0).to(tl.float32)
         dH = tl.load(dh_ptr + s_off, mask=m_kv, other=0.0)
         A = tl.dot(do, tl.trans(v), acc=A, input_precision=DOT_PREC)
-        dqS = tl.dot(do.to(tl.float32), tl.trans(S), acc=dqS, input_precision=DOT_PREC)
-        dkH = tl.dot(dH.to(tl.float32), tl.trans(v.to(tl.float32)), acc=dkH, input_precision=DOT_PREC)
+        dqS = tl.dot(do.to(tl.float32), tl.trans(S), acc=dqS,
+                     input_precision=DOT_PREC)
+        dkH = tl.dot(dH.to(tl.float32), tl.trans(v.to(tl.float32)), acc=dkH,
+                     input_precision=DOT_PREC)
     return A, dqS, dkH
 
 
 @triton.jit
-def _decays(g_ptr, i_h, row0, i_n, t, T_live, o_t, BT: tl.constexpr, DECAY: tl.constexpr,
-            TRANSPOSED: tl.constexpr = False):
-    """exp(L) on the causal triangle (0 off it), exp(gc) and exp(a) of chunk i_n. TRANSPOSED:
-    exp(L)^T (row j, column i), for products that give the keys' rows: the reversed decays of
-    `chunk_log_decays`, whose L[j, i] = g_{j+1} + ... + g_i (i > j) is the forward L[i, j],
-    computed by the same operations (their 1-d decays come swapped)."""
+def _decays(g_ptr, i_h, row0, i_n, t, T_live, o_t, BT: tl.constexpr,
+            DECAY: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+    """exp(L) on the causal triangle (0 off it), exp(gc) and exp(a) of chunk
+    i_n. TRANSPOSED: exp(L)^T (row j, column i), for products that give the
+    keys' rows: the reversed decays of `chunk_log_decays`, whose
+    L[j, i] = g_{j+1} + ... + g_i (i > j) is the forward L[i, j], computed by
+    the same operations (their 1-d decays come swapped)."""
     if TRANSPOSED:
         visible = o_t[:, None] <= o_t[None, :]
     else:
         visible = o_t[:, None] >= o_t[None, :]
     if DECAY > 0:
-        L, first, second, _ = chunk_decays_at(g_ptr, i_h, row0, i_n, t, T_live, BT, TRANSPOSED, DECAY)
+        L, first, second, _ = chunk_decays_at(
+            g_ptr, i_h, row0, i_n, t, T_live, BT, TRANSPOSED, DECAY)
         if TRANSPOSED:
-            return tl.where(visible, tl.exp(L), 0.0), tl.exp(second), tl.exp(first)
-        return tl.where(visible, tl.exp(L), 0.0), tl.exp(first), tl.exp(second)
+            return (tl.where(visible, tl.exp(L), 0.0),
+                    tl.exp(second), tl.exp(first))
+        return (tl.where(visible, tl.exp(L), 0.0),
+                tl.exp(first), tl.exp(second))
     else:
         ones = tl.full([BT], 1.0, dtype=tl.float32)
         return tl.where(visible, 1.0, 0.0), ones, ones
 
 
 @triton.jit
-def _chunk_program(cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT: tl.constexpr, HAS_LEN: tl.constexpr,
+def _chunk_program(cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT,
+                   BT: tl.constexpr, HAS_LEN: tl.constexpr,
                    IS_VARLEN: tl.constexpr):
-    """Where a parallel program's chunk is: (row of its sequence's first token, head, index of
-    its per-chunk states, its index i_n in the sequence, its tokens t, the bound below which
-    they are read (T_live) and stored (T_seq)). With HAS_LEN the tokens from len on are read
-    as 0, and their gradients stored as 0."""
+    """Where a parallel program's chunk is: (row of its sequence's first token,
+    head, index of its per-chunk states, its index i_n in the sequence, its
+    tokens t, the bound below which they are read (T_live) and stored (T_seq)).
+    With HAS_LEN the tokens from len on are read as 0, and their gradients
+    stored as 0."""
     i_hb = tl.program_id(2).to(tl.int64)
-    i_seq, i_h, i_n = chunk_of_program(tl.program_id(1), i_hb, ci_ptr, H, IS_VARLEN)
+    i_seq, i_h, i_n = chunk_of_program(
+        tl.program_id(1), i_hb, ci_ptr, H, IS_VARLEN)
     row0, T_seq = sequence_rows(i_seq, i_h, cu_ptr, T, H, IS_VARLEN)
     T_live = T_seq
     if HAS_LEN:
@@ -182,31 +219,40 @@ def _chunk_program(cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT: tl.constexpr, 
 
 @triton.jit
 def chunk_dqk_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr,  # (B, H, T, Dk) x 2, (B, H, T, Dv) x 2; contiguous, one dtype
+    q_ptr, k_ptr, v_ptr, do_ptr,  # (B, H, T, Dk) x 2, (B, H, T, Dv) x 2;
+                                  # contiguous, one dtype
     g_ptr,                        # log-decay (H,) or (B, H, T) fp32 (DECAY)
-    r_ptr, e_ptr,                 # (B, H, T) fp32 from chunk_bwd_prep_kernel (NORMALIZE)
-    h_ptr, hz_ptr,                # forward entry states (B, H, NT, Dk, Dv), (B, H, NT, Dk) fp32
-    dh_ptr, dhz_ptr,              # state gradients leaving each chunk, same shapes
+    r_ptr, e_ptr,                 # (B, H, T) fp32 from chunk_bwd_prep_kernel
+                                  # (NORMALIZE)
+    h_ptr, hz_ptr,                # forward entry states (B, H, NT, Dk, Dv),
+                                  # (B, H, NT, Dk) fp32
+    dh_ptr, dhz_ptr,              # state gradients leaving each chunk,
+                                  # same shapes
     dq_ptr, dk_ptr,               # out, the input dtype
-    dg_ptr,                       # out (NK, B, H, T) fp32: q . dq - k . dk over this Dk block (DG)
+    dg_ptr,                       # out (NK, B, H, T) fp32: q . dq - k . dk
+                                  # over this Dk block (DG)
     cu_ptr, co_ptr, ci_ptr, len_ptr,
     T, H, Dk, Dv, NT, n_rows,
-    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr, DG: tl.constexpr,
-    NORMALIZE: tl.constexpr, HAS_LEN: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DECAY: tl.constexpr, DG: tl.constexpr, NORMALIZE: tl.constexpr,
+    HAS_LEN: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_k = tl.program_id(0)
-    row0, i_h, i_s, i_n, t, T_live, T_seq = _chunk_program(cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT,
-                                                           HAS_LEN, IS_VARLEN)
+    row0, i_h, i_s, i_n, t, T_live, T_seq = _chunk_program(
+        cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT, HAS_LEN, IS_VARLEN)
     if IS_VARLEN:
-        if is_padding_chunk(i_n, T_seq, BT):  # a slot past the last chunk (sequences.py)
+        # a slot past the last chunk (sequences.py)
+        if is_padding_chunk(i_n, T_seq, BT):
             return
     m_t, m_out = t < T_live, t < T_seq
     o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < Dk
-    A, dqS, dkH = _dqk_products(do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_k, m_k, Dk, Dv,
-                                BT, BK, BV, DOT_PREC)
-    M, q_decay, k_decay = _decays(g_ptr, i_h, row0, i_n, t, T_live, o_t, BT, DECAY)
+    A, dqS, dkH = _dqk_products(
+        do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_k, m_k, Dk, Dv,
+        BT, BK, BV, DOT_PREC)
+    M, q_decay, k_decay = _decays(
+        g_ptr, i_h, row0, i_n, t, T_live, o_t, BT, DECAY)
     if NORMALIZE:
         r = tl.load(r_ptr + row0 + t, mask=m_t, other=0.0)
         e = tl.load(e_ptr + row0 + t, mask=m_t, other=0.0)
@@ -219,20 +265,29 @@ def chunk_dqk_kernel(
         W = M * A
         dq_state = dqS
         dk_state = dkH
-    # dk = W^T q, computed transposed as q^T W (BK x BT) from a transposed load of q and stored
-    # through transposed pointers: a tl.dot of tl.trans(W), W a dot result, is miscompiled on
-    # Hopper by Triton 3.4 <= v < 3.7.1 (fla #640; tests/test_kernels_dot_transpose.py).
+    # dk = W^T q, computed transposed as q^T W (BK x BT) from a transposed load
+    # of q and stored through transposed pointers: a tl.dot of tl.trans(W),
+    # W a dot result, is miscompiled on Hopper by Triton 3.4 <= v < 3.7.1
+    # (fla #640; tests/test_kernels_dot_transpose.py).
     rows = (row0 + t) * Dk
     m_kt = m_k[:, None] & m_t[None, :]
-    qT = tl.load(q_ptr + rows[None, :] + o_k[:, None], mask=m_kt, other=0.0).to(tl.float32)
-    dkT = tl.dot(qT, W, acc=k_decay[None, :] * dk_state, input_precision=DOT_PREC)
-    tl.store(dk_ptr + rows[None, :] + o_k[:, None], dkT.to(dk_ptr.dtype.element_ty), mask=m_k[:, None] & m_out[None, :])
+    qT = tl.load(q_ptr + rows[None, :] + o_k[:, None], mask=m_kt,
+                 other=0.0).to(tl.float32)
+    dkT = tl.dot(qT, W, acc=k_decay[None, :] * dk_state,
+                 input_precision=DOT_PREC)
+    tl.store(dk_ptr + rows[None, :] + o_k[:, None],
+             dkT.to(dk_ptr.dtype.element_ty),
+             mask=m_k[:, None] & m_out[None, :])
     if DG:
-        kT = tl.load(k_ptr + rows[None, :] + o_k[:, None], mask=m_kt, other=0.0).to(tl.float32)
-        kdk = tl.where(m_t, tl.sum(kT * dkT, axis=0), 0.0)   # padded keys: 0 (kT), selected out
+        kT = tl.load(k_ptr + rows[None, :] + o_k[:, None], mask=m_kt,
+                     other=0.0).to(tl.float32)
+        # padded keys: 0 (kT), selected out
+        kdk = tl.where(m_t, tl.sum(kT * dkT, axis=0), 0.0)
     k = _load_rows(k_ptr, row0, t, m_t, o_k, m_k, Dk).to(tl.float32)
     dq = tl.dot(W, k, acc=q_decay[:, None] * dq_state, input_precision=DOT_PREC)
-    tl.store(dq_ptr + rows[:, None] + o_k[None, :], dq.to(dq_ptr.dtype.element_ty), mask=m_out[:, None] & m_k[None, :])
+    tl.store(dq_ptr + rows[:, None] + o_k[None, :],
+             dq.to(dq_ptr.dtype.element_ty),
+             mask=m_out[:, None] & m_k[None, :])
     if DG:
         q = _load_rows(q_ptr, row0, t, m_t, o_k, m_k, Dk).to(tl.float32)
         qdq = tl.where(m_t, tl.sum(q * dq, axis=1), 0.0)
@@ -241,27 +296,33 @@ def chunk_dqk_kernel(
 
 @triton.jit
 def chunk_dv_kernel(
-    q_ptr, k_ptr, do_ptr,         # (B, H, T, Dk) x 2, (B, H, T, Dv); contiguous, one dtype
-    g_ptr, r_ptr,                 # log-decay (DECAY); 1 / den (B, H, T) fp32 (NORMALIZE)
-    dh_ptr,                       # state gradients leaving each chunk (B, H, NT, Dk, Dv) fp32 or bf16
+    q_ptr, k_ptr, do_ptr,         # (B, H, T, Dk) x 2, (B, H, T, Dv);
+                                  # contiguous, one dtype
+    g_ptr, r_ptr,                 # log-decay (DECAY); 1 / den (B, H, T) fp32
+                                  # (NORMALIZE)
+    dh_ptr,                       # state gradients leaving each chunk
+                                  # (B, H, NT, Dk, Dv) fp32 or bf16
     dv_ptr,                       # out, the input dtype
     cu_ptr, co_ptr, ci_ptr, len_ptr,
     T, H, Dk, Dv, NT,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr,
-    NORMALIZE: tl.constexpr, HAS_LEN: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    NORMALIZE: tl.constexpr, HAS_LEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_v = tl.program_id(0)
-    row0, i_h, i_s, i_n, t, T_live, T_seq = _chunk_program(cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT,
-                                                           HAS_LEN, IS_VARLEN)
+    row0, i_h, i_s, i_n, t, T_live, T_seq = _chunk_program(
+        cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT, HAS_LEN, IS_VARLEN)
     if IS_VARLEN:
-        if is_padding_chunk(i_n, T_seq, BT):  # a slot past the last chunk (sequences.py)
+        # a slot past the last chunk (sequences.py)
+        if is_padding_chunk(i_n, T_seq, BT):
             return
     m_t, m_out = t < T_live, t < T_seq
     o_t = tl.arange(0, BT)
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < Dv
-    # P^T (row j, column i: k_j . q_i), computed as K Q^T from the loaded tiles: dv = P^T dO
-    # then takes no transpose of a dot result (fla #640, see chunk_dqk_kernel)
+    # P^T (row j, column i: k_j . q_i), computed as K Q^T from the loaded
+    # tiles: dv = P^T dO then takes no transpose of a dot result (fla #640,
+    # see chunk_dqk_kernel)
     Pt = tl.zeros([BT, BT], dtype=tl.float32)
     kH = tl.zeros([BT, BV], dtype=tl.float32)     # k_j dH_n
     for i_k in range(0, tl.cdiv(Dk, BK)):
@@ -272,26 +333,32 @@ def chunk_dv_kernel(
         dH = tl.load(dh_ptr + i_s * Dk * Dv + o_k[:, None] * Dv + o_v[None, :],
                      mask=m_k[:, None] & m_v[None, :], other=0.0)
         Pt = tl.dot(k, tl.trans(q), acc=Pt, input_precision=DOT_PREC)
-        kH = tl.dot(k.to(tl.float32), dH.to(tl.float32), acc=kH, input_precision=DOT_PREC)
-    Mt, _, k_decay = _decays(g_ptr, i_h, row0, i_n, t, T_live, o_t, BT, DECAY, True)
+        kH = tl.dot(k.to(tl.float32), dH.to(tl.float32), acc=kH,
+                    input_precision=DOT_PREC)
+    Mt, _, k_decay = _decays(
+        g_ptr, i_h, row0, i_n, t, T_live, o_t, BT, DECAY, True)
     Pt = Mt * Pt
     if NORMALIZE:
         Pt = Pt * tl.load(r_ptr + row0 + t, mask=m_t, other=0.0)[None, :]
     do = _load_rows(do_ptr, row0, t, m_t, o_v, m_v, Dv).to(tl.float32)
     dv = tl.dot(Pt, do, acc=k_decay[:, None] * kH, input_precision=DOT_PREC)
-    tl.store(dv_ptr + (row0 + t)[:, None] * Dv + o_v[None, :], dv.to(dv_ptr.dtype.element_ty),
+    tl.store(dv_ptr + (row0 + t)[:, None] * Dv + o_v[None, :],
+             dv.to(dv_ptr.dtype.element_ty),
              mask=m_out[:, None] & m_v[None, :])
 
 
 @triton.jit
 def decay_grad_kernel(part_ptr, end_ptr, dg_ptr, cu_ptr, T, H, n_rows, NK,
-                      BT: tl.constexpr, HAS_END: tl.constexpr, IS_VARLEN: tl.constexpr):
-    """The log-decay's gradient for the tokens of one (sequence, head) (program (sequence,
-    head)): dL/dG_t = the sum over s >= t in the sequence of r_s = q_s . dq_s - k_s . dk_s, the
-    NK key blocks' partials of chunk_dqk_kernel ((NK, rows) fp32) added here, plus the final
-    state's term end[sequence H + head] (HAS_END). Walked from the sequence's end in blocks of
-    BT tokens: each a reversed scan plus the sum of the blocks after it, so that every entry is
-    a sum of exactly its own terms (no difference of larger sums)."""
+                      BT: tl.constexpr, HAS_END: tl.constexpr,
+                      IS_VARLEN: tl.constexpr):
+    """The log-decay's gradient for the tokens of one (sequence, head) (program
+    (sequence, head)): dL/dG_t = the sum over s >= t in the sequence of
+    r_s = q_s . dq_s - k_s . dk_s, the NK key blocks' partials of
+    chunk_dqk_kernel ((NK, rows) fp32) added here, plus the final state's
+    term end[sequence H + head] (HAS_END). Walked from the sequence's end in
+    blocks of BT tokens: each a reversed scan plus the sum of the blocks after
+    it, so that every entry is a sum of exactly its own terms (no difference of
+    larger sums)."""
     i_seq = tl.program_id(0).to(tl.int64)
     i_h = tl.program_id(1).to(tl.int64)
     row0, T_seq = sequence_rows(i_seq, i_h, cu_ptr, T, H, IS_VARLEN)
@@ -302,18 +369,22 @@ def decay_grad_kernel(part_ptr, end_ptr, dg_ptr, cu_ptr, T, H, n_rows, NK,
         t = T_seq - (i + 1) * BT + tl.arange(0, BT)
         r = tl.zeros([BT], dtype=tl.float32)
         part = part_ptr + row0 + t
-        for _ in range(0, NK):              # the pointer steps by n_rows: 64-bit addresses
+        # the pointer steps by n_rows: 64-bit addresses
+        for _ in range(0, NK):
             r += tl.load(part, mask=t >= 0, other=0.0)
             part += n_rows
-        tl.store(dg_ptr + row0 + t, tl.cumsum(r, axis=0, reverse=True) + after, mask=t >= 0)
+        tl.store(dg_ptr + row0 + t,
+                 tl.cumsum(r, axis=0, reverse=True) + after, mask=t >= 0)
         after += tl.sum(r, axis=0)
 
 
-def decay_grad(parts: torch.Tensor, end: torch.Tensor | None, cu_seqlens: torch.Tensor | None = None,
+def decay_grad(parts: torch.Tensor, end: torch.Tensor | None,
+               cu_seqlens: torch.Tensor | None = None,
                config: dict | None = None) -> torch.Tensor:
-    """Launch `decay_grad_kernel`: dL/dG (B, H, T) fp32 from the per-block partials (NK, B, H,
-    T) of q . dq - k . dk, summed after each token within its sequence; end (sequences, H)
-    fp32 or None: the final state's term, added to every token of its sequence."""
+    """Launch `decay_grad_kernel`: dL/dG (B, H, T) fp32 from the per-block
+    partials (NK, B, H, T) of q . dq - k . dk, summed after each token within
+    its sequence; end (sequences, H) fp32 or None: the final state's term, added
+    to every token of its sequence."""
     NK, B, H, T = parts.shape
     cfg = config or launch_config("decay_grad", 1, torch.float32, parts.device)
     dg = torch.empty(B, H, T, dtype=torch.float32, device=parts.device)
@@ -321,8 +392,9 @@ def decay_grad(parts: torch.Tensor, end: torch.Tensor | None, cu_seqlens: torch.
     cu = None if cu_seqlens is None else packed_starts(cu_seqlens, T)
     if dg.numel() and n_seq:
         launchable(decay_grad_kernel, parts.device)[(n_seq, H)](
-            parts.contiguous(), end.contiguous() if end is not None else dg, dg, cu if cu is not None else dg, T, H,
-            B * H * T, NK, BT=cfg["BT"], HAS_END=end is not None, IS_VARLEN=cu is not None,
+            parts.contiguous(), end.contiguous() if end is not None else dg,
+            dg, cu if cu is not None else dg, T, H, B * H * T, NK,
+            BT=cfg["BT"], HAS_END=end is not None, IS_VARLEN=cu is not None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return dg
 
@@ -330,17 +402,21 @@ def decay_grad(parts: torch.Tensor, end: torch.Tensor | None, cu_seqlens: torch.
 LIVE_LENGTH_PROGRAMS = 16
 
 
-def chunk_bwd_prep(do: torch.Tensor, o: torch.Tensor | None, den: torch.Tensor | None, *,
-                   find_lengths: bool = False, config: dict | None = None) -> tuple:
+def chunk_bwd_prep(do: torch.Tensor, o: torch.Tensor | None,
+                   den: torch.Tensor | None, *, find_lengths: bool = False,
+                   config: dict | None = None) -> tuple:
     """Launch `chunk_bwd_prep_kernel`: (r, e, lengths).
 
-    r, e: 1 / den and dL/dden = -(dO . o) / den, fp32 (B, H, T), when den is given (else
-    None). lengths: (B, H) int32, 1 + the last position whose cotangent is not zero (0 if
-    none), when find_lengths (else None). dO is read once for both; for the lengths alone,
-    from the end of each row (`live_length_kernel`, LIVE_LENGTH_PROGRAMS programs a row)."""
+    r, e: 1 / den and dL/dden = -(dO . o) / den, fp32 (B, H, T), when den is
+    given (else None). lengths: (B, H) int32, 1 + the last position whose
+    cotangent is not zero (0 if none), when find_lengths (else None). dO is read
+    once for both; for the lengths alone, from the end of each row
+    (`live_length_kernel`, LIVE_LENGTH_PROGRAMS programs a row)."""
     B, H, T, Dv = do.shape
     normalize = den is not None
-    cfg = config or launch_config("chunk_bwd_prep" if normalize else "live_length", Dv, do.dtype, do.device)
+    cfg = config or launch_config(
+        "chunk_bwd_prep" if normalize else "live_length",
+        Dv, do.dtype, do.device)
     r = e = lengths = None
     if normalize:
         r = torch.empty(B, H, T, dtype=torch.float32, device=do.device)
@@ -349,48 +425,64 @@ def chunk_bwd_prep(do: torch.Tensor, o: torch.Tensor | None, den: torch.Tensor |
         lengths = torch.zeros(B, H, dtype=torch.int32, device=do.device)
     if B * H * T and normalize:
         dummy = do
-        launchable(chunk_bwd_prep_kernel, do.device)[(cdiv(T, cfg["BT"]), B * H)](
-            do.contiguous(), *(x.contiguous() if x is not None else dummy for x in (o, den, r, e, lengths)),
-            T, Dv, BT=cfg["BT"], BV=cfg["BV"], NORMALIZE=normalize, FIND_LEN=find_lengths,
+        launchable(chunk_bwd_prep_kernel, do.device)[
+            (cdiv(T, cfg["BT"]), B * H)
+        ](
+            do.contiguous(),
+            *(x.contiguous() if x is not None else dummy
+              for x in (o, den, r, e, lengths)),
+            T, Dv, BT=cfg["BT"], BV=cfg["BV"],
+            NORMALIZE=normalize, FIND_LEN=find_lengths,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     elif B * H * T and find_lengths:
         P = min(cdiv(T, cfg["BT"]), LIVE_LENGTH_PROGRAMS)
         launchable(live_length_kernel, do.device)[(P, B * H)](
-            do.contiguous(), lengths, T, Dv, P, BT=cfg["BT"], BV=cfg["BV"], num_warps=cfg["num_warps"],
-            num_stages=1)
+            do.contiguous(), lengths, T, Dv, P, BT=cfg["BT"], BV=cfg["BV"],
+            num_warps=cfg["num_warps"], num_stages=1)
     return r, e, lengths
 
 
-def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, do: torch.Tensor, g: torch.Tensor | None,
-              r: torch.Tensor | None, e: torch.Tensor | None, states: tuple, grads: tuple, layout: tuple,
+def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              do: torch.Tensor, g: torch.Tensor | None,
+              r: torch.Tensor | None, e: torch.Tensor | None,
+              states: tuple, grads: tuple, layout: tuple,
               lengths: torch.Tensor | None, cfg: dict, need_dg: bool = True
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Launch `chunk_dqk_kernel`: dq, dk (input dtype) and the per-token q . dq - k . dk, one
-    partial per block of Dk ((NK, B, H, T) fp32, for `decay_grad`; None without a decay or
-    unless need_dg).
+    """Launch `chunk_dqk_kernel`: dq, dk (input dtype) and the per-token
+    q . dq - k . dk, one partial per block of Dk ((NK, B, H, T) fp32, for
+    `decay_grad`; None without a decay or unless need_dg).
 
-    g: fp32 log-decay or None; r, e: from `chunk_bwd_prep` (None unnormalised); states (h, hz)
-    and grads (dh, dhz): the forward's entry states and the state gradients (chunk_states,
-    forward and reversed, with cfg's BT); layout: (cu, chunk_offsets, chunk_indices, NT) as
-    `sequences.packed_layout` gives them; lengths: (B, H) int32 or None."""
+    g: fp32 log-decay or None; r, e: from `chunk_bwd_prep` (None unnormalised);
+    states (h, hz) and grads (dh, dhz): the forward's entry states and the state
+    gradients (chunk_states, forward and reversed, with cfg's BT);
+    layout: (cu, chunk_offsets, chunk_indices, NT) as `sequences.packed_layout`
+    gives them; lengths: (B, H) int32 or None."""
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
     cu, offsets, indices, NT = layout
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     NK = cdiv(Dk, cfg["BK"])
-    dg = torch.empty(NK, B, H, T, dtype=torch.float32, device=q.device) if g is not None and need_dg else None
+    dg = (torch.empty(NK, B, H, T, dtype=torch.float32, device=q.device)
+          if g is not None and need_dg else None)
     ptrs = [g, r, e, *states, *grads, dq, dk, dg, cu, offsets, indices, lengths]
     launchable(chunk_dqk_kernel, q.device)[(NK, NT, B * H)](
-        q, k, v, do, *(p if p is not None else dq for p in ptrs), T, H, Dk, Dv, NT, B * H * T,
-        BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"], DECAY=0 if g is None else (1 if g.dim() == 1 else 2),
-        DG=dg is not None, NORMALIZE=r is not None, HAS_LEN=lengths is not None, IS_VARLEN=cu is not None,
-        DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        q, k, v, do, *(p if p is not None else dq for p in ptrs),
+        T, H, Dk, Dv, NT, B * H * T,
+        BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"],
+        DECAY=0 if g is None else (1 if g.dim() == 1 else 2),
+        DG=dg is not None, NORMALIZE=r is not None,
+        HAS_LEN=lengths is not None, IS_VARLEN=cu is not None,
+        DOT_PREC=dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return dq, dk, dg
 
 
-def chunk_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, g: torch.Tensor | None, r: torch.Tensor | None,
-             dh: torch.Tensor, layout: tuple, lengths: torch.Tensor | None, cfg: dict) -> torch.Tensor:
-    """Launch `chunk_dv_kernel`: dv in the input dtype (arguments as for `chunk_dqk`)."""
+def chunk_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor,
+             g: torch.Tensor | None, r: torch.Tensor | None,
+             dh: torch.Tensor, layout: tuple, lengths: torch.Tensor | None,
+             cfg: dict) -> torch.Tensor:
+    """Launch `chunk_dv_kernel`: dv in the input dtype (arguments as for
+    `chunk_dqk`)."""
     B, H, T, Dk = q.shape
     Dv = do.shape[-1]
     cu, offsets, indices, NT = layout
@@ -398,9 +490,12 @@ def chunk_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor, g: torch.Tensor
     ptrs = [g, r, dh, dv, cu, offsets, indices, lengths]
     launchable(chunk_dv_kernel, q.device)[(cdiv(Dv, cfg["BV"]), NT, B * H)](
         q, k, do, *(p if p is not None else dv for p in ptrs), T, H, Dk, Dv, NT,
-        BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"], DECAY=0 if g is None else (1 if g.dim() == 1 else 2),
-        NORMALIZE=r is not None, HAS_LEN=lengths is not None, IS_VARLEN=cu is not None,
-        DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"],
+        DECAY=0 if g is None else (1 if g.dim() == 1 else 2),
+        NORMALIZE=r is not None,
+        HAS_LEN=lengths is not None, IS_VARLEN=cu is not None,
+        DOT_PREC=dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return dv
 
 
@@ -422,53 +517,68 @@ def chunk_bwd_two_phase(
     log_decay_end: torch.Tensor | None = None,
     state_dtype: torch.dtype | None = None,
 ) -> dict:
-    """The causal backward in two phases. Returns {"dq", "dk", "dv", "dG", "dS0", "dz0"}.
+    """The causal backward in two phases. Returns {"dq", "dk", "dv", "dG",
+    "dS0", "dz0"}.
 
-    q, k, v, do: as the forward's inputs and its output cotangent (one dtype); o and den (the
-    forward's output and d + eps) when the forward was normalised; log_decay None, (H,) or
-    (B, H, T); initial_state (S0, z0 or None) as given to the forward; final_state_grad (dS_T,
-    dz_T or None) fp32. dq, dk, dv come in the input dtype. dG (fp32, (B, H, T), None without a
-    decay or unless need_log_decay_grad) is the gradient of the log-decay of each token, the
-    sum of q_s . dq_s - k_s . dk_s over the tokens s from it to its sequence's end, plus
-    log_decay_end ((sequences, H) fp32: <dS_T, S_T> + <dz_T, z_T>, the final state's term, or
-    None); a decay per head is the sum over its tokens, taken by the caller. dS0 / dz0 (fp32,
-    None unless asked) are the gradients of the initial state. state_dtype: the dtype the
-    per-chunk entry states, and the state gradients unless dG is asked for, are
-    stored in between the kernels (accumulated in fp32 either way); None: bf16 for bf16
-    inputs, fp32 otherwise (as `chunk_fwd_two_phase`). skip_dead_tail: the tokens after the
-    last nonzero cotangent of each (batch, head) are read as 0 and their gradients are
-    exactly 0 -- right only without a final-state gradient, which every token reaches
-    (whatever those tokens hold, padding, NaN or inf, then never meets a zero in a matmul).
-    cu_seqlens: packed sequences (sequences.py; no dead tail).
+    q, k, v, do: as the forward's inputs and its output cotangent (one dtype); o
+    and den (the forward's output and d + eps) when the forward was normalised;
+    log_decay None, (H,) or (B, H, T); initial_state (S0, z0 or None) as given
+    to the forward; final_state_grad (dS_T, dz_T or None) fp32. dq, dk, dv come
+    in the input dtype. dG (fp32, (B, H, T), None without a decay or unless
+    need_log_decay_grad) is the gradient of the log-decay of each token, the sum
+    of q_s . dq_s - k_s . dk_s over the tokens s from it to its sequence's end,
+    plus log_decay_end ((sequences, H) fp32: <dS_T, S_T> + <dz_T, z_T>, the
+    final state's term, or None); a decay per head is the sum over its tokens,
+    taken by the caller. dS0 / dz0 (fp32, None unless asked) are the gradients
+    of the initial state. state_dtype: the dtype the per-chunk entry states, and
+    the state gradients unless dG is asked for, are stored in between the
+    kernels (accumulated in fp32 either way); None: bf16 for bf16 inputs, fp32
+    otherwise (as `chunk_fwd_two_phase`). skip_dead_tail: the tokens after the
+    last nonzero cotangent of each (batch, head) are read as 0 and their
+    gradients are exactly 0 -- right only without a final-state gradient, which
+    every token reaches (whatever those tokens hold, padding, NaN or inf, then
+    never meets a zero in a matmul). cu_seqlens: packed sequences (sequences.py;
+    no dead tail).
     """
     B, H, T, Dk = q.shape
-    cfg_s = state_config(Dk, v.shape[-1], H * (B if cu_seqlens is None else cu_seqlens.numel() - 1), q.dtype,
-                         q.device, den is not None)
+    cfg_s = state_config(
+        Dk, v.shape[-1],
+        H * (B if cu_seqlens is None else cu_seqlens.numel() - 1),
+        q.dtype, q.device, den is not None)
     cfg_dqk = launch_config("chunk_dqk", Dk, q.dtype, q.device)
     cfg_dv = launch_config("chunk_dv", Dk, q.dtype, q.device)
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
     r, e, lengths = chunk_bwd_prep(do, o, den, find_lengths=skip_dead_tail)
     normalize = den is not None
-    kw = dict(log_decay=log_decay, track_z=normalize, config=cfg_s, lengths=lengths, cu_seqlens=cu_seqlens)
-    # The forward's entry states again, stored as the forward stored them (bf16 for bf16 inputs):
-    # dq's inter-chunk term then sees the very state the output was computed from. The state
-    # gradients are stored so too unless the log-decay's gradient is asked for: dk and dv take
-    # less error from their rounding than from their own (tests/test_kernels_two_phase.py),
-    # but the suffix sums of q . dq - k . dk would take twice the error that the rounded
-    # entry states give them.
+    kw = dict(log_decay=log_decay, track_z=normalize, config=cfg_s,
+              lengths=lengths, cu_seqlens=cu_seqlens)
+    # The forward's entry states again, stored as the forward stored them
+    # (bf16 for bf16 inputs): dq's inter-chunk term then sees the very state
+    # the output was computed from. The state gradients are stored so too
+    # unless the log-decay's gradient is asked for: dk and dv take less error
+    # from their rounding than from their own (tests/test_kernels_two_phase.py),
+    # but the suffix sums of q . dq - k . dk would take twice the error that
+    # the rounded entry states give them.
     if state_dtype is None:
-        state_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+        state_dtype = (torch.bfloat16 if q.dtype == torch.bfloat16
+                       else torch.float32)
     need_dg = log_decay is not None and need_log_decay_grad
-    kw["layout"] = packed_layout(cu_seqlens, T, B, H, cfg_s["BT"])  # once for every launch (no host sync)
+    # once for every launch (no host sync)
+    kw["layout"] = packed_layout(cu_seqlens, T, B, H, cfg_s["BT"])
     layout = kw["layout"][:4]
-    g = log_decay.to(torch.float32).contiguous() if log_decay is not None else None
+    g = (log_decay.to(torch.float32).contiguous()
+         if log_decay is not None else None)
     if g is not None:  # both walks' decays in one launch
-        kw["decays"] = chunk_decays(g, B, H, T, cfg_s["BT"], layout=layout, lengths=lengths, to_start=True)
-    h, hz, _, _ = chunk_states(k, v, initial_state=initial_state, state_dtype=state_dtype, **kw)
-    dh, dhz, dS0, dz0 = chunk_states(q, do, initial_state=final_state_grad, reverse=True, key_scale=r,
-                                     z_weights=e, store_final_state=need_initial_state_grad,
-                                     state_dtype=torch.float32 if need_dg else state_dtype, **kw)
-    dq, dk, dg = chunk_dqk(q, k, v, do, g, r, e, (h, hz), (dh, dhz), layout, lengths, cfg_dqk, need_dg)
+        kw["decays"] = chunk_decays(g, B, H, T, cfg_s["BT"], layout=layout,
+                                    lengths=lengths, to_start=True)
+    h, hz, _, _ = chunk_states(
+        k, v, initial_state=initial_state, state_dtype=state_dtype, **kw)
+    dh, dhz, dS0, dz0 = chunk_states(
+        q, do, initial_state=final_state_grad, reverse=True, key_scale=r,
+        z_weights=e, store_final_state=need_initial_state_grad,
+        state_dtype=torch.float32 if need_dg else state_dtype, **kw)
+    dq, dk, dg = chunk_dqk(q, k, v, do, g, r, e, (h, hz), (dh, dhz),
+                           layout, lengths, cfg_dqk, need_dg)
     dv = chunk_dv(q, k, do, g, r, dh, layout, lengths, cfg_dv)
     dG = decay_grad(dg, log_decay_end, cu_seqlens) if dg is not None else None
     return {"dq": dq, "dk": dk, "dv": dv, "dG": dG, "dS0": dS0, "dz0": dz0}
@@ -476,46 +586,60 @@ def chunk_bwd_two_phase(
 
 def compile_spec_prep(cfg: dict, dtype: str) -> tuple[dict, dict]:
     """Signature and constexprs of `chunk_bwd_prep_kernel`."""
-    signature = {"do_ptr": f"*{dtype}", "o_ptr": f"*{dtype}", "den_ptr": "*fp32", "r_ptr": "*fp32",
-                 "e_ptr": "*fp32", "len_ptr": "*i32", "T": "i32", "Dv": "i32"}
-    constexprs = {"BT": cfg["BT"], "BV": cfg["BV"], "NORMALIZE": True, "FIND_LEN": True}
+    signature = {"do_ptr": f"*{dtype}", "o_ptr": f"*{dtype}",
+                 "den_ptr": "*fp32", "r_ptr": "*fp32", "e_ptr": "*fp32",
+                 "len_ptr": "*i32", "T": "i32", "Dv": "i32"}
+    constexprs = {"BT": cfg["BT"], "BV": cfg["BV"], "NORMALIZE": True,
+                  "FIND_LEN": True}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return signature, constexprs
 
 
-def _spec(names: list[str], dtype: str, cfg: dict, ints: list[str]) -> tuple[dict, dict]:
-    signature = {n: (f"*{dtype}" if n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr", "dq_ptr", "dk_ptr", "dv_ptr")
-                     else "*i32" if n in ("cu_ptr", "co_ptr", "ci_ptr", "len_ptr") else "*fp32") for n in names}
+def _spec(names: list[str], dtype: str, cfg: dict,
+          ints: list[str]) -> tuple[dict, dict]:
+    signature = {
+        n: (f"*{dtype}" if n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr",
+                                 "dq_ptr", "dk_ptr", "dv_ptr")
+            else "*i32" if n in ("cu_ptr", "co_ptr", "ci_ptr", "len_ptr")
+            else "*fp32")
+        for n in names}
     signature.update(dict.fromkeys(ints, "i32"))
-    constexprs = {"BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2, "NORMALIZE": True,
-                  "HAS_LEN": True, "IS_VARLEN": False, "DOT_PREC": dot_precision(dtype)}
+    constexprs = {"BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2,
+                  "NORMALIZE": True, "HAS_LEN": True, "IS_VARLEN": False,
+                  "DOT_PREC": dot_precision(dtype)}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return signature, constexprs
 
 
 def compile_spec_dqk(cfg: dict, dtype: str) -> tuple[dict, dict]:
-    """Signature and constexprs of `chunk_dqk_kernel`'s heaviest variant (decay, normaliser)."""
-    names = ["q_ptr", "k_ptr", "v_ptr", "do_ptr", "g_ptr", "r_ptr", "e_ptr", "h_ptr", "hz_ptr", "dh_ptr",
-             "dhz_ptr", "dq_ptr", "dk_ptr", "dg_ptr", "cu_ptr", "co_ptr", "ci_ptr", "len_ptr"]
-    signature, constexprs = _spec(names, dtype, cfg, ["T", "H", "Dk", "Dv", "NT", "n_rows"])
-    if dtype == "bf16":  # bf16 inputs read bf16 entry states (chunk_bwd_two_phase)
+    """Signature and constexprs of `chunk_dqk_kernel`'s heaviest variant
+    (decay, normaliser)."""
+    names = ["q_ptr", "k_ptr", "v_ptr", "do_ptr", "g_ptr", "r_ptr", "e_ptr",
+             "h_ptr", "hz_ptr", "dh_ptr", "dhz_ptr", "dq_ptr", "dk_ptr",
+             "dg_ptr", "cu_ptr", "co_ptr", "ci_ptr", "len_ptr"]
+    signature, constexprs = _spec(names, dtype, cfg,
+                                  ["T", "H", "Dk", "Dv", "NT", "n_rows"])
+    # bf16 inputs read bf16 entry states (chunk_bwd_two_phase)
+    if dtype == "bf16":
         signature["h_ptr"] = "*bf16"
     signature["DG"], constexprs["DG"] = "constexpr", True
     return signature, constexprs
 
 
 def compile_spec_dv(cfg: dict, dtype: str) -> tuple[dict, dict]:
-    """Signature and constexprs of `chunk_dv_kernel`'s heaviest variant (decay, normaliser)."""
-    names = ["q_ptr", "k_ptr", "do_ptr", "g_ptr", "r_ptr", "dh_ptr", "dv_ptr", "cu_ptr", "co_ptr", "ci_ptr",
-             "len_ptr"]
+    """Signature and constexprs of `chunk_dv_kernel`'s heaviest variant
+    (decay, normaliser)."""
+    names = ["q_ptr", "k_ptr", "do_ptr", "g_ptr", "r_ptr", "dh_ptr", "dv_ptr",
+             "cu_ptr", "co_ptr", "ci_ptr", "len_ptr"]
     return _spec(names, dtype, cfg, ["T", "H", "Dk", "Dv", "NT"])
 
 
 def compile_spec_decay_grad(cfg: dict, dtype: str) -> tuple[dict, dict]:
-    """Signature and constexprs of `decay_grad_kernel` (fp32 whatever `dtype`; packed, with a
-    final-state term)."""
-    signature = {"part_ptr": "*fp32", "end_ptr": "*fp32", "dg_ptr": "*fp32", "cu_ptr": "*i32", "T": "i32",
-                 "H": "i32", "n_rows": "i32", "NK": "i32"}
+    """Signature and constexprs of `decay_grad_kernel` (fp32 whatever `dtype`;
+    packed, with a final-state term)."""
+    signature = {"part_ptr": "*fp32", "end_ptr": "*fp32", "dg_ptr": "*fp32",
+                 "cu_ptr": "*i32", "T": "i32", "H": "i32", "n_rows": "i32",
+                 "NK": "i32"}
     constexprs = {"BT": cfg["BT"], "HAS_END": True, "IS_VARLEN": True}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return signature, constexprs
@@ -523,7 +647,8 @@ def compile_spec_decay_grad(cfg: dict, dtype: str) -> tuple[dict, dict]:
 
 def compile_spec_live_length(cfg: dict, dtype: str) -> tuple[dict, dict]:
     """Signature and constexprs of `live_length_kernel`."""
-    signature = {"do_ptr": f"*{dtype}", "len_ptr": "*i32", "T": "i32", "Dv": "i32", "P": "i32"}
+    signature = {"do_ptr": f"*{dtype}", "len_ptr": "*i32",
+                 "T": "i32", "Dv": "i32", "P": "i32"}
     constexprs = {"BT": cfg["BT"], "BV": cfg["BV"]}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return signature, constexprs

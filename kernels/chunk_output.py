@@ -1,34 +1,41 @@
-"""Two-phase causal forward, phase 2: every chunk's outputs, all chunks in parallel.
+"""Two-phase causal forward, phase 2: every chunk's outputs, all chunks in
+parallel.
 
-The autograd wrapper is `_CausalLinearAttention` in linattn_lib/core/triton_ops.py, whose
-forward calls `chunk_fwd_two_phase` below (phase 1, `chunk_states`, is in chunk_state.py);
-the tests are tests/test_kernels_two_phase.py and, through the forward,
+The autograd wrapper is `_CausalLinearAttention` in
+linattn_lib/core/triton_ops.py, whose forward calls `chunk_fwd_two_phase` below
+(phase 1, `chunk_states`, is in chunk_state.py); the tests are
+tests/test_kernels_two_phase.py and, through the forward,
 tests/test_kernels_interpret.py.
 
-With the entry state (S_n, z_n) of chunk n stored by phase 1, the chunks no longer depend on
-one another: one program per (value tile, chunk, batch * head) computes
+With the entry state (S_n, z_n) of chunk n stored by phase 1, the chunks no
+longer depend on one another: one program per (value tile, chunk, batch * head)
+computes
 
     o_i = sum_{j <= i in chunk} exp(L_ij) (q_i . k_j) v_j + exp(gc_i) q_i S_n
     d_i = sum_{j <= i in chunk} exp(L_ij) (q_i . k_j)     + exp(gc_i) q_i . z_n
 
-and stores o_i / (d_i + eps) and den_i = d_i + eps (fp32), exactly what `chunk_fwd_kernel`
-stores: the backward pass reads den. L_ij = g_{j+1} + ... + g_i and gc_i = g_start + ... + g_i
-come from `chunk_log_decays` (chunk_fwd.py), each as precise as a sum of its own terms (a
-compensated difference of prefix sums; a product for a decay per head), all <= 0. The
-decay of the state's term is applied to the row after the product (exp(gc_i) (q_i S_n) rather
-than (exp(gc_i) q_i) S_n: a row scale commutes with the product).
+and stores o_i / (d_i + eps) and den_i = d_i + eps (fp32), exactly what
+`chunk_fwd_kernel` stores: the backward pass reads den.
+L_ij = g_{j+1} + ... + g_i and gc_i = g_start + ... + g_i come from
+`chunk_log_decays` (chunk_fwd.py), each as precise as a sum of its own terms
+(a compensated difference of prefix sums; a product for a decay per head),
+all <= 0. The decay of the state's term is applied to the row after the
+product (exp(gc_i) (q_i S_n) rather than (exp(gc_i) q_i) S_n: a row scale
+commutes with the product).
 
-Dk is walked in blocks of BK (the loop the software pipeliner overlaps): each block adds its
-q k^T to the scores (input dtype on the tensor cores, fp32 accumulator) and its q S_n to the
-output, q in fp32 against the fp32 state (tf32 for 16-bit inputs, as chunk_fwd does: the state
-may be larger than fp16 can hold). The scores stay fp32 into their product with the values
-(tf32): raw scores above 65504 would be inf as fp16 even when the normalised output is not.
+Dk is walked in blocks of BK (the loop the software pipeliner overlaps): each
+block adds its q k^T to the scores (input dtype on the tensor cores, fp32
+accumulator) and its q S_n to the output, q in fp32 against the fp32 state (tf32
+for 16-bit inputs, as chunk_fwd does: the state may be larger than fp16 can
+hold). The scores stay fp32 into their product with the values (tf32): raw
+scores above 65504 would be inf as fp16 even when the normalised output is not.
 
-Masks select, they do not multiply (as in chunk_fwd.py): the scores are cut to the causal
-triangle with tl.where, and a value that is inf or NaN is replaced by 0 in the product while
-NaN goes into the scores of its token, so that exactly the outputs that see it (in this
-program's BV value columns) are NaN. A NaN in q reaches its own row only; one in k the rows
-from its token on, and later chunks through the state.
+Masks select, they do not multiply (as in chunk_fwd.py): the scores are cut to
+the causal triangle with tl.where, and a value that is inf or NaN is replaced by
+0 in the product while NaN goes into the scores of its token, so that exactly
+the outputs that see it (in this program's BV value columns) are NaN. A NaN in q
+reaches its own row only; one in k the rows from its token on, and later chunks
+through the state.
 """
 from __future__ import annotations
 
@@ -36,19 +43,33 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_decay import ChunkDecays, chunk_decays, chunk_decays_at, launch_config
+from .chunk_decay import (
+    ChunkDecays,
+    chunk_decays,
+    chunk_decays_at,
+    launch_config,
+)
 from .chunk_fwd import _gap
 from .chunk_state import chunk_states, state_config
 from .configs import dot_precision, launchable
-from .sequences import cdiv, chunk_of_program, first_chunk, is_padding_chunk, packed_layout, sequence_rows
+from .sequences import (
+    cdiv,
+    chunk_of_program,
+    first_chunk,
+    is_padding_chunk,
+    packed_layout,
+    sequence_rows,
+)
 
 
 @triton.jit
-def _scores_and_state(q_ptr, k_ptr, h_ptr, hz_ptr, row0, i_s, t, m_t, o_v, m_v, Dk, Dv,
-                      BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-                      NORMALIZE: tl.constexpr, DOT_PREC: tl.constexpr):
-    """Over the blocks of Dk: the raw scores q k^T (BT x BT), q S_n (BT x BV) and q . z_n (BT,);
-    i_s is the index of chunk n's entry state."""
+def _scores_and_state(
+    q_ptr, k_ptr, h_ptr, hz_ptr, row0, i_s, t, m_t, o_v, m_v, Dk, Dv,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    NORMALIZE: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """Over the blocks of Dk: the raw scores q k^T (BT x BT), q S_n (BT x BV)
+    and q . z_n (BT,); i_s is the index of chunk n's entry state."""
     A = tl.zeros([BT, BT], dtype=tl.float32)
     o = tl.zeros([BT, BV], dtype=tl.float32)
     d = tl.zeros([BT], dtype=tl.float32)
@@ -57,14 +78,19 @@ def _scores_and_state(q_ptr, k_ptr, h_ptr, hz_ptr, row0, i_s, t, m_t, o_v, m_v, 
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < Dk
         m_tk = m_t[:, None] & m_k[None, :]
-        q = tl.load(q_ptr + (row0 + t)[:, None] * Dk + o_k[None, :], mask=m_tk, other=0.0)
-        k = tl.load(k_ptr + (row0 + t)[:, None] * Dk + o_k[None, :], mask=m_tk, other=0.0)
-        S = tl.load(h_base + o_k[:, None] * Dv + o_v[None, :], mask=m_k[:, None] & m_v[None, :], other=0.0)
+        q = tl.load(q_ptr + (row0 + t)[:, None] * Dk + o_k[None, :],
+                    mask=m_tk, other=0.0)
+        k = tl.load(k_ptr + (row0 + t)[:, None] * Dk + o_k[None, :],
+                    mask=m_tk, other=0.0)
+        S = tl.load(h_base + o_k[:, None] * Dv + o_v[None, :],
+                    mask=m_k[:, None] & m_v[None, :], other=0.0)
         A = tl.dot(q, tl.trans(k), acc=A, input_precision=DOT_PREC)
         q32 = q.to(tl.float32)
         if h_ptr.dtype.element_ty == tl.float32:
             o = tl.dot(q32, S, acc=o, input_precision=DOT_PREC)
-        else:  # states stored in the input dtype (bf16): the product on the tensor cores
+        else:
+            # states stored in the input dtype (bf16):
+            # the product on the tensor cores
             o = tl.dot(q, S.to(q.dtype), acc=o, input_precision=DOT_PREC)
         if NORMALIZE:
             z = tl.load(hz_ptr + i_s * Dk + o_k, mask=m_k, other=0.0)
@@ -74,34 +100,43 @@ def _scores_and_state(q_ptr, k_ptr, h_ptr, hz_ptr, row0, i_s, t, m_t, o_v, m_v, 
 
 @triton.jit
 def _poison_bad_values(A, v, visible):
-    """A cut to the visible triangle, with NaN in the visible scores of every token whose
-    values (v, fp32, this program's columns) hold an inf or NaN, and v with those entries
-    replaced by 0: every row that sees a bad value is NaN, no row that does not see it is.
-    A token's flag is the sum of its values times 0 (0, or NaN: inf * 0 is NaN), added to
-    its column of scores: in float arithmetic, where integer flags, a maximum and selects
-    took 152 SASS instructions of the kernel's 1029 (sm_90, bf16), this takes 77."""
-    bad = tl.sum(v * 0.0, axis=1)                           # (BT,): 0, or NaN for a bad token
-    return tl.where(visible, A + bad[None, :], 0.0), tl.where(tl.abs(v) < float("inf"), v, 0.0)
+    """A cut to the visible triangle, with NaN in the visible scores of every
+    token whose values (v, fp32, this program's columns) hold an inf or NaN, and
+    v with those entries replaced by 0: every row that sees a bad value is NaN,
+    no row that does not see it is. A token's flag is the sum of its values
+    times 0 (0, or NaN: inf * 0 is NaN), added to its column of scores: in float
+    arithmetic, where integer flags, a maximum and selects took 152 SASS
+    instructions of the kernel's 1029 (sm_90, bf16), this takes 77."""
+    # (BT,): 0, or NaN for a bad token
+    bad = tl.sum(v * 0.0, axis=1)
+    return (tl.where(visible, A + bad[None, :], 0.0),
+            tl.where(tl.abs(v) < float("inf"), v, 0.0))
 
 
 @triton.jit
 def chunk_output_kernel(
-    q_ptr, k_ptr, v_ptr,      # (B, H, T, Dk), (B, H, T, Dk), (B, H, T, Dv); contiguous
+    q_ptr, k_ptr, v_ptr,      # (B, H, T, Dk), (B, H, T, Dk), (B, H, T, Dv);
+                              # contiguous
     g_ptr,                    # log-decay per head (H,) fp32 (DECAY == 1)
-    hi_ptr, lo_ptr,           # DECAY == 2: its compensated prefix sums per chunk (chunk_decays)
-    h_ptr, hz_ptr,            # entry states (B, H, NT, Dk, Dv), (B, H, NT, Dk) fp32 (chunk_state_kernel)
+    hi_ptr, lo_ptr,           # DECAY == 2: its compensated prefix sums per
+                              # chunk (chunk_decays)
+    h_ptr, hz_ptr,            # entry states (B, H, NT, Dk, Dv), (B, H, NT, Dk)
+                              # fp32 (chunk_state_kernel)
     o_ptr,                    # (B, H, T, Dv) output, in the dtype of v
     den_ptr,                  # (B, H, T) fp32 d + eps (NORMALIZE)
     cu_ptr, co_ptr, ci_ptr,   # packed sequences (IS_VARLEN, sequences.py)
     T, H, Dk, Dv, NT, eps,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DECAY: tl.constexpr, NORMALIZE: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    DECAY: tl.constexpr, NORMALIZE: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_v = tl.program_id(0)
-    i_seq, i_h, i_n = chunk_of_program(tl.program_id(1), tl.program_id(2).to(tl.int64), ci_ptr, H, IS_VARLEN)
+    i_seq, i_h, i_n = chunk_of_program(
+        tl.program_id(1), tl.program_id(2).to(tl.int64), ci_ptr, H, IS_VARLEN)
     row0, T_seq = sequence_rows(i_seq, i_h, cu_ptr, T, H, IS_VARLEN)
     if IS_VARLEN:
-        if is_padding_chunk(i_n, T_seq, BT):  # a slot past the last chunk (sequences.py)
+        # a slot past the last chunk (sequences.py)
+        if is_padding_chunk(i_n, T_seq, BT):
             return
     i_s = first_chunk(i_seq, i_h, co_ptr, NT, H, IS_VARLEN) + i_n
     o_t = tl.arange(0, BT)
@@ -109,18 +144,24 @@ def chunk_output_kernel(
     m_t = t < T_seq
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < Dv
-    A, o, d = _scores_and_state(q_ptr, k_ptr, h_ptr, hz_ptr, row0, i_s, t, m_t, o_v, m_v,
-                                Dk, Dv, BT, BK, BV, NORMALIZE, DOT_PREC)
-    v = tl.load(v_ptr + (row0 + t)[:, None] * Dv + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+    A, o, d = _scores_and_state(
+        q_ptr, k_ptr, h_ptr, hz_ptr, row0, i_s, t, m_t, o_v, m_v, Dk, Dv,
+        BT, BK, BV, NORMALIZE, DOT_PREC)
+    v = tl.load(v_ptr + (row0 + t)[:, None] * Dv + o_v[None, :],
+                mask=m_t[:, None] & m_v[None, :], other=0.0)
     if DECAY == 1:
-        L, q_log, _, _ = chunk_decays_at(g_ptr, i_h, row0, i_n, t, T_seq, BT, False, DECAY)
+        L, q_log, _, _ = chunk_decays_at(
+            g_ptr, i_h, row0, i_n, t, T_seq, BT, False, DECAY)
     elif DECAY == 2:  # as chunk_log_decays forms them from the same prefix sums
         hi = tl.load(hi_ptr + i_s * BT + o_t)
         lo = tl.load(lo_ptr + i_s * BT + o_t)
-        L = tl.where(o_t[None, :] < o_t[:, None], _gap(hi[:, None], lo[:, None], hi[None, :], lo[None, :]), 0.0)
+        L = tl.where(o_t[None, :] < o_t[:, None],
+                     _gap(hi[:, None], lo[:, None], hi[None, :], lo[None, :]),
+                     0.0)
         q_log = hi
     if DECAY > 0:
-        A = A * tl.exp(L)                   # L <= 0 (0 outside the causal triangle)
+        # L <= 0 (0 outside the causal triangle)
+        A = A * tl.exp(L)
         q_decay = tl.exp(q_log)
         o = o * q_decay[:, None]
         d = d * q_decay
@@ -128,11 +169,12 @@ def chunk_output_kernel(
     A, v = _poison_bad_values(A, v.to(tl.float32), visible)
     o = tl.dot(A, v, acc=o, input_precision=DOT_PREC)
     if NORMALIZE:
-        d = tl.sum(A, axis=1) + d + eps     # padded keys were read as 0: their scores are 0
+        # padded keys were read as 0: their scores are 0
+        d = tl.sum(A, axis=1) + d + eps
         o = o / d[:, None]
         tl.store(den_ptr + row0 + t, d, mask=m_t & (i_v == 0))
-    tl.store(o_ptr + (row0 + t)[:, None] * Dv + o_v[None, :], o.to(o_ptr.dtype.element_ty),
-             mask=m_t[:, None] & m_v[None, :])
+    tl.store(o_ptr + (row0 + t)[:, None] * Dv + o_v[None, :],
+             o.to(o_ptr.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
 
 
 def chunk_output(
@@ -150,43 +192,56 @@ def chunk_output(
     decays: ChunkDecays | None = None,
     layout: tuple | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """Launch `chunk_output_kernel`. Returns (o, den): o in the dtype of v, den = d + eps
-    (fp32, (B, H, T)) when normalize, else None.
+    """Launch `chunk_output_kernel`. Returns (o, den): o in the dtype of v,
+    den = d + eps (fp32, (B, H, T)) when normalize, else None.
 
-    h, hz: the entry states from `chunk_states` (hz needed when normalize), computed with the
-    chunk length of `config` (the chunk length is read off h: NT = h.shape[2] must be
-    ceil(T / BT)). cu_seqlens: packed sequences (sequences.py), h from `chunk_states` with
-    the same cu_seqlens (NT = ceil(T / BT) + N - 1, the bound on the chunk count). decays:
-    `chunk_decays` of a per-token log_decay with these chunks, its prefix sums included, if
-    already computed; layout: `sequences.packed_layout` of these chunks, if already computed.
+    h, hz: the entry states from `chunk_states` (hz needed when normalize),
+    computed with the chunk length of `config` (the chunk length is read off h:
+    NT = h.shape[2] must be ceil(T / BT)). cu_seqlens: packed sequences
+    (sequences.py), h from `chunk_states` with the same cu_seqlens
+    (NT = ceil(T / BT) + N - 1, the bound on the chunk count). decays:
+    `chunk_decays` of a per-token log_decay with these chunks, its prefix sums
+    included, if already computed; layout: `sequences.packed_layout` of these
+    chunks, if already computed.
     """
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cfg = config or launch_config("chunk_output", Dk, q.dtype, q.device)
-    cu, offsets, indices, NT, _ = layout or packed_layout(cu_seqlens, T, B, H, cfg["BT"])
-    if h.shape != (B, H, NT, Dk, Dv) or (normalize and (hz is None or hz.shape != (B, H, NT, Dk))):
-        raise ValueError(f"chunk_output: entry states of shape {tuple(h.shape)} do not match "
-                         f"(B, H, NT, Dk, Dv) = {(B, H, NT, Dk, Dv)} for chunks of {cfg['BT']}")
+    cu, offsets, indices, NT, _ = (
+        layout or packed_layout(cu_seqlens, T, B, H, cfg["BT"]))
+    if h.shape != (B, H, NT, Dk, Dv) or (
+            normalize and (hz is None or hz.shape != (B, H, NT, Dk))):
+        raise ValueError(
+            f"chunk_output: entry states of shape {tuple(h.shape)} do not "
+            f"match (B, H, NT, Dk, Dv) = {(B, H, NT, Dk, Dv)} for chunks "
+            f"of {cfg['BT']}")
     o = torch.empty(B, H, T, Dv, dtype=v.dtype, device=q.device)
-    den = torch.empty(B, H, T, dtype=torch.float32, device=q.device) if normalize else None
-    g = log_decay.to(torch.float32).contiguous() if log_decay is not None else None
+    den = (torch.empty(B, H, T, dtype=torch.float32, device=q.device)
+           if normalize else None)
+    g = (log_decay.to(torch.float32).contiguous()
+         if log_decay is not None else None)
     if B * H * NT == 0:
         return o, den
     prefix = (None, None)
     if g is not None and g.dim() > 1:
         if decays is None:
-            decays = chunk_decays(g, B, H, T, cfg["BT"], layout=(cu, offsets, indices, NT), to_end=False,
-                                  prefix=True)
+            decays = chunk_decays(g, B, H, T, cfg["BT"],
+                                  layout=(cu, offsets, indices, NT),
+                                  to_end=False, prefix=True)
         prefix, g = (decays.hi, decays.lo), None
     dummy = o
     grid = (cdiv(Dv, cfg["BV"]), NT, B * H)
-    ptrs = [g, *prefix, h.contiguous(), hz.contiguous() if normalize else None, o, den, cu, offsets, indices]
+    ptrs = [g, *prefix, h.contiguous(), hz.contiguous() if normalize else None,
+            o, den, cu, offsets, indices]
     launchable(chunk_output_kernel, q.device)[grid](
-        q, k, v, *(p if p is not None else dummy for p in ptrs), T, H, Dk, Dv, NT, float(eps),
+        q, k, v, *(p if p is not None else dummy for p in ptrs),
+        T, H, Dk, Dv, NT, float(eps),
         BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"],
-        DECAY=0 if log_decay is None else (1 if log_decay.dim() == 1 else 2), NORMALIZE=normalize,
-        IS_VARLEN=cu is not None, DOT_PREC=dot_precision(q.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        DECAY=0 if log_decay is None else (1 if log_decay.dim() == 1 else 2),
+        NORMALIZE=normalize, IS_VARLEN=cu is not None,
+        DOT_PREC=dot_precision(q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, den
 
@@ -204,58 +259,75 @@ def chunk_fwd_two_phase(
     configs: tuple[dict, dict] | None = None,
     cu_seqlens: torch.Tensor | None = None,
     state_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """The causal forward in two phases. Returns (o, den, S_final, z_final), as `chunk_fwd`.
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+           torch.Tensor | None]:
+    """The causal forward in two phases. Returns (o, den, S_final, z_final), as
+    `chunk_fwd`.
 
     Same contract as `chunk_fwd(q, k, v, log_decay=..., normalize=..., eps=...,
-    initial_state=..., store_final_state=...)`: q, k (B, H, T, Dk), v (B, H, T, Dv), one
-    dtype; log_decay None, (H,) or (B, H, T); initial_state (S0, z0 or None). o has the dtype
-    of v; den = d + eps (fp32) when normalize, else None; S_final, z_final fp32 when
-    store_final_state (z_final only when normalize), else None. configs: (chunk_state's,
-    chunk_output's), default `state_config`'s and `select_config`'s; their chunk lengths BT
-    must agree. cu_seqlens: packed sequences (sequences.py; B = 1, states one per sequence).
-    state_dtype: the dtype the entry states are stored in between the phases; None: bf16
-    for bf16 inputs (as fla stores them: half the traffic of the largest tensor, and an
-    inter-chunk term rounded as the inputs are; the backward recomputes its states in fp32),
-    fp32 otherwise (fp16 has too little range for a state summed over thousands of tokens).
+    initial_state=..., store_final_state=...)`: q, k (B, H, T, Dk), v
+    (B, H, T, Dv), one dtype; log_decay None, (H,) or (B, H, T); initial_state
+    (S0, z0 or None). o has the dtype of v; den = d + eps (fp32) when normalize,
+    else None; S_final, z_final fp32 when store_final_state (z_final only when
+    normalize), else None. configs: (chunk_state's, chunk_output's), default
+    `state_config`'s and `select_config`'s; their chunk lengths BT must agree.
+    cu_seqlens: packed sequences (sequences.py; B = 1, states one per sequence).
+    state_dtype: the dtype the entry states are stored in between the phases;
+    None: bf16 for bf16 inputs (as fla stores them: half the traffic of the
+    largest tensor, and an inter-chunk term rounded as the inputs are; the
+    backward recomputes its states in fp32), fp32 otherwise (fp16 has too little
+    range for a state summed over thousands of tokens).
     """
     B, H, _, Dk = q.shape
     if configs is None:
         rows = H * (B if cu_seqlens is None else cu_seqlens.numel() - 1)
-        configs = (state_config(Dk, v.shape[-1], rows, q.dtype, q.device, normalize),
-                   launch_config("chunk_output", Dk, q.dtype, q.device))
+        configs = (
+            state_config(Dk, v.shape[-1], rows, q.dtype, q.device, normalize),
+            launch_config("chunk_output", Dk, q.dtype, q.device))
     cfg_state, cfg_out = configs
     if cfg_state["BT"] != cfg_out["BT"]:
-        raise ValueError(f"chunk_fwd_two_phase: the two phases need one chunk length, got {cfg_state['BT']} "
-                         f"and {cfg_out['BT']}")
+        raise ValueError(
+            f"chunk_fwd_two_phase: the two phases need one chunk length, "
+            f"got {cfg_state['BT']} and {cfg_out['BT']}")
     if state_dtype is None:
-        state_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+        state_dtype = (torch.bfloat16 if q.dtype == torch.bfloat16
+                       else torch.float32)
     decays = None
-    layout = packed_layout(cu_seqlens, q.shape[2], B, H, cfg_out["BT"])  # once for the three launches
-    if log_decay is not None:  # the state walk's decays and the outputs' prefix sums in one launch
-        decays = chunk_decays(log_decay.to(torch.float32).contiguous(), B, H, q.shape[2], cfg_out["BT"],
+    # once for the three launches
+    layout = packed_layout(cu_seqlens, q.shape[2], B, H, cfg_out["BT"])
+    # the state walk's decays and the outputs' prefix sums in one launch
+    if log_decay is not None:
+        decays = chunk_decays(log_decay.to(torch.float32).contiguous(),
+                              B, H, q.shape[2], cfg_out["BT"],
                               layout=layout, prefix=True)
-    h, hz, S_T, z_T = chunk_states(k, v, log_decay=log_decay, track_z=normalize, initial_state=initial_state,
-                                   store_final_state=store_final_state, config=cfg_state, cu_seqlens=cu_seqlens,
-                                   state_dtype=state_dtype, decays=decays, layout=layout)
-    o, den = chunk_output(q, k, v, h, hz, log_decay=log_decay, normalize=normalize, eps=eps, config=cfg_out,
-                          cu_seqlens=cu_seqlens, decays=decays, layout=layout)
+    h, hz, S_T, z_T = chunk_states(
+        k, v, log_decay=log_decay, track_z=normalize,
+        initial_state=initial_state, store_final_state=store_final_state,
+        config=cfg_state, cu_seqlens=cu_seqlens, state_dtype=state_dtype,
+        decays=decays, layout=layout)
+    o, den = chunk_output(
+        q, k, v, h, hz, log_decay=log_decay, normalize=normalize, eps=eps,
+        config=cfg_out, cu_seqlens=cu_seqlens, decays=decays, layout=layout)
     return o, den, S_T, z_T
 
 
 def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:
-    """Signature and constexprs of `chunk_output_kernel`'s heaviest variant (per-token decay,
-    normaliser)."""
+    """Signature and constexprs of `chunk_output_kernel`'s heaviest variant
+    (per-token decay, normaliser)."""
     signature = {
-        "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "g_ptr": "*fp32", "hi_ptr": "*fp32",
-        "lo_ptr": "*fp32",
-        # bf16 inputs read bf16 states (chunk_fwd_two_phase's default), the others fp32
-        "h_ptr": "*bf16" if dtype == "bf16" else "*fp32", "hz_ptr": "*fp32", "o_ptr": f"*{dtype}", "den_ptr": "*fp32",
+        "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
+        "g_ptr": "*fp32", "hi_ptr": "*fp32", "lo_ptr": "*fp32",
+        # bf16 inputs read bf16 states (chunk_fwd_two_phase's default),
+        # the others fp32
+        "h_ptr": "*bf16" if dtype == "bf16" else "*fp32", "hz_ptr": "*fp32",
+        "o_ptr": f"*{dtype}", "den_ptr": "*fp32",
         "cu_ptr": "*i32", "co_ptr": "*i32", "ci_ptr": "*i32",
-        "T": "i32", "H": "i32", "Dk": "i32", "Dv": "i32", "NT": "i32", "eps": "fp32",
+        "T": "i32", "H": "i32", "Dk": "i32", "Dv": "i32", "NT": "i32",
+        "eps": "fp32",
     }
-    constexprs = {"BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2, "NORMALIZE": True,
-                  "IS_VARLEN": False, "DOT_PREC": dot_precision(dtype)}
+    constexprs = {"BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2,
+                  "NORMALIZE": True, "IS_VARLEN": False,
+                  "DOT_PREC": dot_precision(dtype)}
     for name in constexprs:
         signature[name] = "constexpr"
     return signature, constexprs

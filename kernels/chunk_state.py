@@ -1,55 +1,65 @@
 """Two-phase causal forward, phase 1: the state on entry to every chunk.
 
-The autograd wrapper is `_CausalLinearAttention` in linattn_lib/core/triton_ops.py (it calls
-`chunk_fwd_two_phase` in chunk_output.py, which launches this kernel and then
-`chunk_output_kernel`); the tests are tests/test_kernels_two_phase.py (the stored entry states
-against a float64 recurrence) and tests/test_kernels_interpret.py (the forward through it).
+The autograd wrapper is `_CausalLinearAttention` in
+linattn_lib/core/triton_ops.py (it calls `chunk_fwd_two_phase` in
+chunk_output.py, which launches this kernel and then `chunk_output_kernel`); the
+tests are tests/test_kernels_two_phase.py (the stored entry states against a
+float64 recurrence) and tests/test_kernels_interpret.py (the forward through
+it).
 
-`chunk_fwd_kernel` (chunk_fwd.py) keeps the state in registers and walks the chunks of a head
-one after another, doing all the work of a chunk (scores, outputs, state) on the way: B * H
-programs per value tile, each as long as the sequence. The two-phase forward of
-flash-linear-attention (`chunk_fwd_h`, then `chunk_fwd_o`) splits that walk in two:
+`chunk_fwd_kernel` (chunk_fwd.py) keeps the state in registers and walks the
+chunks of a head one after another, doing all the work of a chunk
+(scores, outputs, state) on the way: B * H programs per value tile, each as long
+as the sequence. The two-phase forward of flash-linear-attention (`chunk_fwd_h`,
+then `chunk_fwd_o`) splits that walk in two:
 
-    phase 1 (here)   S_0 = S0 (or 0),   S_{n+1} = exp(g_last) S_n + sum_j exp(a_j) k_j v_j^T
-                     z_0 = z0 (or 0),   z_{n+1} = exp(g_last) z_n + sum_j exp(a_j) k_j
+    phase 1 (here)   S_0 = S0 (or 0),   S_{n+1} = exp(g_last) S_n
+                                                  + sum_j exp(a_j) k_j v_j^T
+                     z_0 = z0 (or 0),   z_{n+1} = exp(g_last) z_n
+                                                  + sum_j exp(a_j) k_j
                      storing every entry state S_n (Dk x Dv) and z_n (Dk), fp32
     phase 2          every chunk on its own, in parallel (chunk_output.py)
 
-with a_j = g_{j+1} + ... + g_last summed from its own terms and g_last the sum over the chunk
-(`chunk_log_decays` of chunk_fwd.py: no difference of prefix sums, every exponent <= 0).
-Phase 1 is still sequential over the chunks, but light -- one (BK x BT) @ (BT x BV) product
-per chunk, no scores -- and its grid also splits Dk: one program per (Dk tile, Dv tile,
-batch * head). The keys, decayed in fp32 and rounded back to the input dtype, meet the values
-on the tensor cores (input dtype in, fp32 accumulator: the state itself); z sums the keys
-against their decays on the tensor cores too (in bf16 for bf16 inputs, tf32 for fp16; fp32
-inputs sum in true fp32: `_walk_z`).
+with a_j = g_{j+1} + ... + g_last summed from its own terms and g_last the sum
+over the chunk (`chunk_log_decays` of chunk_fwd.py: no difference of prefix
+sums, every exponent <= 0). Phase 1 is still sequential over the chunks, but
+light -- one (BK x BT) @ (BT x BV) product per chunk, no scores -- and its grid
+also splits Dk: one program per (Dk tile, Dv tile, batch * head). The keys,
+decayed in fp32 and rounded back to the input dtype, meet the values on the
+tensor cores (input dtype in, fp32 accumulator: the state itself); z sums the
+keys against their decays on the tensor cores too (in bf16 for bf16 inputs, tf32
+for fp16; fp32 inputs sum in true fp32: `_walk_z`).
 
-z. The normaliser state has programs of its own: the grid has one more column of value
-tiles, and a program of that column walks z (the decayed keys summed per chunk) while every
-other walks its state tile. When every program summed its slice of z next to the product
-(and value tile 0 stored it), the row sums' shuffles and adds were ~70 of the ~235 SASS
-instructions per chunk of the loop, on the sequential chain; an extra column of ones in the
-value tile would make it BV + 1 wide, the next power of two: twice the matmul. z's own walk
-sums on the tensor cores too, against a narrow tile of weights (`_walk_z`).
+z. The normaliser state has programs of its own: the grid has one more column of
+value tiles, and a program of that column walks z (the decayed keys summed per
+chunk) while every other walks its state tile. When every program summed its
+slice of z next to the product (and value tile 0 stored it), the row sums'
+shuffles and adds were ~70 of the ~235 SASS instructions per chunk of the loop,
+on the sequential chain; an extra column of ones in the value tile would make it
+BV + 1 wide, the next power of two: twice the matmul. z's own walk sums on the
+tensor cores too, against a narrow tile of weights (`_walk_z`).
 
-Decays off the chain. What a chunk's decays are does not depend on the state: the walk loads
-them from `chunk_decays` (chunk_decay.py), computed for every chunk at once before it --
-exp(a_j) of each key with its tiles, the decay across the chunk exp(g_last) one chunk ahead
-(a scalar load that the software pipeliner leaves alone would stall the chain for its
-latency). Taking the exp of g_last on the chain cost 5 of the per-token walk's 112 SASS
-instructions per chunk (sm_90, bf16), and forming the decayed bf16 keys through fp32 8 more
+Decays off the chain. What a chunk's decays are does not depend on the state:
+the walk loads them from `chunk_decays` (chunk_decay.py), computed for every
+chunk at once before it -- exp(a_j) of each key with its tiles, the decay across
+the chunk exp(g_last) one chunk ahead (a scalar load that the software pipeliner
+leaves alone would stall the chain for its latency). Taking the exp of g_last on
+the chain cost 5 of the per-token walk's 112 SASS instructions per chunk
+(sm_90, bf16), and forming the decayed bf16 keys through fp32 8 more
 (`_decayed_bf16`).
 
-The state gradient (reversed, keys scaled by r = 1 / den) multiplies in fp32 (tf32) for fp16
-inputs, where dO / den may be below the smallest fp16; bf16 has the range of fp32, so there
-the scaled keys are rounded to bf16 as the forward's decayed keys are (the product on bf16
-tensor cores: 163 instructions per chunk where the tf32 product took 250, operands twice as
-wide in shared memory and half as deep per MMA).
+The state gradient (reversed, keys scaled by r = 1 / den) multiplies in fp32
+(tf32) for fp16 inputs, where dO / den may be below the smallest fp16; bf16 has
+the range of fp32, so there the scaled keys are rounded to bf16 as the forward's
+decayed keys are (the product on bf16 tensor cores: 163 instructions per chunk
+where the tf32 product took 250, operands twice as wide in shared memory and
+half as deep per MMA).
 
-Non-finite input. Every token a chunk adds to the state comes before every token that reads
-that state, so nothing needs masking here: a NaN or inf in k or v makes the state (and thus
-every later output) non-finite, as the recurrence would (0 * inf = NaN included). Padded
-tokens (t >= T) and padded head dims are read as 0.
+Non-finite input. Every token a chunk adds to the state comes before every token
+that reads that state, so nothing needs masking here: a NaN or inf in k or v
+makes the state (and thus every later output) non-finite, as the recurrence
+would (0 * inf = NaN included). Padded tokens (t >= T) and padded head dims are
+read as 0.
 """
 from __future__ import annotations
 
@@ -66,15 +76,20 @@ from .sequences import cdiv, first_chunk, packed_layout, sequence_rows
 
 
 @triton.jit
-def _chunk_inputs(k_ptr, v_ptr, ka_ptr, r_ptr, w_ptr, row0, t, m_t, c, o_k, m_k, o_v, m_v, Dk, Dv,
-                  BT: tl.constexpr, DECAY: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr,
-                  LOAD_V: tl.constexpr):
-    """One chunk's key tile, value tile (LOAD_V), key decays exp(a) (of chunk c, from
-    chunk_decay_kernel), key scales and z weights."""
-    k = tl.load(k_ptr + (row0 + t)[:, None] * Dk + o_k[None, :], mask=m_t[:, None] & m_k[None, :], other=0.0)
+def _chunk_inputs(
+    k_ptr, v_ptr, ka_ptr, r_ptr, w_ptr, row0, t, m_t, c,
+    o_k, m_k, o_v, m_v, Dk, Dv,
+    BT: tl.constexpr, DECAY: tl.constexpr, HAS_R: tl.constexpr,
+    HAS_W: tl.constexpr, LOAD_V: tl.constexpr,
+):
+    """One chunk's key tile, value tile (LOAD_V), key decays exp(a) (of chunk c,
+    from chunk_decay_kernel), key scales and z weights."""
+    k = tl.load(k_ptr + (row0 + t)[:, None] * Dk + o_k[None, :],
+                mask=m_t[:, None] & m_k[None, :], other=0.0)
     v = k
     if LOAD_V:
-        v = tl.load(v_ptr + (row0 + t)[:, None] * Dv + o_v[None, :], mask=m_t[:, None] & m_v[None, :], other=0.0)
+        v = tl.load(v_ptr + (row0 + t)[:, None] * Dv + o_v[None, :],
+                    mask=m_t[:, None] & m_v[None, :], other=0.0)
     ea = tl.zeros([BT], dtype=tl.float32)
     if DECAY > 0:
         ea = tl.load(ka_ptr + c * BT + tl.arange(0, BT))
@@ -89,9 +104,10 @@ def _chunk_inputs(k_ptr, v_ptr, ka_ptr, r_ptr, w_ptr, row0, t, m_t, c, o_k, m_k,
 
 @triton.jit
 def _chunk_decay(gl_ptr, c, i, n_chunks, step, DECAY: tl.constexpr):
-    """The decay exp(g_last) of chunk c + step, the walk's chunk after c, when its step i + 1
-    of n_chunks exists (else 1; 1 without a decay). The walk loads it one step ahead: a scalar
-    load the software pipeliner leaves alone would stall the chain for its latency every chunk."""
+    """The decay exp(g_last) of chunk c + step, the walk's chunk after c, when
+    its step i + 1 of n_chunks exists (else 1; 1 without a decay). The walk
+    loads it one step ahead: a scalar load the software pipeliner leaves alone
+    would stall the chain for its latency every chunk."""
     if DECAY > 0:
         return tl.load(gl_ptr + c + step, mask=i + 1 < n_chunks, other=1.0)
     return 1.0
@@ -99,11 +115,13 @@ def _chunk_decay(gl_ptr, c, i, n_chunks, step, DECAY: tl.constexpr):
 
 @triton.jit
 def _decayed_bf16(k, ea):
-    """(k ea).to(bf16) of bf16 keys k (BT x BK) and fp32 decays ea (BT,), in bf16 pairs (HMUL2,
-    HFMA2) rather than through fp32: ea = hi + lo, two bf16, and k hi + (k lo) is rounded once
-    by a fused multiply-add (k lo, ~2^-9 of the product, adds ~2^-18 of error). Unpacking to
-    fp32, scaling and packing again cost 8 more SASS instructions a chunk on the walk's chain
-    (sm_90: 113 against 105; test_decayed_bf16_keys_are_rounded_once checks the rounding)."""
+    """(k ea).to(bf16) of bf16 keys k (BT x BK) and fp32 decays ea (BT,), in
+    bf16 pairs (HMUL2, HFMA2) rather than through fp32: ea = hi + lo, two bf16,
+    and k hi + (k lo) is rounded once by a fused multiply-add (k lo, ~2^-9 of
+    the product, adds ~2^-18 of error). Unpacking to fp32, scaling and packing
+    again cost 8 more SASS instructions a chunk on the walk's chain
+    (sm_90: 113 against 105; test_decayed_bf16_keys_are_rounded_once checks
+    the rounding)."""
     hi = ea.to(tl.bfloat16)
     lo = (ea - hi.to(tl.float32)).to(tl.bfloat16)
     return tl.fma(k, hi[:, None], k * lo[:, None])
@@ -119,50 +137,65 @@ def _first_step(n_lo, n_hi, REVERSE: tl.constexpr):
 
 
 @triton.jit
-def _walk_S(k_ptr, v_ptr, ka_ptr, gl_ptr, r_ptr, h_ptr, s0_ptr, st_ptr, lg_ptr, lr_ptr, i_nh, i_st, row0, T_seq,
-            n_lo, n_hi, c0, first, lead, o_k, o_v, m_k, m_v, Dk, Dv, BT: tl.constexpr, BK: tl.constexpr,
-            BV: tl.constexpr, DECAY: tl.constexpr, HAS_S0: tl.constexpr, STORE_ST: tl.constexpr,
-            REVERSE: tl.constexpr, HAS_R: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr):
-    """The (BK x BV) state tile across chunks n_lo ... n_hi - 1: S <- exp(g_last) S + (exp(a)
-    k)^T v, stored on entry to every chunk; it starts from S0 (HAS_S0, when `first`) or 0 and
-    ends in row i_st of st. Reversed (the state gradient) the keys are scaled by r (1 / den)
-    and the product is fp32 (tf32) for fp16 inputs: dO / den may be below the smallest fp16
-    (bf16, with fp32's range, rounds them to bf16).
-    Split (IS_SPLIT, with a decay), the `lead` program of the run also stores the decay
-    walked before each chunk (lg) and the run's total (row i_st of lr), for the merge.
+def _walk_S(
+    k_ptr, v_ptr, ka_ptr, gl_ptr, r_ptr, h_ptr, s0_ptr, st_ptr, lg_ptr, lr_ptr,
+    i_nh, i_st, row0, T_seq, n_lo, n_hi, c0, first, lead,
+    o_k, o_v, m_k, m_v, Dk, Dv,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr,
+    HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, REVERSE: tl.constexpr,
+    HAS_R: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """The (BK x BV) state tile across chunks n_lo ... n_hi - 1:
+    S <- exp(g_last) S + (exp(a) k)^T v, stored on entry to every chunk; it
+    starts from S0 (HAS_S0, when `first`) or 0 and ends in row i_st of st.
+    Reversed (the state gradient) the keys are scaled by r (1 / den) and the
+    product is fp32 (tf32) for fp16 inputs: dO / den may be below the smallest
+    fp16 (bf16, with fp32's range, rounds them to bf16).
+    Split (IS_SPLIT, with a decay), the `lead` program of the run also stores
+    the decay walked before each chunk (lg) and the run's total (row i_st of
+    lr), for the merge.
     Decayed bf16 keys are formed in bf16 pairs (`_decayed_bf16`)."""
     m_kv = m_k[:, None] & m_v[None, :]
     kv_off = o_k[:, None] * Dv + o_v[None, :]
     S = tl.zeros([BK, BV], dtype=tl.float32)
     if HAS_S0:
-        S = tl.load(s0_ptr + i_nh * Dk * Dv + kv_off, mask=m_kv & first, other=0.0).to(tl.float32)
-    walked = 1.0                            # decay since the start of the walk (split)
+        S = tl.load(s0_ptr + i_nh * Dk * Dv + kv_off, mask=m_kv & first,
+                    other=0.0).to(tl.float32)
+    # decay since the start of the walk (split)
+    walked = 1.0
     o_t = tl.arange(0, BT)
     n, step = _first_step(n_lo, n_hi, REVERSE)
     g_next = _chunk_decay(gl_ptr, c0 + n - step, -1, n_hi - n_lo, step, DECAY)
     for i in range(0, n_hi - n_lo):
         d_last = g_next
         g_next = _chunk_decay(gl_ptr, c0 + n, i, n_hi - n_lo, step, DECAY)
-        tl.store(h_ptr + (c0 + n) * Dk * Dv + kv_off, S.to(h_ptr.dtype.element_ty), mask=m_kv)
+        tl.store(h_ptr + (c0 + n) * Dk * Dv + kv_off,
+                 S.to(h_ptr.dtype.element_ty), mask=m_kv)
         t = n * BT + o_t
-        k, v, ea, r, _ = _chunk_inputs(k_ptr, v_ptr, ka_ptr, r_ptr, r_ptr, row0, t, t < T_seq, c0 + n, o_k, m_k,
-                                       o_v, m_v, Dk, Dv, BT, DECAY, HAS_R, False, True)
+        k, v, ea, r, _ = _chunk_inputs(
+            k_ptr, v_ptr, ka_ptr, r_ptr, r_ptr, row0, t, t < T_seq, c0 + n,
+            o_k, m_k, o_v, m_v, Dk, Dv, BT, DECAY, HAS_R, False, True)
         k_s = k.to(tl.float32)
         if DECAY > 0:
-            k_s = k_s * ea[:, None]                 # |exp(a_j) k_j| <= |k_j|: fits the input dtype
+            # |exp(a_j) k_j| <= |k_j|: fits the input dtype
+            k_s = k_s * ea[:, None]
             S = S * d_last
         if IS_SPLIT and DECAY > 0:
             tl.store(lg_ptr + c0 + n, walked, mask=lead)
             walked *= d_last
         n += step
         if HAS_R and k.dtype != tl.bfloat16:
-            S = tl.dot(tl.trans(k_s * r[:, None]), v.to(tl.float32), acc=S, input_precision=DOT_PREC)
+            S = tl.dot(tl.trans(k_s * r[:, None]), v.to(tl.float32), acc=S,
+                       input_precision=DOT_PREC)
         elif HAS_R:
-            S = tl.dot(tl.trans((k_s * r[:, None]).to(k.dtype)), v, acc=S, input_precision=DOT_PREC)
+            S = tl.dot(tl.trans((k_s * r[:, None]).to(k.dtype)), v, acc=S,
+                       input_precision=DOT_PREC)
         elif DECAY > 0 and k.dtype == tl.bfloat16:
-            S = tl.dot(tl.trans(_decayed_bf16(k, ea)), v, acc=S, input_precision=DOT_PREC)
+            S = tl.dot(tl.trans(_decayed_bf16(k, ea)), v, acc=S,
+                       input_precision=DOT_PREC)
         else:
-            S = tl.dot(tl.trans(k_s.to(k.dtype)), v, acc=S, input_precision=DOT_PREC)
+            S = tl.dot(tl.trans(k_s.to(k.dtype)), v, acc=S,
+                       input_precision=DOT_PREC)
     if STORE_ST:
         tl.store(st_ptr + i_st * Dk * Dv + kv_off, S, mask=m_kv)
     if IS_SPLIT and DECAY > 0:
@@ -170,29 +203,37 @@ def _walk_S(k_ptr, v_ptr, ka_ptr, gl_ptr, r_ptr, h_ptr, s0_ptr, st_ptr, lg_ptr, 
 
 
 @triton.jit
-def _walk_z(k_ptr, ka_ptr, gl_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr, i_nh, i_st, row0, T_seq, n_lo, n_hi, c0,
-            first, o_k, m_k, Dk, BT: tl.constexpr, BK: tl.constexpr, DECAY: tl.constexpr,
-            HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, REVERSE: tl.constexpr, HAS_W: tl.constexpr,
-            DOT_PREC: tl.constexpr):
-    """The (BK,) normaliser state across chunks n_lo ... n_hi - 1, z <- exp(g_last) z + sum_j
-    exp(a_j) w_j k_j (w = 1 forward, dL/dden reversed), fp32, stored on entry to every chunk;
-    started and ended as _walk_S's.
+def _walk_z(
+    k_ptr, ka_ptr, gl_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr,
+    i_nh, i_st, row0, T_seq, n_lo, n_hi, c0, first, o_k, m_k, Dk,
+    BT: tl.constexpr, BK: tl.constexpr, DECAY: tl.constexpr,
+    HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, REVERSE: tl.constexpr,
+    HAS_W: tl.constexpr, DOT_PREC: tl.constexpr,
+):
+    """The (BK,) normaliser state across chunks n_lo ... n_hi - 1,
+    z <- exp(g_last) z + sum_j exp(a_j) w_j k_j (w = 1 forward, dL/dden
+    reversed), fp32, stored on entry to every chunk; started and ended as
+    _walk_S's.
 
-    For 16-bit inputs the sum over the chunk's keys is a product on the tensor cores, k^T
-    (BK x BT) times a (BT x ZW) matrix whose every column holds the weights exp(a_j) w_j, into
-    a (BK x ZW) fp32 accumulator of ZW equal columns, the first of which is stored. (The
-    weights meet bf16 keys in bf16, as _walk_S's decayed keys are rounded, and fp16 keys in
-    tf32: w may be below fp16's range.) Summed with tl.sum, the keys' rows, spread over the
-    warps, took shuffles and two barriers per chunk on the walk's chain, and z's walk was the
-    longer of the two: sm_90 bf16 SASS per chunk 156 (the state tile's 140) with a per-head
-    decay, 125 (94) without; 104 and 49 as a product. fp32 inputs keep the sum (true fp32)."""
-    ZW: tl.constexpr = 16                   # the narrowest product the tensor cores take
+    For 16-bit inputs the sum over the chunk's keys is a product on the tensor
+    cores, k^T (BK x BT) times a (BT x ZW) matrix whose every column holds the
+    weights exp(a_j) w_j, into a (BK x ZW) fp32 accumulator of ZW equal columns,
+    the first of which is stored. (The weights meet bf16 keys in bf16, as
+    _walk_S's decayed keys are rounded, and fp16 keys in tf32: w may be below
+    fp16's range.) Summed with tl.sum, the keys' rows, spread over the warps,
+    took shuffles and two barriers per chunk on the walk's chain, and z's walk
+    was the longer of the two: sm_90 bf16 SASS per chunk 156 (the state
+    tile's 140) with a per-head decay, 125 (94) without; 104 and 49 as a
+    product. fp32 inputs keep the sum (true fp32)."""
+    # the narrowest product the tensor cores take
+    ZW: tl.constexpr = 16
     col = tl.arange(0, ZW)
     z_off = o_k[:, None] + 0 * col[None, :]
     m_z = m_k[:, None] & (col[None, :] == 0)
     Z = tl.zeros([BK, ZW], dtype=tl.float32)
     if HAS_S0:
-        z0 = tl.load(z0_ptr + i_nh * Dk + o_k, mask=m_k & first, other=0.0).to(tl.float32)
+        z0 = tl.load(z0_ptr + i_nh * Dk + o_k, mask=m_k & first,
+                     other=0.0).to(tl.float32)
         Z += z0[:, None]
     o_t = tl.arange(0, BT)
     n, step = _first_step(n_lo, n_hi, REVERSE)
@@ -202,8 +243,9 @@ def _walk_z(k_ptr, ka_ptr, gl_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr, i_nh, i_st, ro
         g_next = _chunk_decay(gl_ptr, c0 + n, i, n_hi - n_lo, step, DECAY)
         tl.store(hz_ptr + (c0 + n) * Dk + z_off, Z, mask=m_z)
         t = n * BT + o_t
-        k, _, ea, _, w = _chunk_inputs(k_ptr, k_ptr, ka_ptr, w_ptr, w_ptr, row0, t, t < T_seq, c0 + n, o_k, m_k,
-                                       o_k, m_k, Dk, Dk, BT, DECAY, False, HAS_W, False)
+        k, _, ea, _, w = _chunk_inputs(
+            k_ptr, k_ptr, ka_ptr, w_ptr, w_ptr, row0, t, t < T_seq, c0 + n,
+            o_k, m_k, o_k, m_k, Dk, Dk, BT, DECAY, False, HAS_W, False)
         weight = tl.full([BT], 1.0, dtype=tl.float32)
         if DECAY > 0:
             weight = ea
@@ -211,11 +253,16 @@ def _walk_z(k_ptr, ka_ptr, gl_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr, i_nh, i_st, ro
         if HAS_W:
             weight = weight * w
         E = weight[:, None] + tl.zeros([BT, ZW], dtype=tl.float32)
-        if k.dtype == tl.bfloat16:  # the weights rounded to bf16, as _walk_S rounds its decayed keys
+        if k.dtype == tl.bfloat16:
+            # the weights rounded to bf16, as _walk_S rounds its decayed keys
             Z = tl.dot(tl.trans(k), E.to(tl.bfloat16), acc=Z)
-        elif k.dtype == tl.float16:  # e (HAS_W) may be below fp16's range: tf32
-            Z = tl.dot(tl.trans(k.to(tl.float32)), E, acc=Z, input_precision=DOT_PREC)
-        else:  # true fp32: on CUDA cores, where the reduction costs less than a product would
+        elif k.dtype == tl.float16:
+            # e (HAS_W) may be below fp16's range: tf32
+            Z = tl.dot(tl.trans(k.to(tl.float32)), E, acc=Z,
+                       input_precision=DOT_PREC)
+        else:
+            # true fp32: on CUDA cores,
+            # where the reduction costs less than a product would
             Z += tl.sum(k * weight[:, None], axis=0)[:, None]
         n += step
     if STORE_ST:
@@ -225,24 +272,36 @@ def _walk_z(k_ptr, ka_ptr, gl_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr, i_nh, i_st, ro
 @triton.jit
 def chunk_state_kernel(
     k_ptr, v_ptr,             # (B, H, T, Dk), (B, H, T, Dv) contiguous
-    ka_ptr, gl_ptr,           # DECAY: every chunk's exp(a) of its keys and exp(g_last) (chunk_decay_kernel)
-    r_ptr, w_ptr,             # (B, H, T) fp32 key scales (HAS_R) and z weights (HAS_W)
-    h_ptr, hz_ptr,            # out: per-chunk states (B, H, NT, Dk, Dv) and (B, H, NT, Dk)
-    s0_ptr, z0_ptr,           # initial state (B, H, Dk, Dv), (B, H, Dk) fp32 (HAS_S0)
-    st_ptr, zt_ptr,           # final state, same shapes, fp32 (STORE_ST); split: each run's end
-    lg_ptr, lr_ptr,           # split, with a decay: decay walked before each chunk, per run
-    cu_ptr, co_ptr, len_ptr,  # packed sequences (IS_VARLEN, sequences.py); live lengths (HAS_LEN)
+    ka_ptr, gl_ptr,           # DECAY: every chunk's exp(a) of its keys and
+                              # exp(g_last) (chunk_decay_kernel)
+    r_ptr, w_ptr,             # (B, H, T) fp32 key scales (HAS_R) and
+                              # z weights (HAS_W)
+    h_ptr, hz_ptr,            # out: per-chunk states (B, H, NT, Dk, Dv)
+                              # and (B, H, NT, Dk)
+    s0_ptr, z0_ptr,           # initial state (B, H, Dk, Dv), (B, H, Dk)
+                              # fp32 (HAS_S0)
+    st_ptr, zt_ptr,           # final state, same shapes, fp32 (STORE_ST);
+                              # split: each run's end
+    lg_ptr, lr_ptr,           # split, with a decay: decay walked before
+                              # each chunk, per run
+    cu_ptr, co_ptr, len_ptr,  # packed sequences (IS_VARLEN, sequences.py);
+                              # live lengths (HAS_LEN)
     T, H, Dk, Dv, NT,
-    NS, n_splits,             # split-T (IS_SPLIT): chunks per run, runs per sequence
+    NS, n_splits,             # split-T (IS_SPLIT): chunks per run,
+                              # runs per sequence
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DECAY: tl.constexpr,      # 0: none, 1: one log-decay per head, 2: one per token
-    HAS_Z: tl.constexpr, HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, REVERSE: tl.constexpr,
-    HAS_R: tl.constexpr, HAS_W: tl.constexpr, HAS_LEN: tl.constexpr, IS_VARLEN: tl.constexpr,
+    DECAY: tl.constexpr,      # 0: none, 1: one log-decay per head,
+                              # 2: one per token
+    HAS_Z: tl.constexpr, HAS_S0: tl.constexpr, STORE_ST: tl.constexpr,
+    REVERSE: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr,
+    HAS_LEN: tl.constexpr, IS_VARLEN: tl.constexpr,
     IS_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     i_k = tl.program_id(0)
-    i_v = tl.program_id(1)                  # value tile; with HAS_Z the last one is z's
-    i_st = tl.program_id(2).to(tl.int64)    # int64: the offsets into h pass 2^31 quickly
+    # value tile; with HAS_Z the last one is z's
+    i_v = tl.program_id(1)
+    # int64: the offsets into h pass 2^31 quickly
+    i_st = tl.program_id(2).to(tl.int64)
     i_nh = i_st
     if IS_SPLIT:  # program (b H + h) n_splits + s walks split s of the sequence
         i_nh = i_st // n_splits
@@ -251,7 +310,8 @@ def chunk_state_kernel(
     c0 = first_chunk(i_seq, i_h, co_ptr, NT, H, IS_VARLEN)
     n_lo = 0
     n_hi = tl.cdiv(T_seq, BT)
-    first = True                            # the walk starts from the initial state
+    # the walk starts from the initial state
+    first = True
     if IS_SPLIT:
         i_s = (i_st % n_splits).to(tl.int32)
         n_lo = tl.minimum(i_s * NS, n_hi)
@@ -267,23 +327,31 @@ def chunk_state_kernel(
     m_k = o_k < Dk
     m_v = o_v < Dv
     if HAS_Z and i_v == tl.cdiv(Dv, BV):
-        _walk_z(k_ptr, ka_ptr, gl_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr, i_nh, i_st, row0, T_seq, n_lo, n_hi, c0,
-                first, o_k, m_k, Dk, BT, BK, DECAY, HAS_S0, STORE_ST, REVERSE, HAS_W, DOT_PREC)
+        _walk_z(k_ptr, ka_ptr, gl_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr,
+                i_nh, i_st, row0, T_seq, n_lo, n_hi, c0, first, o_k, m_k, Dk,
+                BT, BK, DECAY, HAS_S0, STORE_ST, REVERSE, HAS_W, DOT_PREC)
     else:
-        _walk_S(k_ptr, v_ptr, ka_ptr, gl_ptr, r_ptr, h_ptr, s0_ptr, st_ptr, lg_ptr, lr_ptr, i_nh, i_st, row0, T_seq,
-                n_lo, n_hi, c0, first, (i_k == 0) & (i_v == 0), o_k, o_v, m_k, m_v, Dk, Dv, BT, BK, BV, DECAY,
-                HAS_S0, STORE_ST, REVERSE, HAS_R, IS_SPLIT, DOT_PREC)
+        _walk_S(k_ptr, v_ptr, ka_ptr, gl_ptr, r_ptr, h_ptr, s0_ptr, st_ptr,
+                lg_ptr, lr_ptr, i_nh, i_st, row0, T_seq, n_lo, n_hi, c0, first,
+                (i_k == 0) & (i_v == 0), o_k, o_v, m_k, m_v, Dk, Dv,
+                BT, BK, BV, DECAY, HAS_S0, STORE_ST,
+                REVERSE, HAS_R, IS_SPLIT, DOT_PREC)
 
 
 @triton.jit
-def _merge_tile(h_ptr, e_ptr, lg_ptr, lr_ptr, st_ptr, i_nh, i_s, p, n_splits, NT, NS, Dk, Dv, o_k, o_v,
-                DECAY: tl.constexpr, STORE_ST: tl.constexpr, REVERSE: tl.constexpr):
-    """Run i_s (walked p-th) of one tile of a state (Dv = 1, one live column, for z)."""
+def _merge_tile(
+    h_ptr, e_ptr, lg_ptr, lr_ptr, st_ptr, i_nh, i_s, p, n_splits, NT, NS,
+    Dk, Dv, o_k, o_v,
+    DECAY: tl.constexpr, STORE_ST: tl.constexpr, REVERSE: tl.constexpr,
+):
+    """Run i_s (walked p-th) of one tile of a state (Dv = 1, one live column,
+    for z)."""
     m = (o_k < Dk)[:, None] & (o_v < Dv)[None, :]
     off = o_k[:, None] * Dv + o_v[None, :]
     row = i_nh * n_splits
     E = tl.zeros([o_k.shape[0], o_v.shape[0]], dtype=tl.float32)
-    for j in range(0, p):                   # E_{j+1} = D_j E_j + L_j over the runs walked before
+    # E_{j+1} = D_j E_j + L_j over the runs walked before
+    for j in range(0, p):
         if REVERSE:
             q = n_splits - 1 - j
         else:
@@ -292,15 +360,19 @@ def _merge_tile(h_ptr, e_ptr, lg_ptr, lr_ptr, st_ptr, i_nh, i_s, p, n_splits, NT
             E = E * tl.load(lr_ptr + row + q)
         E += tl.load(e_ptr + (row + q) * Dk * Dv + off, mask=m, other=0.0)
     lo = i_s * NS
-    hi = tl.where(p > 0, tl.minimum(lo + NS, NT), lo)   # the run walked first is right already
-    for n in range(lo, hi):                 # independent steps: nothing is carried
+    # the run walked first is right already
+    hi = tl.where(p > 0, tl.minimum(lo + NS, NT), lo)
+    # independent steps: nothing is carried
+    for n in range(lo, hi):
         c = i_nh * NT + n
         a = 1.0
         if DECAY > 0:
             a = tl.load(lg_ptr + c)
         x = tl.load(h_ptr + c * Dk * Dv + off, mask=m, other=0.0).to(tl.float32)
-        tl.store(h_ptr + c * Dk * Dv + off, (x + a * E).to(h_ptr.dtype.element_ty), mask=m)
-    if STORE_ST:                            # the last run walked ends in the final state
+        tl.store(h_ptr + c * Dk * Dv + off,
+                 (x + a * E).to(h_ptr.dtype.element_ty), mask=m)
+    # the last run walked ends in the final state
+    if STORE_ST:
         if DECAY > 0:
             E = E * tl.load(lr_ptr + row + i_s)
         E += tl.load(e_ptr + (row + i_s) * Dk * Dv + off, mask=m, other=0.0)
@@ -309,17 +381,22 @@ def _merge_tile(h_ptr, e_ptr, lg_ptr, lr_ptr, st_ptr, i_nh, i_s, p, n_splits, NT
 
 @triton.jit
 def chunk_state_merge_kernel(
-    h_ptr, hz_ptr,            # in/out: per-chunk states (B, H, NT, Dk, Dv), (B, H, NT, Dk), run-local
-    e_ptr, ez_ptr,            # each run's end state, (B H n_splits, Dk, Dv) and (.., Dk), fp32
-    lg_ptr, lr_ptr,           # decay walked before each chunk (B H NT), per run (B H n_splits)
-    st_ptr, zt_ptr,           # out: final state (B H, Dk, Dv), (B H, Dk), fp32 (STORE_ST)
+    h_ptr, hz_ptr,            # in/out: per-chunk states (B, H, NT, Dk, Dv),
+                              # (B, H, NT, Dk), run-local
+    e_ptr, ez_ptr,            # each run's end state, (B H n_splits, Dk, Dv)
+                              # and (.., Dk), fp32
+    lg_ptr, lr_ptr,           # decay walked before each chunk (B H NT),
+                              # per run (B H n_splits)
+    st_ptr, zt_ptr,           # out: final state (B H, Dk, Dv), (B H, Dk),
+                              # fp32 (STORE_ST)
     H, Dk, Dv, NT, NS, n_splits,
-    BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr, HAS_Z: tl.constexpr,
-    STORE_ST: tl.constexpr, REVERSE: tl.constexpr,
+    BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr,
+    HAS_Z: tl.constexpr, STORE_ST: tl.constexpr, REVERSE: tl.constexpr,
 ):
-    """Split-T's merge (chunk_states): program (Dk tile, Dv tile or z, (b H + h) n_splits + run)
-    forms the state carried into its run from the runs walked before (at most n_splits - 1
-    steps of a tile) and adds it to the run's stored states."""
+    """Split-T's merge (chunk_states): program (Dk tile, Dv tile or z, (b H + h)
+    n_splits + run) forms the state carried into its run from the runs walked
+    before (at most n_splits - 1 steps of a tile) and adds it to the run's
+    stored states."""
     i_k = tl.program_id(0)
     i_v = tl.program_id(1)
     i_r = tl.program_id(2).to(tl.int64)
@@ -330,11 +407,13 @@ def chunk_state_merge_kernel(
         p = i_s
     o_k = i_k * BK + tl.arange(0, BK)
     if HAS_Z and i_v == tl.cdiv(Dv, BV):    # z as a state of one column
-        _merge_tile(hz_ptr, ez_ptr, lg_ptr, lr_ptr, zt_ptr, i_nh, i_s, p, n_splits, NT, NS, Dk, 1, o_k,
-                    tl.arange(0, 1), DECAY, STORE_ST, REVERSE)
+        _merge_tile(hz_ptr, ez_ptr, lg_ptr, lr_ptr, zt_ptr, i_nh, i_s, p,
+                    n_splits, NT, NS, Dk, 1, o_k, tl.arange(0, 1),
+                    DECAY, STORE_ST, REVERSE)
     else:
-        _merge_tile(h_ptr, e_ptr, lg_ptr, lr_ptr, st_ptr, i_nh, i_s, p, n_splits, NT, NS, Dk, Dv, o_k,
-                    i_v * BV + tl.arange(0, BV), DECAY, STORE_ST, REVERSE)
+        _merge_tile(h_ptr, e_ptr, lg_ptr, lr_ptr, st_ptr, i_nh, i_s, p,
+                    n_splits, NT, NS, Dk, Dv, o_k, i_v * BV + tl.arange(0, BV),
+                    DECAY, STORE_ST, REVERSE)
 
 
 def _f32(x: torch.Tensor | None) -> torch.Tensor | None:
@@ -359,35 +438,42 @@ def chunk_states(
     splits: int | None = None,
     decays: ChunkDecays | None = None,
     layout: tuple | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
-    """Launch `chunk_state_kernel`. Returns (h, hz, S_final, z_final), fp32 but for h, which
-    has `state_dtype` (the state itself is accumulated in fp32 either way).
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
+           torch.Tensor | None]:
+    """Launch `chunk_state_kernel`. Returns (h, hz, S_final, z_final), fp32 but
+    for h, which has `state_dtype` (the state itself is accumulated in fp32
+    either way).
 
-    k: (B, H, T, Dk), v: (B, H, T, Dv), one dtype. The chunk length is the config's BT; the
-    output kernel that reads these states must use the same (`chunk_fwd_two_phase` checks).
-    h: (B, H, NT, Dk, Dv) with NT = ceil(T / BT), h[:, :, n] the state before chunk n's tokens
-    (h[:, :, 0] the initial state or 0); hz: (B, H, NT, Dk) likewise for z when track_z, else
-    None. S_final, z_final: the state after the last token when store_final_state (z_final
-    only with track_z), else None. log_decay: None, (H,) or (B, H, T); initial_state: (S0,
-    z0 or None).
+    k: (B, H, T, Dk), v: (B, H, T, Dv), one dtype. The chunk length is the
+    config's BT; the output kernel that reads these states must use the same
+    (`chunk_fwd_two_phase` checks). h: (B, H, NT, Dk, Dv) with
+    NT = ceil(T / BT), h[:, :, n] the state before chunk n's tokens (h[:, :, 0]
+    the initial state or 0); hz: (B, H, NT, Dk) likewise for z when track_z,
+    else None. S_final, z_final: the state after the last token when
+    store_final_state (z_final only with track_z), else None. log_decay: None,
+    (H,) or (B, H, T); initial_state: (S0, z0 or None).
 
-    reverse: walk from the last chunk to the first, h[:, :, n] then being the state *after*
-    chunk n seen from the end -- with key_scale = 1 / den and z_weights = dL/dden (fp32,
-    (B, H, T)) and (k, v) = (q, dO) this is the state gradient of the backward pass.
-    lengths: (B, H) int32, tokens from lengths[b, h] on read as 0. cu_seqlens: packed
-    sequences (sequences.py): B = 1, NT counts the chunks of all sequences, and the initial
-    and final states have one row per sequence, (N, H, ...). splits: walk the chunks in this
-    many runs in parallel and merge them (split-T, below; batched only); None: as many as
-    `split_count` says the GPU needs, 1 off a GPU. decays: `chunk_decays` of log_decay with
-    this pass's chunks and lengths (its kr reversed, else its ka), if already computed.
-    layout: `sequences.packed_layout(cu_seqlens, T, B, H, BT)` with the config's BT, if
-    already computed (packed: NT is then the bound on the chunk count, sequences.py).
+    reverse: walk from the last chunk to the first, h[:, :, n] then being the
+    state *after* chunk n seen from the end -- with key_scale = 1 / den and
+    z_weights = dL/dden (fp32, (B, H, T)) and (k, v) = (q, dO) this is the state
+    gradient of the backward pass. lengths: (B, H) int32, tokens
+    from lengths[b, h] on read as 0. cu_seqlens: packed sequences
+    (sequences.py): B = 1, NT counts the chunks of all sequences, and the
+    initial and final states have one row per sequence, (N, H, ...). splits:
+    walk the chunks in this many runs in parallel and merge them (split-T,
+    below; batched only); None: as many as `split_count` says the GPU needs,
+    1 off a GPU. decays: `chunk_decays` of log_decay with this pass's chunks and
+    lengths (its kr reversed, else its ka), if already computed.
+    layout: `sequences.packed_layout(cu_seqlens, T, B, H, BT)` with the config's
+    BT, if already computed (packed: NT is then the bound on the chunk count,
+    sequences.py).
     """
     (B, H, T, Dk), Dv = k.shape, v.shape[-1]
     k, v = k.contiguous(), v.contiguous()
     rows = H * (B if cu_seqlens is None else cu_seqlens.numel() - 1)
     cfg = config or state_config(Dk, Dv, rows, k.dtype, k.device, track_z)
-    cu, offsets, indices, NT, n_seq = layout or packed_layout(cu_seqlens, T, B, H, cfg["BT"])
+    cu, offsets, indices, NT, n_seq = (
+        layout or packed_layout(cu_seqlens, T, B, H, cfg["BT"]))
     f32 = dict(dtype=torch.float32, device=k.device)
     h = torch.empty(B, H, NT, Dk, Dv, dtype=state_dtype, device=k.device)
     hz = torch.empty(B, H, NT, Dk, **f32) if track_z else None
@@ -395,116 +481,150 @@ def chunk_states(
     if initial_state is not None:
         S0 = _f32(initial_state[0])
         if track_z:
-            z0 = _f32(initial_state[1]) if initial_state[1] is not None else torch.zeros(n_seq, H, Dk, **f32)
-    # one more column of programs for z: a program walks either a state tile or z
+            z0 = (_f32(initial_state[1]) if initial_state[1] is not None
+                  else torch.zeros(n_seq, H, Dk, **f32))
+    # one more column of programs for z:
+    # a program walks either a state tile or z
     tiles = (cdiv(Dk, cfg["BK"]), cdiv(Dv, cfg["BV"]) + int(track_z))
-    NS, splits = _runs(splits, cu is not None, tiles[0] * tiles[1] * n_seq * H, NT, k.device)
+    NS, splits = _runs(splits, cu is not None,
+                       tiles[0] * tiles[1] * n_seq * H, NT, k.device)
     split = splits > 1
-    ends = store_final_state or split          # each run's end goes where the final state would
+    # each run's end goes where the final state would
+    ends = store_final_state or split
     S_T = torch.empty(n_seq * splits, H, Dk, Dv, **f32) if ends else None
-    z_T = torch.empty(n_seq * splits, H, Dk, **f32) if (ends and track_z) else None
+    z_T = (torch.empty(n_seq * splits, H, Dk, **f32)
+           if (ends and track_z) else None)
     if n_seq * H == 0:
         return h, hz, S_T, z_T
     g, r, w = _f32(log_decay), _f32(key_scale), _f32(z_weights)
-    walked = (torch.empty(B * H * NT, **f32), torch.empty(B * H * splits, **f32)) if split and g is not None \
-        else (None, None)
+    walked = ((torch.empty(B * H * NT, **f32),
+               torch.empty(B * H * splits, **f32))
+              if split and g is not None else (None, None))
     decay = 0 if g is None else (1 if g.dim() == 1 else 2)
-    decays = decays or (decay and chunk_decays(g, B, H, T, cfg["BT"], layout=(cu, offsets, indices, NT),
-                                               lengths=lengths, to_end=not reverse, to_start=reverse))
-    decays = ((decays.kr if reverse else decays.ka), decays.gl) if decay else (None, None)
-    ptrs = [*decays, r, w, h, hz, S0, z0, S_T, z_T, *walked, cu, offsets, lengths]
+    decays = decays or (decay and chunk_decays(
+        g, B, H, T, cfg["BT"], layout=(cu, offsets, indices, NT),
+        lengths=lengths, to_end=not reverse, to_start=reverse))
+    decays = (((decays.kr if reverse else decays.ka), decays.gl)
+              if decay else (None, None))
+    ptrs = [*decays, r, w, h, hz, S0, z0, S_T, z_T, *walked,
+            cu, offsets, lengths]
     launchable(chunk_state_kernel, k.device)[(*tiles, n_seq * H * splits)](
-        k, v, *(p if p is not None else h for p in ptrs),  # h stands in for pointers never touched
-        T, H, Dk, Dv, NT, NS, splits, BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"], DECAY=decay, HAS_Z=track_z,
-        HAS_S0=S0 is not None, STORE_ST=ends, REVERSE=reverse, HAS_R=r is not None, HAS_W=w is not None,
+        # h stands in for pointers never touched
+        k, v, *(p if p is not None else h for p in ptrs),
+        T, H, Dk, Dv, NT, NS, splits,
+        BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"], DECAY=decay, HAS_Z=track_z,
+        HAS_S0=S0 is not None, STORE_ST=ends, REVERSE=reverse,
+        HAS_R=r is not None, HAS_W=w is not None,
         HAS_LEN=lengths is not None, IS_VARLEN=cu is not None, IS_SPLIT=split,
-        DOT_PREC=dot_precision(k.dtype), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        DOT_PREC=dot_precision(k.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     if not split:
         return h, hz, S_T, z_T
-    return (h, hz, *_merge_runs(h, hz, (S_T, z_T), walked, tiles, NS, splits, cfg, decay, store_final_state,
-                                reverse))
+    return (h, hz, *_merge_runs(h, hz, (S_T, z_T), walked, tiles, NS, splits,
+                                cfg, decay, store_final_state, reverse))
 
 
-def _runs(splits: int | None, packed: bool, programs: int, NT: int, device) -> tuple[int, int]:
-    """(chunks per run, runs) of a state pass asked for `splits` runs (None: `split_count`)."""
+def _runs(splits: int | None, packed: bool, programs: int, NT: int,
+          device) -> tuple[int, int]:
+    """(chunks per run, runs) of a state pass asked for `splits` runs
+    (None: `split_count`)."""
     if splits is None:
-        splits = 1 if packed else split_count(programs, NT, multiprocessor_count(device))
+        splits = (1 if packed else
+                  split_count(programs, NT, multiprocessor_count(device)))
     if packed and splits != 1:
-        raise ValueError("chunk_states: split-T needs sequences of one length (no cu_seqlens)")
+        raise ValueError("chunk_states: split-T needs sequences of one length "
+                         "(no cu_seqlens)")
     NS = cdiv(NT, max(1, min(splits, NT)))
     return NS, (cdiv(NT, NS) if NT else 1)
 
 
-def _merge_runs(h, hz, ends, walked, tiles, NS, splits, cfg, decay, store_final_state, reverse):
-    """Launch `chunk_state_merge_kernel` on the runs' states (in place); the final states."""
+def _merge_runs(h, hz, ends, walked, tiles, NS, splits, cfg, decay,
+                store_final_state, reverse):
+    """Launch `chunk_state_merge_kernel` on the runs' states (in place); the
+    final states."""
     B, H, NT, Dk, Dv = h.shape
     f32 = dict(dtype=torch.float32, device=h.device)
     final = (torch.empty(B, H, Dk, Dv, **f32) if store_final_state else None,
-             torch.empty(B, H, Dk, **f32) if store_final_state and hz is not None else None)
+             torch.empty(B, H, Dk, **f32)
+             if store_final_state and hz is not None else None)
     ptrs = [hz, *ends, *walked, *final]
     launchable(chunk_state_merge_kernel, h.device)[(*tiles, B * H * splits)](
-        h, *(p if p is not None else h for p in ptrs), H, Dk, Dv, NT, NS, splits, BK=cfg["BK"], BV=cfg["BV"],
-        DECAY=decay, HAS_Z=hz is not None, STORE_ST=store_final_state, REVERSE=reverse,
+        h, *(p if p is not None else h for p in ptrs),
+        H, Dk, Dv, NT, NS, splits, BK=cfg["BK"], BV=cfg["BV"],
+        DECAY=decay, HAS_Z=hz is not None,
+        STORE_ST=store_final_state, REVERSE=reverse,
         num_warps=cfg["num_warps"], num_stages=1,
     )
     return final
 
 
-# Split-T. The state pass is sequential over the chunks; with few programs (B * H small) most
-# SMs idle while each program walks its long chain. Split the chunks into `splits` runs of NS:
-# every run is walked in parallel from a zero state (the first from the initial state), which
-# gives each chunk's entry state up to the part carried in from earlier runs, and each run's
-# end state L_s. The carried part is linear: with E_s the true state on entry to run s and
-# D_s = exp(sum of the run's log-decays),
+# Split-T. The state pass is sequential over the chunks; with few programs
+# (B * H small) most SMs idle while each program walks its long chain. Split
+# the chunks into `splits` runs of NS: every run is walked in parallel from
+# a zero state (the first from the initial state), which gives each chunk's
+# entry state up to the part carried in from earlier runs, and each run's
+# end state L_s. The carried part is linear: with E_s the true state on
+# entry to run s and D_s = exp(sum of the run's log-decays),
 #
 #     E_0 = 0 (the initial state is in run 0's walk),  E_{s+1} = D_s E_s + L_s,
-#     h_n += exp(sum of the log-decays of run s's chunks before n) E_s    for n in run s,
+#     h_n += exp(sum of the log-decays of run s's chunks before n) E_s
+#            for n in run s,
 #
-# and the final state is E_splits: `chunk_state_merge_kernel`, one program per run (and tile),
-# forms E_s from the ends of the runs before (s steps of a tile) and adds it to the run's
-# stored states, chunk after chunk (independent steps: the loads can be in flight together).
-# That is about twice the stored states' bytes more traffic, paid only when the parallelism
-# it buys is missing. Reversed (the state gradient) the runs are walked from the last. Every exponent is
-# a sum of log-decays <= 0, summed by the state kernel as it walks.
+# and the final state is E_splits: `chunk_state_merge_kernel`, one program per
+# run (and tile), forms E_s from the ends of the runs before (s steps of a tile)
+# and adds it to the run's stored states, chunk after chunk (independent steps:
+# the loads can be in flight together). That is about twice the stored states'
+# bytes more traffic, paid only when the parallelism it buys is missing.
+# Reversed (the state gradient) the runs are walked from the last. Every
+# exponent is a sum of log-decays <= 0, summed by the state kernel as it walks.
 
 
-def split_count(programs: int, n_chunks: int, sms: int | None, min_chunks: int = 16) -> int:
-    """Runs to split the state pass into: 1 when its `programs` already occupy the GPU's
-    `sms` (None: not a GPU, e.g. the interpreter), else enough for about two per SM (a state
-    program has 4 warps: up to 4 per SM issue at their full rate), with runs of at least
-    `min_chunks` chunks."""
+def split_count(programs: int, n_chunks: int, sms: int | None,
+                min_chunks: int = 16) -> int:
+    """Runs to split the state pass into: 1 when its `programs` already occupy
+    the GPU's `sms` (None: not a GPU, e.g. the interpreter), else enough for
+    about two per SM (a state program has 4 warps: up to 4 per SM issue at their
+    full rate), with runs of at least `min_chunks` chunks."""
     if sms is None or programs >= sms:
         return 1
     return max(1, min(-(-2 * sms // programs), n_chunks // min_chunks))
 
 
-def state_config(Dk: int, Dv: int, rows: int, dtype: torch.dtype, device, track_z: bool = True) -> dict:
-    """The config of a state pass over `rows` (batch, head) rows, by how many programs it
-    launches per SM of `device` (z's column of programs counted when `track_z`):
+def state_config(Dk: int, Dv: int, rows: int, dtype: torch.dtype, device,
+                 track_z: bool = True) -> dict:
+    """The config of a state pass over `rows` (batch, head) rows, by how many
+    programs it launches per SM of `device` (z's column of programs counted when
+    `track_z`):
 
     1 to 2    8 warps a program: "chunk_state_few" (the narrow tiles), else
-              "chunk_state_few_wide" (wider value tiles, fewer programs) if that brings
-              the count into this range. Each scheduler would otherwise hold 2 warps, each
-              waiting on its own chain; 8 share a tile's loads, decays and stores;
-    below 1   the narrow config: split-T makes about 2 per SM of those (`split_count`,
-              whose rounding up can leave 3 on some SMs);
-    above 4   "chunk_state_wide" (4 warps, wider value tiles, same BT): beyond 4 4-warp
-              programs per SM they take turns on the schedulers, so the SM issues all
-              their instructions and the wider tiles' fewer win;
+              "chunk_state_few_wide" (wider value tiles, fewer programs) if
+              that brings the count into this range. Each scheduler would
+              otherwise hold 2 warps, each waiting on its own chain; 8 share
+              a tile's loads, decays and stores;
+    below 1   the narrow config: split-T makes about 2 per SM of those
+              (`split_count`, whose rounding up can leave 3 on some SMs);
+    above 4   "chunk_state_wide" (4 warps, wider value tiles, same BT):
+              beyond 4 4-warp programs per SM they take turns on the
+              schedulers, so the SM issues all their instructions and the
+              wider tiles' fewer win;
     else      the narrow config, "chunk_state".
 
-    configs.py has the numbers. Off a GPU (no SM count): the narrow config. Looked up once
-    per (shape, dtype, device model): the launch path pays a dict lookup."""
-    return _state_config(Dk, Dv, rows, dtype, configs.device_capability(device), multiprocessor_count(device), track_z)
+    configs.py has the numbers. Off a GPU (no SM count): the narrow config.
+    Looked up once per (shape, dtype, device model): the launch path pays a dict
+    lookup."""
+    return _state_config(Dk, Dv, rows, dtype, configs.device_capability(device),
+                         multiprocessor_count(device), track_z)
 
 
 @functools.lru_cache(maxsize=512)
-def _state_config(Dk: int, Dv: int, rows: int, dtype: torch.dtype, cap, sms: int | None, track_z: bool) -> dict:
+def _state_config(Dk: int, Dv: int, rows: int, dtype: torch.dtype, cap,
+                  sms: int | None, track_z: bool) -> dict:
     narrow = _launch_config("chunk_state", Dk, dtype, cap)
     if sms is None:
         return narrow
-    count = lambda cfg: cdiv(Dk, cfg["BK"]) * (cdiv(Dv, cfg["BV"]) + int(track_z)) * rows
+    count = lambda cfg: (cdiv(Dk, cfg["BK"])
+                         * (cdiv(Dv, cfg["BV"]) + int(track_z)) * rows)
     for name in ("chunk_state_few", "chunk_state_few_wide"):
         cfg = _launch_config(name, Dk, dtype, cap)
         if count(narrow) >= sms and sms <= count(cfg) <= 2 * sms:
@@ -515,31 +635,42 @@ def _state_config(Dk: int, Dv: int, rows: int, dtype: torch.dtype, cap, sms: int
 
 
 def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:
-    """Signature and constexprs of `chunk_state_kernel`'s heaviest variant: the state gradient
-    (reversed, scaled keys, weighted z) with per-token decay, initial and final state, split."""
+    """Signature and constexprs of `chunk_state_kernel`'s heaviest variant: the
+    state gradient (reversed, scaled keys, weighted z) with per-token decay,
+    initial and final state, split."""
     signature = {
-        "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}", "ka_ptr": "*fp32", "gl_ptr": "*fp32", "r_ptr": "*fp32",
-        "w_ptr": "*fp32",
-        "h_ptr": "*fp32", "hz_ptr": "*fp32", "s0_ptr": "*fp32", "z0_ptr": "*fp32", "st_ptr": "*fp32",
-        "zt_ptr": "*fp32", "lg_ptr": "*fp32", "lr_ptr": "*fp32", "cu_ptr": "*i32", "co_ptr": "*i32",
-        "len_ptr": "*i32", "T": "i32", "H": "i32", "Dk": "i32", "Dv": "i32", "NT": "i32", "NS": "i32",
-        "n_splits": "i32",
+        "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
+        "ka_ptr": "*fp32", "gl_ptr": "*fp32",
+        "r_ptr": "*fp32", "w_ptr": "*fp32",
+        "h_ptr": "*fp32", "hz_ptr": "*fp32",
+        "s0_ptr": "*fp32", "z0_ptr": "*fp32",
+        "st_ptr": "*fp32", "zt_ptr": "*fp32",
+        "lg_ptr": "*fp32", "lr_ptr": "*fp32",
+        "cu_ptr": "*i32", "co_ptr": "*i32", "len_ptr": "*i32",
+        "T": "i32", "H": "i32", "Dk": "i32", "Dv": "i32", "NT": "i32",
+        "NS": "i32", "n_splits": "i32",
     }
-    constexprs = {"BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2, "HAS_Z": True,
-                  "HAS_S0": True, "STORE_ST": True, "REVERSE": True, "HAS_R": True, "HAS_W": True,
-                  "HAS_LEN": False, "IS_VARLEN": False, "IS_SPLIT": True, "DOT_PREC": dot_precision(dtype)}
+    constexprs = {"BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2,
+                  "HAS_Z": True, "HAS_S0": True, "STORE_ST": True,
+                  "REVERSE": True, "HAS_R": True, "HAS_W": True,
+                  "HAS_LEN": False, "IS_VARLEN": False, "IS_SPLIT": True,
+                  "DOT_PREC": dot_precision(dtype)}
     for name in constexprs:
         signature[name] = "constexpr"
     return signature, constexprs
 
 
 def compile_spec_merge(cfg: dict, dtype: str) -> tuple[dict, dict]:
-    """Signature and constexprs of `chunk_state_merge_kernel`'s heaviest variant (decay, z,
-    final state; the states stored as `chunk_fwd_two_phase` stores them for `dtype`)."""
-    signature = {"h_ptr": "*bf16" if dtype == "bf16" else "*fp32", "hz_ptr": "*fp32", "e_ptr": "*fp32",
-                 "ez_ptr": "*fp32", "lg_ptr": "*fp32", "lr_ptr": "*fp32", "st_ptr": "*fp32", "zt_ptr": "*fp32",
-                 "H": "i32", "Dk": "i32", "Dv": "i32", "NT": "i32", "NS": "i32", "n_splits": "i32"}
-    constexprs = {"BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2, "HAS_Z": True, "STORE_ST": True,
-                  "REVERSE": False}
+    """Signature and constexprs of `chunk_state_merge_kernel`'s heaviest variant
+    (decay, z, final state; the states stored as `chunk_fwd_two_phase` stores
+    them for `dtype`)."""
+    signature = {"h_ptr": "*bf16" if dtype == "bf16" else "*fp32",
+                 "hz_ptr": "*fp32", "e_ptr": "*fp32", "ez_ptr": "*fp32",
+                 "lg_ptr": "*fp32", "lr_ptr": "*fp32",
+                 "st_ptr": "*fp32", "zt_ptr": "*fp32",
+                 "H": "i32", "Dk": "i32", "Dv": "i32", "NT": "i32", "NS": "i32",
+                 "n_splits": "i32"}
+    constexprs = {"BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2, "HAS_Z": True,
+                  "STORE_ST": True, "REVERSE": False}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return signature, constexprs

@@ -20,6 +20,11 @@ KERNELS = ROOT / "kernels"
 
 MAX_MODULE_LINES = 600
 MAX_FUNCTION_LINES = 60
+# The kernels appendix A prints (book/appendix_kernels.ipynb, A.8) are wrapped to 80 columns so
+# that they read on the page; the same code took 600 / 60 lines at the project's 120 columns.
+PRINTED_KERNELS = ("chunk_state", "chunk_output", "chunk_decay", "chunk_grad")
+PRINTED_MODULE_LINES = 700
+PRINTED_FUNCTION_LINES = 80
 # The Triton kernel bodies are one @triton.jit function each; the two-phase GPU engine
 # (issue 15) replaces them with shorter kernels. Listed by name so that nothing else slips in.
 LONG_FUNCTIONS_ALLOWED = {
@@ -163,15 +168,27 @@ def test_modules_and_functions_are_short():
     long_modules, long_functions = [], []
     for name, path in MODULES.items():
         text = path.read_text()
-        if len(text.splitlines()) > MAX_MODULE_LINES:
+        printed = name.rpartition(".")[2] in PRINTED_KERNELS and name.startswith("linattn_lib.kernels")
+        max_module, max_function = ((PRINTED_MODULE_LINES, PRINTED_FUNCTION_LINES) if printed
+                                    else (MAX_MODULE_LINES, MAX_FUNCTION_LINES))
+        if len(text.splitlines()) > max_module:
             long_modules.append(f"{name}: {len(text.splitlines())} lines")
         for node in ast.walk(ast.parse(text)):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 qual = f"{name}.{node.name}"
-                if _body_lines(node) > MAX_FUNCTION_LINES and qual not in LONG_FUNCTIONS_ALLOWED:
+                if _body_lines(node) > max_function and qual not in LONG_FUNCTIONS_ALLOWED:
                     long_functions.append(f"{qual} (line {node.lineno}): {_body_lines(node)} lines")
     assert long_modules == [], long_modules
     assert long_functions == [], long_functions
+
+
+@pytest.mark.parametrize("name", PRINTED_KERNELS)
+def test_printed_kernels_fit_the_page(name):
+    """The kernels appendix A prints in full: no line over 80 columns."""
+    path = KERNELS / f"{name}.py"
+    long = [i for i, line in enumerate(path.read_text().splitlines(), 1) if len(line) > 80]
+    assert long == [], f"kernels/{name}.py: lines over 80 columns: {long[:10]}"
+    assert f"../kernels/{name}.py" in (ROOT / "book" / "appendix_kernels.ipynb").read_text()
 
 
 def _public_functions(tree: ast.Module):
