@@ -15,7 +15,7 @@ def test_jobs_use_the_committed_sweeps_settings_and_rates():
     base = _base()
     jobs = mqar_conv.jobs_for(base, ["linear", "deltanet"], [16, 32], [0, 1], mqar_conv.VARIANTS)
     assert len(jobs) == 2 * 2 * 2 * 2
-    for kind, d, seed, variant, common in jobs:
+    for kind, d, _seed, _variant, common in jobs:
         assert common["lr"] == base["meta"]["lr"][kind][str(d)]
         assert common["steps"] == base["meta"]["config"]["steps"]
         assert common["seq_len"] == base["meta"]["config"]["seq_len"]
