@@ -15,6 +15,7 @@ import math
 
 import pytest
 import torch
+from decode_steps import decode_stepwise
 from torch import nn
 
 from linattn_lib import LinearAttention
@@ -53,12 +54,8 @@ def test_one_token_decode_equals_the_parallel_form(kind):
     x = torch.randn(2, 12, 16, dtype=D64)
     with torch.no_grad():
         full = layer(x)
-        y, state = layer(x[:, :5], return_state=True)
-        steps = [y]
-        for t in range(5, 12):
-            y_t, state = layer(x[:, t:t + 1], state=state, pos_offset=t, return_state=True)
-            steps.append(y_t)
-    assert (torch.cat(steps, dim=1) - full).abs().max() < 1e-10
+        steps, _ = decode_stepwise(layer, x, 5)
+    assert (steps - full).abs().max() < 1e-10
 
 
 def test_one_token_decode_leaves_the_callers_state_alone():

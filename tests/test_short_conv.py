@@ -15,6 +15,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from decode_steps import decode_stepwise
 
 from linattn_lib import LinearAttention, ModelConfig, TinyLM, delta_rule_attention
 from linattn_lib.nn import FLA_PRESETS, ConvLayerState, ShortConvolution, fla_layer
@@ -74,12 +75,8 @@ def test_conv_layer_keeps_every_equivalence(kind):
             assert (packed[:, s:e] - y_n).abs().max() < 1e-10
             assert (st.conv[n] - st_n.conv[0]).abs().max() < 1e-12
             assert (st.attn.S[n] - st_n.attn.S[0]).abs().max() < 1e-10
-        y, state = layer(x[:, :10], return_state=True)
-        steps = [y]
-        for t in range(10, 19):
-            y_t, state = layer(x[:, t:t + 1], state=state, pos_offset=t, return_state=True)
-            steps.append(y_t)
-    assert (torch.cat(steps, dim=1) - full).abs().max() < 1e-10
+        steps, state = decode_stepwise(layer, x, 10)
+    assert (steps - full).abs().max() < 1e-10
     assert (state.attn.S - st_full.attn.S).abs().max() < 1e-10 and torch.equal(state.conv, st_full.conv)
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from decode_steps import decode_stepwise
 
 from linattn_lib import LinearAttention
 from linattn_lib.nn.layers import DELTA_KINDS, LINEAR_KINDS
@@ -53,12 +54,8 @@ def test_additive_write_decodes_and_packs_like_the_parallel_form(kind):
     x = torch.randn(1, 15, 16, dtype=D64)
     with torch.no_grad():
         full, st_full = layer(x, return_state=True)
-        y, st = layer(x[:, :6], return_state=True)
-        steps = [y]
-        for t in range(6, 15):
-            y, st = layer(x[:, t:t + 1], state=st, pos_offset=t, return_state=True)
-            steps.append(y)
-        assert (torch.cat(steps, dim=1) - full).abs().max() < 1e-12
+        steps, st = decode_stepwise(layer, x, 6)
+        assert (steps - full).abs().max() < 1e-12
         assert (st.attn.S - st_full.attn.S).abs().max() < 1e-12
         cu = torch.tensor([0, 6, 15])
         packed = layer(x, cu_seqlens=cu)
