@@ -6,7 +6,8 @@ outside linattn_lib/, so the packages are listed here:
 * every package under linattn_lib/ (any folder with an __init__.py), found automatically;
 * the Triton kernels, the top-level kernels/ folder, installed as linattn_lib.kernels (a
   top-level name "kernels" would collide with other projects), with any subpackages;
-* the book's committed results, book/results/** (JSON, and the benchmark plots), installed as
+* the book's committed results, book/results/** (JSON, the benchmark plots and chapter 11's
+  teacher weights, *.pt), installed as
   the data-only package linattn_lib._results, which `linattn_lib.results.load_result` reads.
   Quick runs (*-quick.json, git-ignored) stay out.
 
@@ -25,6 +26,6 @@ results = ["linattn_lib._results"] + [
 setup(
     packages=find_packages(include=["linattn_lib", "linattn_lib.*"]) + kernels + results,
     package_dir={"linattn_lib.kernels": KERNELS, "linattn_lib._results": RESULTS},
-    package_data={p: ["*.json", "*.png"] for p in results},
+    package_data={p: ["*.json", "*.png", "*.pt"] for p in results},
     exclude_package_data={p: ["*-quick.json"] for p in results},
 )

@@ -52,6 +52,14 @@ COMMANDS = {
                           " --write additive --out book/results/mqar_additive.json",
     "mqar_conv.json": "python -m linattn_lib.experiments.mqar_conv --out book/results/mqar_conv.json",
     "charlm.json": "python -m linattn_lib.experiments.charlm --out book/results/charlm.json",
+    "hybrid_mqar.json": "python -m linattn_lib.experiments.hybrid --task mqar --out book/results/hybrid_mqar.json",
+    "hybrid_charlm.json": "python -m linattn_lib.experiments.hybrid --task charlm"
+                          " --out book/results/hybrid_charlm.json",
+    "hybrid_decode.json": "python -m linattn_lib.experiments.hybrid --task decode"
+                          " --out book/results/hybrid_decode.json",
+    "convert.json": "python -m linattn_lib.experiments.convert --out book/results/convert.json",
+    "convert_teacher.pt": "python -m linattn_lib.experiments.convert --out book/results/convert.json"
+                          "  (trains the teacher when the file is missing)",
     "complexity_cpu.json": "python -m linattn_lib.experiments.complexity --out book/results/complexity_cpu.json",
     "complexity_cuda.json": "python -m linattn_lib.experiments.complexity --out book/results/complexity_cuda.json"
                             "  (on a machine with a CUDA GPU)",

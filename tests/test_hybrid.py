@@ -39,7 +39,7 @@ def test_decode_cost_state_grows_only_with_softmax_layers():
     assert all(r["ms_per_token"] > 0 for r in lin + mixed)
 
 
-@pytest.mark.parametrize("task", ["mqar", "decode"])
+@pytest.mark.parametrize("task", ["mqar", "charlm", "decode"])
 def test_quick_runs(task, tmp_path):
     out = tmp_path / f"{task}.json"
     payload = hybrid.main(["--task", task, "--quick", "--out", str(out), "--no-progress"])
@@ -50,6 +50,11 @@ def test_quick_runs(task, tmp_path):
         assert list(r["config"]["softmax_layers"]) == [7] and r["config"]["n_layer"] == 8
         assert r["pattern"] == "LLLLLLLS"
         assert payload["results"][0]["state_numbers"] > r["state_numbers"]
+        assert set(payload["meta"]["lr_selection"]["1:7 last"]) == {"0.003", "0.01"}
+    if task == "charlm":
+        r = payload["results"][1]
+        assert list(r["config"]["softmax_layers"]) == [7] and r["config"]["n_layer"] == 8
+        assert set(payload["baselines"]["orders"]["3"]["window"]) == {str(r["config"]["ctx"])}
     assert not (tmp_path / f"{task}.json.partial").exists()
 
 
@@ -60,3 +65,32 @@ def test_charlm_config_builds_a_hybrid():
     model = charlm.make_model(cfg, vocab_size=20)
     kinds = [type(b.attn).__name__ for b in model.blocks]
     assert kinds == ["LinearAttention", "SoftmaxAttention"] * 2
+
+
+def test_charlm_configs_follow_the_stacks():
+    configs = hybrid.charlm_configs(["all softmax", "1:3"], [0, 1], dict(ctx=16, d_model=8, n_head=2))
+    assert [(c.attention, tuple(c.softmax_layers), c.seed) for c in configs] == [
+        ("softmax", (), 0), ("gated_deltanet", (3, 7), 0), ("softmax", (), 1), ("gated_deltanet", (3, 7), 1)]
+    assert all(c.n_layer == 8 for c in configs)
+
+
+@pytest.mark.parametrize("pattern", ["SSSS", "LLLS", "SLLL", "LLLL"])
+def test_cache_numbers_count_the_states_the_model_returns(pattern):
+    import torch
+
+    from linattn_lib.nn.models import TinyLM
+
+    for L in (5, 40):
+        model = TinyLM(hybrid.model_config(pattern, vocab_size=8, block_size=40, n_head=2, d_model=16))
+        _, states = model(torch.zeros(1, L, dtype=torch.long), return_states=True)
+        n = hybrid.cache_numbers(pattern.count("S"), pattern.count("L"), L, kv_heads=2, head_dim=8, heads=2,
+                                 d_k=8, d_v=8)
+        assert model.state_nbytes(states) == 4 * n
+
+
+def test_crossover_is_where_cache_and_states_are_equal():
+    shape = dict(kv_heads=2, head_dim=256, heads=32, d_k=128, d_v=128, conv=24576)
+    L = hybrid.crossover(12, 36, **shape)
+    cache = hybrid.cache_numbers(12, 0, 1, **shape) * L
+    assert abs(cache - hybrid.cache_numbers(0, 36, 0, **shape)) < 1e-6 * cache
+    assert hybrid.crossover(0, 8, **shape) == float("inf") and hybrid.crossover(8, 0, **shape) == 0

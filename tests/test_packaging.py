@@ -170,7 +170,7 @@ def test_wheel_holds_every_package_the_kernels_and_the_results(wheel):
     assert "kernels/__init__.py" in kernels and "kernels/chunk_fwd.py" in kernels
     missing = sorted(f for f in kernels if f"linattn_lib/{f}" not in names)
     assert not missing, f"kernels/ modules missing from the wheel as linattn_lib/kernels/: {missing}"
-    committed = [f for f in files if f.startswith("book/results/") and f.endswith((".json", ".png"))
+    committed = [f for f in files if f.startswith("book/results/") and f.endswith((".json", ".png", ".pt"))
                  and not f.endswith("-quick.json")]
     assert "book/results/mqar.json" in committed and "book/results/complexity_cpu.json" in committed
     shipped = {f.replace("book/results/", "linattn_lib/_results/", 1) for f in committed}

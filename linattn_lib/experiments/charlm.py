@@ -105,8 +105,13 @@ def corpus_info(text: str) -> dict:
 class CharData:
     """Encodes the corpus and serves random training windows and a fixed validation set."""
 
-    def __init__(self, text: str, *, val_fraction: float = 0.1):
-        self.chars = sorted(set(text))
+    def __init__(self, text: str, *, val_fraction: float = 0.1, chars: Sequence[str] | None = None):
+        """`chars`: a saved model's vocabulary (ids in its order); characters of `text` outside
+        it are dropped, so a model trained on another Python's corpus still reads this one."""
+        if chars is not None:
+            keep = set(chars)
+            text = "".join(c for c in text if c in keep)
+        self.chars = sorted(set(text)) if chars is None else list(chars)
         self.stoi = {c: i for i, c in enumerate(self.chars)}
         data = torch.tensor([self.stoi[c] for c in text], dtype=torch.long)
         n_val = max(1, int(len(data) * val_fraction))

@@ -13,20 +13,26 @@ that only the mixture changes:
 Two measurements, each a CLI task:
 
 * ``--task mqar``: chapter 7's Zoology MQAR (its pairs, length, vocabulary, batch and steps,
-  token shift in front), every stack at one width and learning rate, several seeds. Recall per
+  token shift in front), every stack at one width, each at its better learning rate, several
+  seeds. Recall per
   pair count, the model's generation state in numbers, CPU time.
+* ``--task charlm``: chapter 8's character LM (its corpus and split) at a smaller width and
+  fewer steps, every stack, several seeds; bits per character beside the n-gram baselines.
 * ``--task decode``: untrained stacks of a wider model; for each context length, the bytes
   the per-layer states hold after the prompt (a softmax layer's KV cache grows with the
   context, a linear layer's state does not) and the time per generated token from them.
 
 CLI: `python -m linattn_lib.experiments.hybrid --task mqar --out book/results/hybrid_mqar.json`
-(6 stacks x 3 seeds, single-threaded runs, `--jobs` in parallel; resumes from <out>.partial),
-`--task decode --out book/results/hybrid_decode.json`; `--quick` is a smoke run of seconds.
+(6 stacks x 3 seeds, each stack at the better of two learning rates on seed 0, single-threaded
+runs, `--jobs` in parallel; resumes from <out>.partial),
+`--task charlm --out book/results/hybrid_charlm.json` (chapter 8's corpus, 6 stacks x 3 seeds,
+`CHARLM_SETTINGS`), `--task decode --out book/results/hybrid_decode.json`; `--quick` is a smoke run of seconds.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import statistics
 import time
@@ -72,6 +78,23 @@ def model_config(pattern: str, *, linear_kind: str = "gated_deltanet", **kw: obj
                        **kw)
 
 
+def cache_numbers(n_softmax: int, n_linear: int, context: int, *, kv_heads: int, head_dim: int, heads: int,
+                  d_k: int, d_v: int, conv: int = 0) -> int:
+    """Numbers a stack holds for generation after `context` tokens (one sequence):
+    2 * context * n_softmax * kv_heads * head_dim (the KV caches) plus
+    n_linear * (heads * d_k * d_v + conv) (the states; `conv`: a short convolution's cache)."""
+    return 2 * context * n_softmax * kv_heads * head_dim + n_linear * (heads * d_k * d_v + conv)
+
+
+def crossover(n_softmax: int, n_linear: int, kv_heads: int, head_dim: int, heads: int, d_k: int, d_v: int,
+              conv: int = 0) -> float:
+    """The context at which the KV caches hold as many numbers as the linear states (inf
+    without softmax layers)."""
+    if n_softmax == 0:
+        return math.inf
+    return n_linear * (heads * d_k * d_v + conv) / (2 * n_softmax * kv_heads * head_dim)
+
+
 def mqar_job(name: str, seed: int, settings: dict, linear_kind: str = "gated_deltanet") -> dict:
     """Train one stack on MQAR (single-threaded) and return mqar.run's result, with the stack."""
     pattern = STACKS.get(name, name)
@@ -87,35 +110,59 @@ def _mqar_worker(job: tuple) -> dict:
     return mqar_job(*job)
 
 
+def _key(r: dict) -> tuple:
+    return r["stack"], r["config"]["seed"], r["config"]["lr"]
+
+
+def _mean_recall(r: dict) -> float:
+    return sum(r["accuracy"].values()) / len(r["accuracy"])
+
+
 def sweep_mqar(args: argparse.Namespace, argv: list[str] | None) -> dict:
-    """Every stack x seed, checkpointed to <out>.partial after each run, resumed from it."""
+    """Every stack x seed, checkpointed to <out>.partial after each run, resumed from it.
+
+    Deep narrow stacks are sensitive to the learning rate, and not all the same way, so each
+    stack first trains on the first seed at every rate in --lrs and keeps the one with the
+    higher mean recall over the pair counts for its other seeds (chapter 7's rule, and
+    Zoology's: each model at its best rate). meta["lr_selection"] records every trial.
+    """
     settings = dict(MQAR_SETTINGS)
     if args.quick:
         settings.update(steps=5, batch_size=6, eval_batches=1, eval_batch_size=8)
-    jobs = [(name, seed, settings) for seed in args.seeds for name in args.stacks]
+    lrs = list(args.lrs)
     checkpoint = Path(str(args.out) + ".partial")
-    done = {(r["stack"], r["config"]["seed"]): r
-            for r in (json.loads(checkpoint.read_text())["results"] if checkpoint.exists() else [])}
+    done = {_key(r): r for r in (json.loads(checkpoint.read_text())["results"] if checkpoint.exists() else [])}
     meta = run_metadata("linattn_lib.experiments.hybrid", argv)
     meta.update(task="mqar", jobs=args.jobs, threads_per_job=1, cpu_count=os.cpu_count(), settings=settings,
-                stacks={n: STACKS.get(n, n) for n in args.stacks}, seeds=list(args.seeds))
-    todo = [j for j in jobs if (j[0], j[1]) not in done]
-    t0, pool = time.perf_counter(), None
-    if args.jobs > 1 and len(todo) > 1:
+                stacks={n: STACKS.get(n, n) for n in args.stacks}, seeds=list(args.seeds), lrs=lrs)
+    t0 = time.perf_counter()
+    pool = None
+    if args.jobs > 1:
         import multiprocessing as mp
 
         pool = mp.get_context("spawn").Pool(args.jobs)
-    try:
-        stream = pool.imap_unordered(_mqar_worker, todo) if pool else map(_mqar_worker, todo)
+
+    def train_(jobs: list[tuple]) -> None:
+        todo = [(name, seed, dict(settings, lr=lr)) for name, seed, lr in jobs if (name, seed, lr) not in done]
+        stream = pool.imap_unordered(_mqar_worker, todo) if pool and len(todo) > 1 else map(_mqar_worker, todo)
         for r in progress_bar(stream, desc="hybrid MQAR", total=len(todo), enabled=not args.no_progress):
-            done[(r["stack"], r["config"]["seed"])] = r
+            done[_key(r)] = r
             write_json(checkpoint, {"meta": meta, "results": list(done.values())})
+
+    first = args.seeds[0]
+    try:
+        train_([(name, first, lr) for name in args.stacks for lr in lrs])
+        chosen = {name: max(lrs, key=lambda lr: _mean_recall(done[(name, first, lr)])) for name in args.stacks}
+        runs = [(name, seed, chosen[name]) for seed in args.seeds for name in args.stacks]
+        train_(runs)
     finally:
         if pool is not None:
             pool.terminate()
+    meta["lr"] = chosen
+    meta["lr_selection"] = {name: {str(lr): dict(done[(name, first, lr)]["accuracy"]) for lr in lrs}
+                            for name in args.stacks}
     meta["sweep_seconds"] = round(time.perf_counter() - t0, 1)
-    results = [done[(name, seed)] for name, seed, _ in jobs]
-    payload = {"meta": meta, "results": results}
+    payload = {"meta": meta, "results": [done[j] for j in runs]}
     write_json(args.out, payload)
     checkpoint.unlink(missing_ok=True)
     return payload
@@ -162,12 +209,72 @@ def sweep_decode(args: argparse.Namespace, argv: list[str] | None) -> dict:
     return payload
 
 
+# chapter 8's character LM at a size where eight layers train in minutes on one core
+CHARLM_SETTINGS = dict(ctx=128, d_model=32, n_head=2, steps=2000, tokens_per_step=1024, lr=3e-3, warmup=100)
+
+
+def charlm_configs(stacks: Sequence[str], seeds: Sequence[int], settings: dict,
+                   linear_kind: str = "gated_deltanet") -> list:
+    """The character-LM runs of a stack sweep, one `CharLMConfig` per (seed, stack)."""
+    from .charlm import CharLMConfig
+
+    configs = []
+    for seed in seeds:
+        for name in stacks:
+            pattern = STACKS.get(name, name)
+            soft = softmax_positions(pattern)
+            kind = "softmax" if len(soft) == len(pattern) else linear_kind
+            configs.append(CharLMConfig(attention=kind, n_layer=len(pattern), seed=seed,
+                                        softmax_layers=soft if kind != "softmax" else (), **settings))
+    return configs
+
+
+def sweep_charlm(args: argparse.Namespace, argv: list[str] | None) -> dict:
+    """Every stack x seed on chapter 8's corpus, with its n-gram baselines at the same context."""
+    from dataclasses import asdict
+
+    from . import charlm, ngram
+
+    settings = dict(CHARLM_SETTINGS)
+    if args.quick:
+        settings.update(ctx=16, steps=3, tokens_per_step=64, warmup=1)
+    text = charlm.build_corpus()
+    data = charlm.CharData(text)
+    meta = run_metadata("linattn_lib.experiments.hybrid", argv)
+    meta.update(task="charlm", workers=args.jobs, threads_per_run=1, cpu_count=os.cpu_count(), settings=settings,
+                stacks={n: STACKS.get(n, n) for n in args.stacks}, seeds=list(args.seeds))
+    configs = charlm_configs(args.stacks, args.seeds, settings)
+    names = {json.dumps(asdict(c), sort_keys=True): (n, STACKS.get(n, n))
+             for c, n in zip(configs, [n for _ in args.seeds for n in args.stacks])}
+    payload = {"meta": meta, "corpus": charlm.corpus_info(text),
+               "baselines": ngram.baselines(data.train.numpy(), data.val.numpy(), data.vocab_size, [settings["ctx"]]),
+               "results": []}
+    results = {}
+
+    def on_result(cfg, r: dict) -> None:
+        name, pattern = names[json.dumps(asdict(cfg), sort_keys=True)]
+        r.pop("val_curve", None)
+        results[json.dumps(asdict(cfg), sort_keys=True)] = dict(r, stack=name, pattern=pattern)
+        write_json(Path(str(args.out) + ".partial"), dict(payload, results=list(results.values())))
+
+    t0 = time.perf_counter()
+    charlm._run_all(configs, text, args.jobs, on_result)
+    meta["sweep_seconds"] = round(time.perf_counter() - t0, 1)
+    meta["cpu_seconds_runs"] = round(sum(r["cpu_seconds_total"] for r in results.values()), 1)
+    payload["results"] = [results[json.dumps(asdict(c), sort_keys=True)] for c in configs]
+    write_json(args.out, payload)
+    Path(str(args.out) + ".partial").unlink(missing_ok=True)
+    return payload
+
+
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m linattn_lib.experiments.hybrid", description=__doc__.split("\n\n")[0])
-    p.add_argument("--task", choices=("mqar", "decode"), default="mqar")
+    p.add_argument("--task", choices=("mqar", "charlm", "decode"), default="mqar")
     p.add_argument("--stacks", nargs="+", default=list(STACKS),
                    help="names in STACKS or patterns of S (softmax) and L (linear) layers")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
+    p.add_argument("--lrs", nargs="+", type=float, default=[3e-3, 1e-2],
+                   help="mqar: learning rates tried on the first seed; each stack keeps its best")
     p.add_argument("--contexts", nargs="+", type=int, default=[512, 2048, 8192], help="decode: prompt lengths")
     p.add_argument("--decode-width", type=int, default=256, help="decode: d_model of the untrained stacks")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="mqar: runs in parallel, one thread each")
@@ -177,7 +284,8 @@ def main(argv: list[str] | None = None) -> dict:
         softmax_positions(STACKS.get(name, name))
     if args.quick:
         args.stacks, args.seeds, args.jobs = ["all softmax", "1:7 last"], [0], 1
-    payload = (sweep_mqar if args.task == "mqar" else sweep_decode)(args, argv)
+    sweep = {"mqar": sweep_mqar, "charlm": sweep_charlm, "decode": sweep_decode}[args.task]
+    payload = sweep(args, argv)
     print(f"wrote {len(payload['results'])} results to {args.out}")
     return payload
 
