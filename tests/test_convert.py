@@ -123,6 +123,8 @@ def test_finetune_changes_only_adapters(tmp_path):
 def test_quick_cli_run(tmp_path):
     out = tmp_path / "convert.json"
     payload = convert.main(["--quick", "--out", str(out), "--no-progress"])
-    assert [r["method"] for r in payload["results"]] == [*convert.METHODS, "scratch"]
+    assert [r["method"] for r in payload["results"]] == [*convert.METHODS, "scratch", "scratch_budget"]
+    steps = {r["method"]: r.get("steps") for r in payload["results"]}
+    assert steps["scratch"] == 3 + 2 + 2 and steps["scratch_budget"] == 2 + 2
     assert (tmp_path / "convert.pt").exists() and not (tmp_path / "convert.json.partial").exists()
     assert set(payload["results"][0]["bpc"]) == {"swap", "transfer", "lora"}

@@ -94,3 +94,25 @@ def test_crossover_is_where_cache_and_states_are_equal():
     cache = hybrid.cache_numbers(12, 0, 1, **shape) * L
     assert abs(cache - hybrid.cache_numbers(0, 36, 0, **shape)) < 1e-6 * cache
     assert hybrid.crossover(0, 8, **shape) == float("inf") and hybrid.crossover(8, 0, **shape) == 0
+
+
+def test_committed_mqar_and_decode_sweeps_are_complete():
+    from linattn_lib.results import load_result
+
+    stacks = list(hybrid.STACKS)
+    mq = load_result("hybrid_mqar.json")
+    assert [(r["stack"], r["config"]["seed"]) for r in mq["results"]] == [(s, seed) for seed in (0, 1, 2) for s in stacks]
+    assert mq["meta"]["settings"] == json.loads(json.dumps(hybrid.MQAR_SETTINGS))
+    for r in mq["results"]:  # each stack at the rate its first seed chose
+        trials = mq["meta"]["lr_selection"][r["stack"]]
+        best = max(trials, key=lambda lr: sum(trials[lr].values()))
+        assert r["config"]["lr"] == float(best) == mq["meta"]["lr"][r["stack"]]
+        assert list(r["config"]["softmax_layers"]) == [i for i, c in enumerate(r["pattern"]) if c == "S"] or \
+            r["stack"] == "all softmax"
+    dec = load_result("hybrid_decode.json")
+    assert [r["stack"] for r in dec["results"]] == stacks and dec["meta"]["threads"] == 1
+    for r in dec["results"]:
+        n_s = r["pattern"].count("S")
+        growth = r["rows"][-1]["state_bytes"] - r["rows"][0]["state_bytes"]
+        d = dec["meta"]["d_model"]
+        assert growth == n_s * 2 * d * 4 * (r["rows"][-1]["context"] - r["rows"][0]["context"])

@@ -138,9 +138,11 @@ def draw_conversion(convert: Mapping) -> Figure:
         for j, s in enumerate(STAGES):
             ax.scatter([j + off] * len(table[method][s]), table[method][s], color=c, s=12, alpha=0.6)
     ax.axhline(convert["teacher"]["bits_per_char"], color="black", lw=1.5, label="softmax teacher")
-    if "scratch" in table:
-        s = table["scratch"]["scratch"]
-        ax.axhspan(min(s), max(s), color="tab:orange", alpha=0.25, label="linear from scratch (seeds)")
+    steps = {r["method"]: r["steps"] for r in convert["results"] if "steps" in r}
+    for name, color in (("scratch", "tab:orange"), ("scratch_budget", "tab:purple")):
+        if name in table:
+            s = table[name]["scratch"]
+            ax.axhspan(min(s), max(s), color=color, alpha=0.3, label=f"linear from scratch, {steps[name]} steps")
     ax.set_yscale("log")
     ax.set_xticks(x, ["after the swap", "after transfer", "after LoRA"])
     ax.set_ylabel("bits per character (log)")

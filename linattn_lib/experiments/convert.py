@@ -18,7 +18,8 @@ The recipe of Hedgehog (Zhang et al., 2024) and LoLCATs (Zhang et al., 2025) at 
 "hedgehog" (cross-entropy transfer, linear), "lolcats" (output-MSE transfer, linear) and
 "lolcats_window" (output MSE, softmax over the last `window` keys plus linear beyond).
 `run_scratch` trains the same linear architecture from random weights for as many steps as
-the teacher and the conversion took together.
+the teacher and the conversion took together ("scratch"), or as the conversion alone took
+("scratch_budget").
 
 CLI: `python -m linattn_lib.experiments.convert --out book/results/convert.json` trains the
 teacher (or loads --teacher if it exists), then every method and the scratch model for each
@@ -220,10 +221,15 @@ def run_method(method: str, seed: int, teacher: TinyLM, data: charlm.CharData, c
     }
 
 
-def run_scratch(seed: int, data: charlm.CharData, cfg: ConvertConfig) -> dict:
-    """The converted (linear, Hedgehog feature maps) architecture trained from random weights
-    for teacher_steps + transfer_steps + finetune_steps steps, every parameter trainable."""
-    steps = cfg.teacher_steps + cfg.transfer_steps + cfg.finetune_steps
+SCRATCH = ("scratch", "scratch_budget")
+
+
+def run_scratch(seed: int, data: charlm.CharData, cfg: ConvertConfig, *, budget: bool = False) -> dict:
+    """The converted (linear, Hedgehog feature maps) architecture trained from random weights,
+    every parameter trainable: for teacher_steps + transfer_steps + finetune_steps steps (the
+    whole bill of teacher and conversion), or with budget=True for the conversion's own
+    transfer_steps + finetune_steps (what a team that already has the teacher would spend)."""
+    steps = cfg.transfer_steps + cfg.finetune_steps + (0 if budget else cfg.teacher_steps)
     scratch_cfg = dict(asdict(cfg.teacher_config()), seed=seed, steps=steps)
     model = convert(charlm.make_model(charlm.CharLMConfig(**scratch_cfg), data.vocab_size))
     for p in model.parameters():
@@ -232,7 +238,7 @@ def run_scratch(seed: int, data: charlm.CharData, cfg: ConvertConfig) -> dict:
     cpu0 = time.process_time()
     losses = train(model, lambda s: data.batch(cfg.batch_size, cfg.ctx, generator=gen), steps=steps,
                    lr=cfg.teacher_lr, warmup=cfg.warmup)
-    return {"method": "scratch", "seed": seed, "steps": steps, "bpc": {"scratch": bits_per_char(model, data, cfg.ctx)},
+    return {"method": SCRATCH[budget], "seed": seed, "steps": steps, "bpc": {"scratch": bits_per_char(model, data, cfg.ctx)},
             "final_train_loss": sum(losses[-50:]) / len(losses[-50:]), "parameters": model.num_parameters(),
             "cpu_seconds": {"train": time.process_time() - cpu0}}
 
@@ -245,7 +251,9 @@ def _job(job: tuple) -> dict:
         if data.chars != saved["chars"]:
             raise RuntimeError("convert: this Python's corpus has another vocabulary than the teacher's")
         cfg = ConvertConfig(**cfg_dict)
-        return run_scratch(seed, data, cfg) if method == "scratch" else run_method(method, seed, teacher, data, cfg)
+        if method in SCRATCH:
+            return run_scratch(seed, data, cfg, budget=method == "scratch_budget")
+        return run_method(method, seed, teacher, data, cfg)
 
 
 def _teacher(args: argparse.Namespace, cfg: ConvertConfig, data: charlm.CharData) -> dict:
@@ -265,7 +273,7 @@ def _teacher(args: argparse.Namespace, cfg: ConvertConfig, data: charlm.CharData
 def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(prog="python -m linattn_lib.experiments.convert", description=__doc__.split("\n\n")[0])
     p.add_argument("--teacher", default="book/results/convert_teacher.pt", help="the teacher's weights (made if absent)")
-    p.add_argument("--methods", nargs="+", default=[*METHODS, "scratch"], choices=[*METHODS, "scratch"])
+    p.add_argument("--methods", nargs="+", default=[*METHODS, *SCRATCH], choices=[*METHODS, *SCRATCH])
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1))
     p.add_argument("--no-progress", action="store_true")
@@ -285,6 +293,7 @@ def main(argv: list[str] | None = None) -> dict:
     done = {(r["method"], r["seed"]): r for r in (json.loads(checkpoint.read_text())["results"]
                                                   if checkpoint.exists() else [])}
     jobs = [(m, s) for s in args.seeds for m in args.methods]
+    meta["runs_from_checkpoint"] = sorted([m, s] for m, s in done if (m, s) in jobs)  # a resumed sweep
     todo = [(m, s, args.teacher, asdict(cfg)) for m, s in jobs if (m, s) not in done]
     t0, pool = time.perf_counter(), None
     if args.jobs > 1 and len(todo) > 1:

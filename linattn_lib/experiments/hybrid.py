@@ -172,7 +172,8 @@ def sweep_mqar(args: argparse.Namespace, argv: list[str] | None) -> dict:
 def decode_cost(pattern: str, contexts: Sequence[int], *, d_model: int = 256, n_head: int = 4,
                 vocab_size: int = 256, steps: int = 16, seed: int = 0) -> list[dict]:
     """For each context length L: the bytes of the states after an L-token prompt and the time
-    per generated token from them (median of `steps` one-token calls), for an untrained stack."""
+    per generated token from them (median of `steps` one-token calls), for an untrained stack
+    (in the caller's torch threads)."""
     torch.manual_seed(seed)
     block = max(contexts) + steps
     model = TinyLM(model_config(pattern, vocab_size=vocab_size, block_size=block, n_head=n_head,
@@ -197,13 +198,14 @@ def sweep_decode(args: argparse.Namespace, argv: list[str] | None) -> dict:
     contexts = [64, 128] if args.quick else args.contexts
     d_model = 32 if args.quick else args.decode_width
     meta = run_metadata("linattn_lib.experiments.hybrid", argv)
-    meta.update(task="decode", d_model=d_model, n_head=4, contexts=contexts, threads=torch.get_num_threads(),
+    meta.update(task="decode", d_model=d_model, n_head=4, contexts=contexts, threads=1,
                 stacks={n: STACKS.get(n, n) for n in args.stacks})
     results = []
-    for name in progress_bar(args.stacks, desc="decode cost", enabled=not args.no_progress):
-        pattern = STACKS.get(name, name)
-        results.append({"stack": name, "pattern": pattern,
-                        "rows": decode_cost(pattern, contexts, d_model=d_model, steps=4 if args.quick else 16)})
+    with torch_threads(1):  # one thread: the time per token of one sequence, as the chapter says
+        for name in progress_bar(args.stacks, desc="decode cost", enabled=not args.no_progress):
+            pattern = STACKS.get(name, name)
+            results.append({"stack": name, "pattern": pattern,
+                            "rows": decode_cost(pattern, contexts, d_model=d_model, steps=4 if args.quick else 32)})
     payload = {"meta": meta, "results": results}
     write_json(args.out, payload)
     return payload
@@ -230,7 +232,8 @@ def charlm_configs(stacks: Sequence[str], seeds: Sequence[int], settings: dict,
 
 
 def sweep_charlm(args: argparse.Namespace, argv: list[str] | None) -> dict:
-    """Every stack x seed on chapter 8's corpus, with its n-gram baselines at the same context."""
+    """Every stack x seed on chapter 8's corpus, with its n-gram baselines at the same context;
+    checkpointed to <out>.partial after each run and resumed from it."""
     from dataclasses import asdict
 
     from . import charlm, ngram
@@ -249,21 +252,24 @@ def sweep_charlm(args: argparse.Namespace, argv: list[str] | None) -> dict:
     payload = {"meta": meta, "corpus": charlm.corpus_info(text),
                "baselines": ngram.baselines(data.train.numpy(), data.val.numpy(), data.vocab_size, [settings["ctx"]]),
                "results": []}
-    results = {}
+    checkpoint = Path(str(args.out) + ".partial")
+    results = {json.dumps(r["config"] | {"batch_size": None}, sort_keys=True): r
+               for r in (json.loads(checkpoint.read_text())["results"] if checkpoint.exists() else [])}
+    key = lambda cfg: json.dumps(asdict(cfg) | {"batch_size": None}, sort_keys=True)  # noqa: E731
 
     def on_result(cfg, r: dict) -> None:
         name, pattern = names[json.dumps(asdict(cfg), sort_keys=True)]
         r.pop("val_curve", None)
-        results[json.dumps(asdict(cfg), sort_keys=True)] = dict(r, stack=name, pattern=pattern)
-        write_json(Path(str(args.out) + ".partial"), dict(payload, results=list(results.values())))
+        results[key(cfg)] = dict(r, stack=name, pattern=pattern)
+        write_json(checkpoint, dict(payload, results=list(results.values())))
 
     t0 = time.perf_counter()
-    charlm._run_all(configs, text, args.jobs, on_result)
+    charlm._run_all([c for c in configs if key(c) not in results], text, args.jobs, on_result)
     meta["sweep_seconds"] = round(time.perf_counter() - t0, 1)
     meta["cpu_seconds_runs"] = round(sum(r["cpu_seconds_total"] for r in results.values()), 1)
-    payload["results"] = [results[json.dumps(asdict(c), sort_keys=True)] for c in configs]
+    payload["results"] = [results[key(c)] for c in configs]
     write_json(args.out, payload)
-    Path(str(args.out) + ".partial").unlink(missing_ok=True)
+    checkpoint.unlink(missing_ok=True)
     return payload
 
 
