@@ -116,3 +116,13 @@ def test_committed_mqar_and_decode_sweeps_are_complete():
         growth = r["rows"][-1]["state_bytes"] - r["rows"][0]["state_bytes"]
         d = dec["meta"]["d_model"]
         assert growth == n_s * 2 * d * 4 * (r["rows"][-1]["context"] - r["rows"][0]["context"])
+
+
+def test_committed_charlm_sweep_is_complete():
+    from linattn_lib.results import load_result
+
+    stacks = list(hybrid.STACKS)
+    lm = load_result("hybrid_charlm.json")
+    assert [(r["stack"], r["config"]["seed"]) for r in lm["results"]] == [(s, seed) for seed in (0, 1, 2) for s in stacks]
+    assert lm["meta"]["settings"] == hybrid.CHARLM_SETTINGS
+    assert all(r["config"]["steps"] == hybrid.CHARLM_SETTINGS["steps"] for r in lm["results"])
