@@ -128,3 +128,20 @@ def test_quick_cli_run(tmp_path):
     assert steps["scratch"] == 3 + 2 + 2 and steps["scratch_budget"] == 2 + 2
     assert (tmp_path / "convert.pt").exists() and not (tmp_path / "convert.json.partial").exists()
     assert set(payload["results"][0]["bpc"]) == {"swap", "transfer", "lora"}
+
+
+def test_committed_sweep_is_complete_and_its_teacher_loads():
+    from linattn_lib.results import load_result, result_path
+
+    conv = load_result("convert.json")
+    cfg = convert.ConvertConfig(**conv["meta"]["config"])
+    assert cfg == convert.ConvertConfig()  # the library's defaults are the committed settings
+    runs = {(r["method"], r["seed"]) for r in conv["results"]}
+    assert runs == {(m, s) for m in [*convert.METHODS, *convert.SCRATCH] for s in (0, 1, 2)}
+    for r in conv["results"]:
+        assert all(2.0 < v < 8.0 for v in r["bpc"].values()), r["bpc"]
+    teacher, tcfg, saved = convert.load_teacher(result_path("convert_teacher.pt"))
+    assert tcfg.teacher_config() == cfg.teacher_config()
+    assert saved["result"]["bits_per_char"] == conv["teacher"]["bits_per_char"]
+    assert teacher.num_parameters() == saved["result"]["parameters"]
+    assert result_path("convert_teacher.pt").stat().st_size < 5 * 2**20

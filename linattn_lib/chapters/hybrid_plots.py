@@ -150,3 +150,23 @@ def draw_conversion(convert: Mapping) -> Figure:
     ax.grid(alpha=0.3, which="both", axis="y")
     fig.tight_layout()
     return fig
+
+
+def draw_memory_by_context(contexts: Sequence[int], curves: Mapping[str, Sequence[float]],
+                           marks: Mapping[str, tuple[float, float]]) -> Figure:
+    """Generation memory (GiB) against the context, one line per stack (`curves`: label ->
+    GiB at each context), with a dot at `marks[label]` = (context, GiB) where given."""
+    fig, ax = plt.subplots(figsize=(7.2, 4.0))
+    colors = ("black", "tab:purple", "tab:brown", method_color("gated_deltanet"))
+    for (label, gib), c in zip(curves.items(), colors):
+        ax.plot(contexts, gib, color=c, lw=2, label=label)
+        if label in marks:
+            ax.plot(*marks[label], "o", color=c, ms=7)
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("context (tokens)")
+    ax.set_ylabel("generation memory (GiB, bf16)")
+    ax.grid(alpha=0.3, which="both")
+    ax.legend(fontsize=10, loc="upper left")
+    fig.tight_layout()
+    return fig

@@ -61,6 +61,12 @@ MQAR_SETTINGS = dict(train_pairs=(2, 4, 8), eval_pairs=(2, 4, 8), seq_len=32, vo
                      batch_size=24, task="zoology", power_a=0.01, d_model=16, n_head=2, lr=3e-3)
 
 
+# Qwen3-Next-80B-A3B's layer shapes (model card config.json): attention layers with 2 KV heads of
+# 256; Gated DeltaNet layers with 32 value heads of 128 x 128 (16 query/key heads of 128) and a
+# 4-tap convolution over q, k and v, whose cache holds the last 3 inputs
+QWEN3_NEXT = dict(kv_heads=2, head_dim=256, heads=32, d_k=128, d_v=128, conv=3 * (2 * 16 * 128 + 32 * 128))
+
+
 def softmax_positions(pattern: str) -> tuple[int, ...]:
     """The indices of the "S" layers of a stack pattern such as "LLLSLLLS" -> (3, 7)."""
     V.check_instance("softmax_positions", "pattern", pattern, str, "a string of 'S' and 'L'")
