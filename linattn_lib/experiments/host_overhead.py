@@ -13,7 +13,11 @@ style); unnormalised with a per-head decay (RetNet) -- it prints
 * the host time per call, the median of many calls, with the Triton launches stubbed out:
   the Python of `linear_attention`, its checks, the custom ops, the autograd engine and the
   launchers (config lookups, allocations, argument lists), all of which a GPU waits on when
-  it is faster than they are.
+  it is faster than they are;
+* beside it, torch's floor for the same inputs: a custom autograd op that only allocates its
+  output and gradients (`_Floor`), timed the same way. That much any autograd op with these
+  inputs pays (Function.apply, the graph, the engine, `Tensor.backward`); the rest is the
+  library's.
 
 Everything runs on CPU tensors dressed as CUDA ones (`record_launches(cuda_like=True)`: the
 launchers see an H100/H200, 132 SMs, sm_90; the library takes its CUDA branches). The data
@@ -147,12 +151,56 @@ def host_time(case: str, calls: int = 200, shape: tuple[int, int, int, int] = SH
     the calling thread's CPU time (`time.thread_time`), which on an idle machine is the wall
     time and on a busy one leaves out the time other processes held the core."""
     inputs = make_inputs(case, shape, dtype)
-    result = {}
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # the host path is one thread; idle OpenMP workers only add noise
     with record_launches(cuda_like=True, keep_args=False) as launches:
         do = torch.empty_like(_forward(inputs))
-        for name, fn in (("forward", lambda: _forward(inputs)), ("fwd+bwd", lambda: _fwd_bwd(inputs, do))):
+        fns = {"forward": lambda: _forward(inputs), "fwd+bwd": lambda: _fwd_bwd(inputs, do)}
+        return _median_times(fns, calls, launches)
+
+
+class _Floor(torch.autograd.Function):
+    """A custom autograd op that allocates its output and input gradients and does nothing
+    else: what any op with these inputs pays in torch alone (Function.apply, the autograd
+    graph, the engine and `Tensor.backward`), whatever its own Python."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, g):
+        ctx.save_for_backward(q, k, v, g)
+        return torch.empty_like(v)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, do):
+        return tuple(None if x is None else torch.empty_like(x) for x in ctx.saved_tensors)
+
+
+def autograd_floor(case: str, calls: int = 200, shape: tuple[int, int, int, int] = SHAPE,
+                   dtype: torch.dtype = DTYPE) -> dict[str, float]:
+    """`host_time`'s medians for `_Floor` on `case`'s inputs: the part of linear_attention's
+    host time that is torch's, not the library's."""
+    inputs = make_inputs(case, shape, dtype)
+    args = [inputs[name] for name in ("q", "k", "v", "log_decay")]
+
+    def forward():
+        return _Floor.apply(*args)
+
+    def fwd_bwd(do):
+        for x in args:
+            if x is not None:
+                x.grad = None
+        forward().backward(do)
+
+    do = torch.empty_like(forward())
+    return _median_times({"forward": forward, "fwd+bwd": lambda: fwd_bwd(do)}, calls)
+
+
+def _median_times(fns: dict[str, Callable[[], object]], calls: int, launches: list | None = None) -> dict:
+    """{name: median thread time in microseconds of fn()} after 5 warm-up calls, on one
+    thread; the recorded launches (if any) are dropped after every call."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # the host path is one thread; idle OpenMP workers only add noise
+    result = {}
+    try:
+        for name, fn in fns.items():
             for _ in range(5):
                 fn()
             times = []
@@ -160,9 +208,11 @@ def host_time(case: str, calls: int = 200, shape: tuple[int, int, int, int] = SH
                 t0 = time.thread_time()
                 fn()
                 times.append(time.thread_time() - t0)
-                del launches[:]
+                if launches is not None:
+                    del launches[:]
             result[name] = statistics.median(times) * 1e6
-    torch.set_num_threads(threads)
+    finally:
+        torch.set_num_threads(threads)
     return result
 
 
@@ -178,8 +228,10 @@ def report(shape: tuple[int, int, int, int] = SHAPE, calls: int = 200) -> dict:
     results = {}
     for case in CASES:
         counted, timed = count(case, shape), host_time(case, calls, shape)
+        floor = autograd_floor(case, calls, shape)
         fwd, bwd = counted["forward"], counted["backward"]
         row = {
+            "floor_us_forward": round(floor["forward"], 1), "floor_us_fwd_bwd": round(floor["fwd+bwd"], 1),
             "forward_launches": [_describe(x) for x in fwd], "backward_launches": [_describe(x) for x in bwd],
             "forward_torch_ops": counted["forward_torch"], "backward_torch_ops": counted["backward_torch"],
             "host_us_forward": round(timed["forward"], 1), "host_us_fwd_bwd": round(timed["fwd+bwd"], 1),
@@ -188,7 +240,8 @@ def report(shape: tuple[int, int, int, int] = SHAPE, calls: int = 200) -> dict:
         n_fwd = len(fwd) + len(counted["forward_torch"])
         n_all = n_fwd + len(bwd) + len(counted["backward_torch"])
         print(f"\n{case}: {n_fwd} kernels forward, {n_all} forward+backward; host "
-              f"{timed['forward']:.0f} us forward, {timed['fwd+bwd']:.0f} us forward+backward")
+              f"{timed['forward']:.0f} us forward, {timed['fwd+bwd']:.0f} us forward+backward "
+              f"(torch's floor for an op with these inputs: {floor['forward']:.0f} / {floor['fwd+bwd']:.0f} us)")
         print("  forward   " + ", ".join(row["forward_launches"] + row["forward_torch_ops"]))
         print("  backward  " + ", ".join(row["backward_launches"] + row["backward_torch_ops"]))
     return results

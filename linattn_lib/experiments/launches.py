@@ -80,16 +80,21 @@ def _resolve_grid(fn, grid, args: tuple, kwargs: dict) -> tuple:
 
 
 def _name(fn) -> str:
-    python_fn = getattr(fn, "fn", fn)
-    return getattr(python_fn, "__name__", type(fn).__name__)
+    try:
+        return fn.__name__  # a JITFunction's own name
+    except AttributeError:
+        python_fn = getattr(fn, "fn", fn)
+        return getattr(python_fn, "__name__", type(fn).__name__)
 
 
 def _recording_run(launches: list[Launch], original, stub: bool, keep_args: bool):
     def run(self, *args, grid, warmup, **kwargs):
         if warmup:  # a compile without a launch (kernel.warmup): not a launch
             return None if stub else original(self, *args, grid=grid, warmup=warmup, **kwargs)
+        # kwargs is this call's own dict: kept as it is, not copied (the host-overhead count
+        # times the library's Python, so the record costs as little as it can)
         launches.append(Launch(_name(self), self, _resolve_grid(self, grid, args, kwargs),
-                               args if keep_args else (), dict(kwargs)))
+                               args if keep_args else (), kwargs))
         if stub:
             return None
         return original(self, *args, grid=grid, warmup=warmup, **kwargs)
