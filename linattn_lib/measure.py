@@ -249,7 +249,8 @@ def device_name(device: torch.device | str | None = None) -> str:
             cpu = m.group(1).strip() if m else cpu
     except OSError:
         pass
-    return f"{cpu} ({torch.get_num_threads()} threads)"
+    n = torch.get_num_threads()
+    return f"{cpu} ({n} thread{'' if n == 1 else 's'})"
 
 
 def default_device() -> torch.device:

@@ -17,3 +17,16 @@ def test_below_prints_the_bound():
 def test_below_fails_loudly(error):
     with pytest.raises(AssertionError, match="is not below the bound 1e-12"):
         below(error, 1e-12)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_device_name_counts_threads_in_english(threads):
+    from linattn_lib.measure import device_name
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        name = device_name("cpu")
+    finally:
+        torch.set_num_threads(before)
+    assert name.endswith("(1 thread)" if threads == 1 else f"({threads} threads)"), name
