@@ -79,6 +79,8 @@ def check_same(fn: str, tensors: Iterable[tuple[str, Tensor]]) -> None:
 
 def check_qkv(fn: str, q: Tensor, k: Tensor, v: Tensor) -> None:
     """q, k: (B, H, T, Dk), v: (B, H, T, Dv), one dtype, one device."""
+    if _qkv_fine(q, k, v):  # the usual case, tested in one expression (hot path)
+        return
     for name, x in (("q", q), ("k", k), ("v", v)):
         check_tensor(fn, name, x, ndim=4)
     check_same(fn, [("q", q), ("k", k), ("v", v)])
@@ -100,6 +102,16 @@ def check_qkv(fn: str, q: Tensor, k: Tensor, v: Tensor) -> None:
                        ("feature size Dk", q.shape[3]), ("value size Dv", v.shape[3])):
         if size == 0:
             raise ValueError(f"{fn}: the {axis} must be at least 1, got q {describe(q)}, v {describe(v)}")
+
+
+def _qkv_fine(q: object, k: object, v: object) -> bool:
+    """Everything `check_qkv` asks, in one expression: True when the inputs pass, False when
+    `check_qkv` has to look at them one by one to say what is wrong."""
+    return (isinstance(q, Tensor) and isinstance(k, Tensor) and isinstance(v, Tensor)
+            and q.dim() == 4 and k.dim() == 4 and v.dim() == 4 and q.is_floating_point()
+            and q.dtype == k.dtype == v.dtype and q.device == k.device == v.device
+            and q.shape[:3] == k.shape[:3] == v.shape[:3] and k.shape[3] == q.shape[3]
+            and all(q.shape) and v.shape[3] > 0)
 
 
 def check_choice(fn: str, name: str, value: object, choices: Sequence[object]) -> None:

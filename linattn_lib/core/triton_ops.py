@@ -247,10 +247,11 @@ class _CausalEager(torch.autograd.Function):
         return *grads, None, None, None, None
 
 
-def _eager(*tensors: Tensor | None) -> bool:
+def _eager(q: Tensor) -> bool:
     """Whether to call the kernels without the custom op's dispatcher: not while torch.compile
-    traces (it needs the op), and only for real tensors (a meta tensor takes the op's fake)."""
-    return not torch.compiler.is_compiling() and all(t is None or t.device.type in ("cuda", "cpu") for t in tensors)
+    traces (it needs the op), and only for real tensors (a meta tensor takes the op's fake).
+    q stands for every input: `linear_attention` has checked that they share its device."""
+    return not torch.compiler.is_compiling() and q.device.type in ("cuda", "cpu")
 
 
 def linear_attention_triton(
@@ -287,7 +288,7 @@ def linear_attention_triton(
         z0 = initial_state.z if normalize else None
     eps = float(eps)
     # by name through the dispatcher, not imported: custom_ops.py imports this module
-    if causal and _eager(q, k, v):
+    if causal and _eager(q):
         o, S, z = _CausalEager.apply(q, k, v, log_decay, S0, z0, normalize, eps, return_state, cu_seqlens)
     elif causal:
         o, _, S, z = torch.ops.linattn.causal_fwd(q, k, v, log_decay, S0, z0, normalize, eps, return_state,
