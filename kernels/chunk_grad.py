@@ -236,6 +236,7 @@ def chunk_dqk_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DECAY: tl.constexpr, DG: tl.constexpr, NORMALIZE: tl.constexpr,
     HAS_LEN: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    KEPT: tl.constexpr = False,   # h, hz kept from the forward (not recomputed)
 ):
     i_k = tl.program_id(0)
     row0, i_h, i_s, i_n, t, T_live, T_seq = _chunk_program(
@@ -285,6 +286,10 @@ def chunk_dqk_kernel(
         kdk = tl.where(m_t, tl.sum(kT * dkT, axis=0), 0.0)
     k = _load_rows(k_ptr, row0, t, m_t, o_k, m_k, Dk).to(tl.float32)
     dq = tl.dot(W, k, acc=q_decay[:, None] * dq_state, input_precision=DOT_PREC)
+    if HAS_LEN and KEPT:
+        # past the live length dO is 0, but entry states kept from the forward
+        # may hold what the tail held (NaN padding): its gradients are 0
+        dq = tl.where(m_t[:, None], dq, 0.0)
     tl.store(dq_ptr + rows[:, None] + o_k[None, :],
              dq.to(dq_ptr.dtype.element_ty),
              mask=m_out[:, None] & m_k[None, :])
@@ -446,7 +451,8 @@ def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               do: torch.Tensor, g: torch.Tensor | None,
               r: torch.Tensor | None, e: torch.Tensor | None,
               states: tuple, grads: tuple, layout: tuple,
-              lengths: torch.Tensor | None, cfg: dict, need_dg: bool = True
+              lengths: torch.Tensor | None, cfg: dict, need_dg: bool = True,
+              kept: bool = False
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch `chunk_dqk_kernel`: dq, dk (input dtype) and the per-token
     q . dq - k . dk, one partial per block of Dk ((NK, B, H, T) fp32, for
@@ -456,7 +462,8 @@ def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     states (h, hz) and grads (dh, dhz): the forward's entry states and the state
     gradients (chunk_states, forward and reversed, with cfg's BT);
     layout: (cu, chunk_offsets, chunk_indices, NT) as `sequences.packed_layout`
-    gives them; lengths: (B, H) int32 or None."""
+    gives them; lengths: (B, H) int32 or None; kept: the states are the
+    forward's, not recomputed with `lengths`."""
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
     cu, offsets, indices, NT = layout
@@ -472,7 +479,7 @@ def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         DECAY=0 if g is None else (1 if g.dim() == 1 else 2),
         DG=dg is not None, NORMALIZE=r is not None,
         HAS_LEN=lengths is not None, IS_VARLEN=cu is not None,
-        DOT_PREC=dot_precision(q.dtype),
+        DOT_PREC=dot_precision(q.dtype), KEPT=kept,
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return dq, dk, dg
 
@@ -516,6 +523,7 @@ def chunk_bwd_two_phase(
     need_log_decay_grad: bool = True,
     log_decay_end: torch.Tensor | None = None,
     state_dtype: torch.dtype | None = None,
+    entry_states: tuple[torch.Tensor, torch.Tensor | None] | None = None,
 ) -> dict:
     """The causal backward in two phases. Returns {"dq", "dk", "dv", "dG",
     "dS0", "dz0"}.
@@ -538,7 +546,10 @@ def chunk_bwd_two_phase(
     gradients are exactly 0 -- right only without a final-state gradient, which
     every token reaches (whatever those tokens hold, padding, NaN or inf, then
     never meets a zero in a matmul). cu_seqlens: packed sequences (sequences.py;
-    no dead tail).
+    no dead tail). entry_states: (h, hz or None) as the forward computed them
+    (`chunk_fwd_two_phase(..., return_entry_states=True)`, same inputs): then
+    they are not recomputed, one pass over k and v fewer (a dead tail's tokens
+    still get gradients of exactly 0: dq's rows past it are selected out).
     """
     B, H, T, Dk = q.shape
     cfg_s = state_config(
@@ -571,17 +582,37 @@ def chunk_bwd_two_phase(
     if g is not None:  # both walks' decays in one launch
         kw["decays"] = chunk_decays(g, B, H, T, cfg_s["BT"], layout=layout,
                                     lengths=lengths, to_start=True)
-    h, hz, _, _ = chunk_states(
-        k, v, initial_state=initial_state, state_dtype=state_dtype, **kw)
+    if entry_states is None:
+        h, hz, _, _ = chunk_states(
+            k, v, initial_state=initial_state, state_dtype=state_dtype, **kw)
+    else:
+        h, hz = _checked_entry_states(entry_states, layout[3], k, v, normalize)
     dh, dhz, dS0, dz0 = chunk_states(
         q, do, initial_state=final_state_grad, reverse=True, key_scale=r,
         z_weights=e, store_final_state=need_initial_state_grad,
         state_dtype=torch.float32 if need_dg else state_dtype, **kw)
     dq, dk, dg = chunk_dqk(q, k, v, do, g, r, e, (h, hz), (dh, dhz),
-                           layout, lengths, cfg_dqk, need_dg)
+                           layout, lengths, cfg_dqk, need_dg,
+                           kept=entry_states is not None)
     dv = chunk_dv(q, k, do, g, r, dh, layout, lengths, cfg_dv)
     dG = decay_grad(dg, log_decay_end, cu_seqlens) if dg is not None else None
     return {"dq": dq, "dk": dk, "dv": dv, "dG": dG, "dS0": dS0, "dz0": dz0}
+
+
+def _checked_entry_states(states: tuple, NT: int, k: torch.Tensor,
+                          v: torch.Tensor, normalize: bool) -> tuple:
+    """(h, hz) given to `chunk_bwd_two_phase`, contiguous, after checking that
+    they are the entry states of these chunks (shapes only: no host sync)."""
+    h, hz = states
+    B, H, _, Dk = k.shape
+    want = (B, H, NT, Dk, v.shape[-1])
+    if tuple(h.shape) != want or (normalize and (
+            hz is None or tuple(hz.shape) != want[:4])):
+        raise ValueError(
+            f"chunk_bwd_two_phase: entry_states of shapes {tuple(h.shape)}, "
+            f"{None if hz is None else tuple(hz.shape)} are not the entry "
+            f"states {want} of these chunks (the forward's configs differ)")
+    return h.contiguous(), (hz.contiguous() if normalize else None)
 
 
 def compile_spec_prep(cfg: dict, dtype: str) -> tuple[dict, dict]:
@@ -623,6 +654,9 @@ def compile_spec_dqk(cfg: dict, dtype: str) -> tuple[dict, dict]:
     if dtype == "bf16":
         signature["h_ptr"] = "*bf16"
     signature["DG"], constexprs["DG"] = "constexpr", True
+    # the default backward's variant (recomputed states): the one the gates
+    # hold to their register budget
+    signature["KEPT"], constexprs["KEPT"] = "constexpr", False
     return signature, constexprs
 
 

@@ -259,10 +259,12 @@ def chunk_fwd_two_phase(
     configs: tuple[dict, dict] | None = None,
     cu_seqlens: torch.Tensor | None = None,
     state_dtype: torch.dtype | None = None,
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None,
-           torch.Tensor | None]:
+    return_entry_states: bool = False,
+) -> tuple[torch.Tensor | None, ...]:
     """The causal forward in two phases. Returns (o, den, S_final, z_final), as
-    `chunk_fwd`.
+    `chunk_fwd`; with return_entry_states also (h, hz), every chunk's entry
+    state as `chunk_states` returns it, for `chunk_bwd_two_phase(...,
+    entry_states=(h, hz))` to use instead of recomputing them.
 
     Same contract as `chunk_fwd(q, k, v, log_decay=..., normalize=..., eps=...,
     initial_state=..., store_final_state=...)`: q, k (B, H, T, Dk), v
@@ -308,6 +310,8 @@ def chunk_fwd_two_phase(
     o, den = chunk_output(
         q, k, v, h, hz, log_decay=log_decay, normalize=normalize, eps=eps,
         config=cfg_out, cu_seqlens=cu_seqlens, decays=decays, layout=layout)
+    if return_entry_states:
+        return o, den, S_T, z_T, h, hz
     return o, den, S_T, z_T
 
 

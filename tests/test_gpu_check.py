@@ -44,7 +44,7 @@ def test_every_benchmark_row_of_ours_is_in_the_plan():
     ours = [c for c in cases if c.provider.startswith("ours")]
     labels = set()
     for c in ours:
-        if c.provider == "ours: op" or (c.B == 2 and c.T == MAIN_T):
+        if c.provider != "ours: linear_attention" or (c.B == 2 and c.T == MAIN_T):
             labels |= {f"{c.label} forward", f"{c.label} forward+backward"}
     from linattn_lib.experiments import gpu_bench  # its stand-ins are made when a call runs, not here
 
@@ -53,7 +53,11 @@ def test_every_benchmark_row_of_ours_is_in_the_plan():
     shapes = {(c.B, c.T, c.H, c.D) for c in cases}
     assert {(2, 16384, 16, 128), (1, 16384, 16, 128), (4, 16384, 16, 128)} <= shapes
     assert {(1, 8192, 96, 128), (8, 2048, 32, 256), (8, 1024, 8, 64)} <= shapes  # fla's registry shapes
-    assert {c.provider for c in cases} == {"ours: linear_attention", "ours: op", "fla", "sdpa"}
+    assert {c.provider for c in cases} == {"ours: linear_attention", "ours: op", "ours: op, kept states", "fla",
+                                           "sdpa"}
+    kept = [c for c in cases if c.provider == "ours: op, kept states"]
+    assert sorted((c.B, c.variant) for c in kept) == sorted(
+        (B, v) for B in (1, 2, 4) for v in ("per-token decay", "normalised"))
 
 
 @needs_triton

@@ -1,12 +1,14 @@
 """The Triton kernels as torch custom ops, so that `torch.compile(fullgraph=True)` sees them.
 
-Four operators in the `linattn` namespace (`torch.ops.linattn.*`), registered when this module
+Five operators in the `linattn` namespace (`torch.ops.linattn.*`), registered when this module
 is imported (`linear.py` imports it, so `import linattn_lib` is enough):
 
     causal_fwd      (q, k, v, g?, S0?, z0?, normalize, eps, return_state, cu_seqlens?)
                         -> (o, den, S_T, z_T)
-    causal_bwd      (..., o, den?, S_T?, z_T?, do?, dS_T?, dz_T?, normalize, needs, cu_seqlens?)
-                        -> (dq, dk, dv, dg, dS0, dz0)
+    causal_fwd_keep (the same) -> (o, den, S_T, z_T, h, hz): also every chunk's entry state,
+                        which its backward takes instead of recomputing them
+    causal_bwd      (..., o, den?, S_T?, z_T?, do?, dS_T?, dz_T?, normalize, needs, cu_seqlens?,
+                        h?, hz?) -> (dq, dk, dv, dg, dS0, dz0)
     noncausal_fwd   (q, k, v, S0?, z0?, normalize, eps) -> (o, den, S, z)
     noncausal_bwd   (..., o, den?, S, z?, do?, dS_T?, dz_T?, normalize, needs)
                         -> (dq, dk, dv, dS0, dz0)
@@ -112,44 +114,85 @@ def causal_bwd(
     o: Tensor, den: Tensor | None, S_T: Tensor | None, z_T: Tensor | None,
     do: Tensor | None, dS_T: Tensor | None, dz_T: Tensor | None,
     normalize: bool, needs: list[bool], cu_seqlens: Tensor | None = None,
+    h: Tensor | None = None, hz: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
-    """(dq, dk, dv, dg, dS0, dz0) of `causal_fwd`; empty where `needs` is False or the input None."""
+    """(dq, dk, dv, dg, dS0, dz0) of `causal_fwd`; empty where `needs` is False or the input None.
+    h, hz: the entry states from `causal_fwd_keep` (hz empty unless normalize), or None to
+    recompute them."""
     inputs = (q, k, v, g, S0, z0)
     present = _present(needs, inputs)
+    states = None if h is None else (h, hz if normalize else None)
     grads = causal_backward(q, k, v, g, S0, z0, o, den, S_T, z_T, do, dS_T, dz_T, normalize,
-                            tuple(present), **_seqlens(cu_seqlens))
+                            tuple(present), **_seqlens(cu_seqlens), entry_states=states)
     return _grads_out(grads, present, inputs)
 
 
 @causal_bwd.register_fake
-def _causal_bwd_fake(q, k, v, g, S0, z0, o, den, S_T, z_T, do, dS_T, dz_T, normalize, needs, cu_seqlens=None):
+def _causal_bwd_fake(q, k, v, g, S0, z0, o, den, S_T, z_T, do, dS_T, dz_T, normalize, needs, cu_seqlens=None,
+                     h=None, hz=None):
     inputs = (q, k, v, g, S0, z0)
     return _fake_grads(_present(needs, inputs), inputs)
 
 
+@torch.library.custom_op("linattn::causal_fwd_keep", mutates_args=())
+def causal_fwd_keep(
+    q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, S0: Tensor | None, z0: Tensor | None,
+    normalize: bool, eps: float, return_state: bool, cu_seqlens: Tensor | None = None,
+) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """`causal_fwd` that also returns every chunk's entry state (h, hz; hz empty unless
+    normalize), kept for its backward."""
+    o, den, S_T, z_T, h, hz = causal_forward(q, k, v, g, S0, z0, normalize, eps, return_state,
+                                             **_seqlens(cu_seqlens), keep_states=True)
+    return o, _or_absent(den, q), _or_absent(S_T, q), _or_absent(z_T, q), h, _or_absent(hz, q)
+
+
+@causal_fwd_keep.register_fake
+def _causal_fwd_keep_fake(q, k, v, g, S0, z0, normalize, eps, return_state, cu_seqlens=None):
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    return (*_fake_forward(q, v, normalize, return_state, N), *_fake_entry_states(q, v, normalize, cu_seqlens))
+
+
+def _fake_entry_states(q: Tensor, v: Tensor, normalize: bool, cu_seqlens: Tensor | None) -> tuple[Tensor, Tensor]:
+    """(h, hz) as `chunk_fwd_two_phase` makes them: (B, H, NT, Dk, Dv) in bf16 for bf16 inputs
+    (fp32 otherwise) and (B, H, NT, Dk) fp32, NT the chunks of the state pass's config (their
+    bound ceil(T / BT) + N - 1 for N packed sequences)."""
+    K = require_kernels("linear_attention")
+    B, H, T, Dk = q.shape
+    Dv = v.shape[-1]
+    N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    BT = K.chunk_state.state_config(Dk, Dv, H * N, q.dtype, q.device, normalize)["BT"]
+    NT = -(-T // BT) + (0 if cu_seqlens is None else max(N - 1, 0))
+    state_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
+    h = torch.empty(B, H, NT, Dk, Dv, dtype=state_dtype, device=q.device)
+    hz = torch.empty(B, H, NT, Dk, dtype=torch.float32, device=q.device) if normalize else _absent(q)
+    return h, hz
+
+
 def _causal_setup(ctx, inputs, output) -> None:
     q, k, v, g, S0, z0, normalize, _eps, return_state, cu_seqlens = inputs
-    o, den, S_T, z_T = output
-    ctx.save_for_backward(q, k, v, g, S0, z0, o, den, S_T, z_T, cu_seqlens)
+    o, den, S_T, z_T, *states = output  # states: (h, hz) from causal_fwd_keep
+    ctx.save_for_backward(q, k, v, g, S0, z0, o, den, S_T, z_T, cu_seqlens, *states)
     ctx.normalize, ctx.return_state = normalize, return_state
-    ctx.mark_non_differentiable(den)  # internal: saved for the backward, never handed out
+    # internal: saved for the backward, never handed out
+    ctx.mark_non_differentiable(den, *states)
     ctx.set_materialize_grads(False)  # unused outputs get None (the backward skips them), not zeros
 
 
 @torch.autograd.function.once_differentiable
-def _causal_backward(ctx, do, _dden, dS_T, dz_T):
-    q, k, v, g, S0, z0, o, den, S_T, z_T, cu_seqlens = ctx.saved_tensors
+def _causal_backward(ctx, do, _dden, dS_T, dz_T, *_dstates):
+    q, k, v, g, S0, z0, o, den, S_T, z_T, cu_seqlens, *states = ctx.saved_tensors
     normalize, state = ctx.normalize, ctx.return_state
     needs = [bool(n) for n in ctx.needs_input_grad[:6]]
     grads = torch.ops.linattn.causal_bwd(
         q, k, v, g, S0, z0, o, den if normalize else None, S_T if state else None,
         z_T if (state and normalize) else None, do, dS_T if state else None,
-        dz_T if (state and normalize) else None, normalize, needs, cu_seqlens,
+        dz_T if (state and normalize) else None, normalize, needs, cu_seqlens, *states,
     )
     return *(d if n else None for d, n in zip(grads, needs)), None, None, None, None
 
 
 causal_fwd.register_autograd(_causal_backward, setup_context=_causal_setup)
+causal_fwd_keep.register_autograd(_causal_backward, setup_context=_causal_setup)
 
 
 # --------------------------------------------------------------------------- non-causal

@@ -67,6 +67,7 @@ def linear_attention(
     initial_state: LinearAttentionState | None = None,
     return_state: bool = False,
     cu_seqlens: Tensor | None = None,
+    keep_chunk_states: bool = False,
 ) -> Tensor | tuple[Tensor, LinearAttentionState]:
     """Linear attention over feature maps: o_i = sum_j w_ij (q_i . k_j) v_j [/ sum_j w_ij (q_i . k_j)].
 
@@ -96,6 +97,14 @@ def linear_attention(
             Triton kernels take the packed layout as it is (causal), the torch paths (and
             the non-causal kernels) run zero-padded batches of similar lengths
             (`linattn_lib.core.varlen`, which reads the spans on the host).
+        keep_chunk_states: the causal Triton path keeps every chunk's entry state from the
+            forward for the backward, which then skips the pass that recomputes them: one
+            read of k and v fewer (about a tenth of a training step's traffic at
+            T = 16384, d = 128 by appendix A.5.1's count; not measured on a GPU yet), for
+            B H ceil(T / C) d_k d_v more numbers held until the backward (bf16 for bf16
+            inputs, fp32 otherwise; C the launch config's chunk length, 64 at d = 128 on an
+            H100: twice the size of q). The same gradients either way. No effect elsewhere
+            (the torch paths, causal=False, under no_grad).
 
     Returns:
         o of shape (B, H, T, Dv) in the dtype of v, or (o, state) when return_state=True.
@@ -122,9 +131,9 @@ def linear_attention(
     V.check_choice(fn, "form", form, FORMS)
     V.check_choice(fn, "backend", backend, BACKENDS)
     V.check_positive_int(fn, "chunk_size", chunk_size)
-    V.check_flag(fn, "causal", causal)
-    V.check_flag(fn, "normalize", normalize)
-    V.check_flag(fn, "return_state", return_state)
+    for name, flag in (("causal", causal), ("normalize", normalize), ("return_state", return_state),
+                       ("keep_chunk_states", keep_chunk_states)):
+        V.check_flag(fn, name, flag)
     eps = V.check_eps(fn, eps)
     V.check_all_finite(fn, (("q", q), ("k", k), ("v", v)))
     if log_decay is not None:
@@ -135,21 +144,20 @@ def linear_attention(
     elif initial_state is not None:
         B, H, _, Dk = q.shape
         V.check_state(fn, "initial_state", initial_state, B=B, H=H, Dk=Dk, Dv=v.shape[-1], device=q.device, normalize=normalize)
-
     # auto: the compiled kernels on CUDA for the inputs they support (fp16/bf16/fp32, head dims
     # up to 256); float64 and wider heads stay on torch
     use_triton = backend == "triton" or (
         backend == "auto" and q.is_cuda and form == "chunked" and _kernels_import() and triton_supports(q, v)
     )
-    if use_triton:
-        if form != "chunked":
-            raise ValueError(f"{fn}: backend='triton' implements form='chunked' only, got form={form!r}")
-        if not _kernels_import():
-            raise RuntimeError(f"{fn}: backend='triton' needs the `triton` package and linattn_lib.kernels")
+    if use_triton and form != "chunked":
+        raise ValueError(f"{fn}: backend='triton' implements form='chunked' only, got form={form!r}")
+    if use_triton and not _kernels_import():
+        raise RuntimeError(f"{fn}: backend='triton' needs the `triton` package and linattn_lib.kernels")
     kw = dict(causal=causal, normalize=normalize, log_decay=log_decay, eps=eps,
               initial_state=initial_state, return_state=return_state)
     if use_triton and (not packed or causal):  # the kernels take packed sequences as they are
-        return linear_attention_triton(q, k, v, cu_seqlens=cu_seqlens, **kw)
+        return linear_attention_triton(q, k, v, cu_seqlens=cu_seqlens, **kw,
+                                       keep_chunk_states=keep_chunk_states and causal and torch.is_grad_enabled())
     if use_triton:
         engine = linear_attention_triton
     elif form == "chunked" and backend in ("auto", "torch"):

@@ -164,29 +164,34 @@ def _final_state_term(dS_T: Tensor | None, S_T, dz_T, z_T) -> Tensor | None:
 
 def causal_forward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, S0: Tensor | None, z0: Tensor | None,
                    normalize: bool, eps: float, return_state: bool,
-                   cu_seqlens: Tensor | None = None) -> tuple[Tensor, ...]:
+                   cu_seqlens: Tensor | None = None, keep_states: bool = False) -> tuple[Tensor, ...]:
     """The causal forward: (o, den, S_T, z_T); den is None unless normalize, S_T and z_T
     None unless return_state (z_T also unless normalize). Not differentiable by itself: the
     autograd Function below and the torch custom op (custom_ops.py) pair it with
-    `causal_backward`. cu_seqlens: packed sequences (B = 1; states one per sequence)."""
+    `causal_backward`. cu_seqlens: packed sequences (B = 1; states one per sequence).
+    keep_states: also return (h, hz), every chunk's entry state (hz None unless normalize),
+    for the backward to take instead of recomputing them."""
     K = require_kernels("linear_attention")
     init = (S0, z0) if S0 is not None else None
     g = _f32(g)
     # two phases: every chunk's entry state (chunk_state), then all chunks in parallel
-    o, den, S_T, z_T = K.chunk_fwd_two_phase(
+    o, den, S_T, z_T, *states = K.chunk_fwd_two_phase(
         q, k, v, log_decay=g, normalize=normalize, eps=eps, initial_state=init,
-        store_final_state=return_state, cu_seqlens=cu_seqlens,
+        store_final_state=return_state, cu_seqlens=cu_seqlens, return_entry_states=keep_states,
     )
-    return o, (den if normalize else None), S_T, (z_T if normalize else None)
+    out = (o, (den if normalize else None), S_T, (z_T if normalize else None))
+    return (*out, states[0], states[1] if normalize else None) if keep_states else out
 
 
 def causal_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, S0: Tensor | None, z0: Tensor | None,
                     o: Tensor, den: Tensor | None, S_T: Tensor | None, z_T: Tensor | None,
                     do: Tensor | None, dS_T: Tensor | None, dz_T: Tensor | None,
                     normalize: bool, needs: tuple[bool, ...],
-                    cu_seqlens: Tensor | None = None) -> tuple[Tensor | None, ...]:
+                    cu_seqlens: Tensor | None = None,
+                    entry_states: tuple[Tensor, Tensor | None] | None = None) -> tuple[Tensor | None, ...]:
     """Gradients (dq, dk, dv, dg, dS0, dz0) of the causal forward, each None where `needs`
-    (six flags, in that order) is False or the input is None.
+    (six flags, in that order) is False or the input is None. entry_states: (h, hz) from
+    `causal_forward(..., keep_states=True)`, or None to recompute them.
 
     The two-phase backward (kernels/chunk_grad.py): the state gradient of every chunk from the
     end, then every chunk's dq, dk and dv in parallel, with 1 / den and dL/dden in fp32 on chip
@@ -208,6 +213,7 @@ def causal_backward(q: Tensor, k: Tensor, v: Tensor, g: Tensor | None, S0: Tenso
         skip_dead_tail=end_state is None and cu_seqlens is None,
         need_initial_state_grad=need_S0 or need_z0, need_log_decay_grad=need_g, cu_seqlens=cu_seqlens,
         log_decay_end=_final_state_term(dS_T, S_T, dz_T, z_T) if need_g else None,
+        entry_states=entry_states,
     )
     dg = None
     if need_g:  # a decay per head: the sum of its tokens' gradients
@@ -229,9 +235,11 @@ class _CausalEager(torch.autograd.Function):
     kernels with the same arguments."""
 
     @staticmethod
-    def forward(ctx, q, k, v, g, S0, z0, normalize, eps, return_state, cu_seqlens):
-        o, den, S_T, z_T = causal_forward(q, k, v, g, S0, z0, normalize, eps, return_state, cu_seqlens)
-        ctx.save_for_backward(q, k, v, g, S0, z0, o, den, S_T, z_T, cu_seqlens)
+    def forward(ctx, q, k, v, g, S0, z0, normalize, eps, return_state, cu_seqlens, keep_states):
+        o, den, S_T, z_T, *states = causal_forward(q, k, v, g, S0, z0, normalize, eps, return_state,
+                                                   cu_seqlens, keep_states)
+        h, hz = states or (None, None)
+        ctx.save_for_backward(q, k, v, g, S0, z0, o, den, S_T, z_T, cu_seqlens, h, hz)
         ctx.normalize = normalize
         ctx.set_materialize_grads(False)  # unused outputs get None (the backward skips them)
         return o, S_T, z_T
@@ -239,12 +247,12 @@ class _CausalEager(torch.autograd.Function):
     @staticmethod
     @torch.autograd.function.once_differentiable
     def backward(ctx, do, dS_T, dz_T):
-        q, k, v, g, S0, z0, o, den, S_T, z_T, cu_seqlens = ctx.saved_tensors
+        q, k, v, g, S0, z0, o, den, S_T, z_T, cu_seqlens, h, hz = ctx.saved_tensors
         inputs = (q, k, v, g, S0, z0)
         needs = tuple(bool(n) and x is not None for n, x in zip(ctx.needs_input_grad[:6], inputs))
         grads = causal_backward(q, k, v, g, S0, z0, o, den, S_T, z_T, do, dS_T, dz_T, ctx.normalize, needs,
-                                cu_seqlens)
-        return *grads, None, None, None, None
+                                cu_seqlens, None if h is None else (h, hz))
+        return *grads, None, None, None, None, None
 
 
 def _eager(q: Tensor) -> bool:
@@ -266,6 +274,7 @@ def linear_attention_triton(
     initial_state: LinearAttentionState | None = None,
     return_state: bool = False,
     cu_seqlens: Tensor | None = None,
+    keep_chunk_states: bool = False,
 ) -> Tensor | tuple[Tensor, LinearAttentionState]:
     """Linear attention with the Triton kernels (inputs already validated by `linear_attention`).
 
@@ -289,10 +298,11 @@ def linear_attention_triton(
     eps = float(eps)
     # by name through the dispatcher, not imported: custom_ops.py imports this module
     if causal and _eager(q):
-        o, S, z = _CausalEager.apply(q, k, v, log_decay, S0, z0, normalize, eps, return_state, cu_seqlens)
+        o, S, z = _CausalEager.apply(q, k, v, log_decay, S0, z0, normalize, eps, return_state, cu_seqlens,
+                                     keep_chunk_states)
     elif causal:
-        o, _, S, z = torch.ops.linattn.causal_fwd(q, k, v, log_decay, S0, z0, normalize, eps, return_state,
-                                                  cu_seqlens)
+        op = torch.ops.linattn.causal_fwd_keep if keep_chunk_states else torch.ops.linattn.causal_fwd
+        o, _, S, z, *_ = op(q, k, v, log_decay, S0, z0, normalize, eps, return_state, cu_seqlens)
     else:
         if cu_seqlens is not None:
             raise ValueError(f"{fn}: the non-causal kernels take no packed sequences (linear_attention "

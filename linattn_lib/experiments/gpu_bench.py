@@ -85,7 +85,8 @@ VARIANTS = {v.name: v for v in (
     Variant("per-token decay", False, "token", "chunk_simple_gla(g)"),
     Variant("normalised", True, None, "chunk_linear_attn(normalize=True)"),
 )}
-PROVIDERS = ("ours: linear_attention", "ours: op", "fla", "sdpa")
+KEPT = "ours: op, kept states"  # causal_fwd_keep: the forward's chunk states kept for the backward
+PROVIDERS = ("ours: linear_attention", "ours: op", KEPT, "fla", "sdpa")
 PROFILED = ("per-token decay", "normalised")  # gpu_check's profiled fwd+bwd (ours, the op, B=2 of the main shape)
 
 
@@ -128,8 +129,10 @@ def benchmark_cases(providers: tuple[str, ...] = PROVIDERS) -> list[Case]:
             main += [(B, T, H, D, v) for v in VARIANTS]
         else:
             rest += [(B, T, H, D, v) for v in ("unnormalised", "per-head decay")]
-    ours = [p for p in providers if p.startswith("ours")]
-    cases = [Case(*s, p) for s in main for p in ours]
+    ours = [p for p in providers if p.startswith("ours") and p != KEPT]
+    # keep_chunk_states beside the op (same inputs), at the main shapes in the profiled variants
+    kept = lambda s: [KEPT] if s[4] in PROFILED and KEPT in providers else []
+    cases = [Case(*s, p) for s in main for p in ours + kept(s)]
     cases += [Case(B, T, H, D, "normalised", "sdpa") for B, T, H, D, v in main if v == "normalised" and "sdpa" in providers]
     for part in (main, rest) if "fla" in providers else (main,):
         cases += [Case(*s, "fla") for s in part]
@@ -167,11 +170,12 @@ def make_inputs(B: int, T: int, H: int, D: int, variant: Variant, device: str | 
 
 
 def ours_call(x: dict, variant: Variant, via: str) -> Callable[[], torch.Tensor]:
-    """Ours on `x`: through the public API (via="api") or the custom op (via="op")."""
+    """Ours on `x`: through the public API (via="api"), the custom op (via="op") or the op that
+    keeps the forward's chunk states for the backward (via="keep")."""
     q, k, v, g = x["q"], x["k"], x["v"], x.get("g")
     if via == "api":
         return lambda: linear_attention(q, k, v, normalize=variant.normalize, log_decay=g, backend="triton")
-    op = torch.ops.linattn.causal_fwd
+    op = torch.ops.linattn.causal_fwd_keep if via == "keep" else torch.ops.linattn.causal_fwd
     return lambda: op(q, k, v, g, None, None, variant.normalize, DEFAULT_EPS, False)[0]
 
 
@@ -208,7 +212,8 @@ def case_call(case: Case, x: dict) -> tuple[Callable[[], torch.Tensor], list[tor
 
         q, k, v = x["q"], x["k"], x["v"]
         return lambda: F.scaled_dot_product_attention(q, k, v, is_causal=True), leaves, x["do"]
-    return ours_call(x, variant, "api" if case.provider.endswith("linear_attention") else "op"), leaves, x["do"]
+    via = {"ours: linear_attention": "api", KEPT: "keep"}.get(case.provider, "op")
+    return ours_call(x, variant, via), leaves, x["do"]
 
 
 def fwd_bwd(call: Callable[[], torch.Tensor], leaves: list[torch.Tensor], do: torch.Tensor) -> Callable[[], object]:
@@ -330,7 +335,8 @@ def attach_model(row: dict, gpu_name: str, predictions: dict | None) -> dict:
     gpu = next((g for g in ("H100", "H200") if g in gpu_name), None)
     if not predictions or gpu is None or (row["T"], row["H"], row["D"]) != (MAIN_T, MAIN_H, MAIN_D):
         return row
-    who = "fla" if row["provider"] == "fla" else "ours" if row["provider"].startswith("ours") else None
+    # (kept states: the model's row is of the op that recomputes them, so none beside it)
+    who = {"fla": "fla", "ours: linear_attention": "ours", "ours: op": "ours"}.get(row["provider"])
     try:
         model = predictions["ms"].get(f"{gpu} SXM, B={row['B']}", {}).get(MODEL_ROWS.get((row["variant"], who), ""))
     except (AttributeError, KeyError, TypeError):  # another layout of the file: no model beside the row

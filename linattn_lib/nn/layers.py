@@ -120,6 +120,9 @@ class LinearAttention(nn.Module):
         write: the delta kinds' write rule: "delta" (S <- S + beta k (v - S^T k)^T) or
             "additive" (S <- S + beta k v^T: the same unit keys, beta, decay and output norm,
             a running sum instead of the correction; chapter 10's control for the write rule).
+        keep_chunk_states: passed to `linear_attention` (the kinds that run on it, not the
+            delta kinds): on the Triton path, keep every chunk's state from the forward for
+            the backward instead of recomputing it; one pass fewer, more memory.
 
     `forward(x, cu_seqlens=...)` takes packed sequences (B = 1, the sequences end to end, as
     flash-attn's varlen functions do; cosFormer's positions restart at each sequence), with one
@@ -151,6 +154,7 @@ class LinearAttention(nn.Module):
         norm_eps: float = 1e-6,
         q_scale: bool = False,
         write: str = "delta",
+        keep_chunk_states: bool = False,
     ) -> None:
         super().__init__()
         fn = "LinearAttention"
@@ -163,10 +167,11 @@ class LinearAttention(nn.Module):
             raise ValueError(f"{fn}: write='additive' applies to the delta kinds {DELTA_KINDS}; kind={kind!r} "
                              "adds to its state already")
         self.backend, self.activation, self.gate, self.write = backend, activation, gate, write
-        self.output_gate = V.check_flag(fn, "output_gate", output_gate)
-        self.short_conv = V.check_flag(fn, "short_conv", short_conv)
+        self.output_gate, self.short_conv, self.q_scale, self.keep_chunk_states = (
+            V.check_flag(fn, name, flag) for name, flag in (
+                ("output_gate", output_gate), ("short_conv", short_conv), ("q_scale", q_scale),
+                ("keep_chunk_states", keep_chunk_states)))
         self.norm_eps = V.check_finite_number(fn, "norm_eps", norm_eps, positive=True)
-        self.q_scale = V.check_flag(fn, "q_scale", q_scale)
         _check_width(fn, d_model, n_heads)
         V.check_positive_int(fn, "max_len", max_len)
         V.check_positive_int(fn, "chunk_size", chunk_size)
@@ -187,13 +192,10 @@ class LinearAttention(nn.Module):
         if kind == "retnet":
             self.register_buffer("log_decay", retnet_log_decay(n_heads).float())
         self._make_gates(V.check_flag(fn, "beta_bias", beta_bias))
-        if not self.normalize or self.output_gate:
-            self.out_norm = nn.Parameter(torch.ones(self.d_head))
-        if self.output_gate:
-            self.gate_proj = nn.Linear(d_model, d_model, bias=False)
 
     def _make_gates(self, beta_bias: bool) -> None:
-        """The delta kinds' write strength beta_t = sigmoid(w . x_t) and the decay's projection."""
+        """The delta kinds' write strength beta_t = sigmoid(w . x_t), the decay's projection, the
+        output norm's scale and the output gate's projection."""
         d_model, n_heads = self.d_model, self.n_heads
         if self.kind in DELTA_KINDS:
             self.beta_proj = nn.Linear(d_model, n_heads, bias=beta_bias)
@@ -203,6 +205,10 @@ class LinearAttention(nn.Module):
                 self.A_log = nn.Parameter(torch.zeros(n_heads))
                 self.dt_bias = nn.Parameter(torch.zeros(n_heads))
             self._init_decay()
+        if not self.normalize or self.output_gate:
+            self.out_norm = nn.Parameter(torch.ones(self.d_head))
+        if self.output_gate:
+            self.gate_proj = nn.Linear(d_model, d_model, bias=False)
 
     def _init_decay(self) -> None:
         if self.gate == "mamba":  # as fla's GatedDeltaNet (and Mamba-2): A ~ U(0, 16), dt ~ logU(1e-3, 0.1)
@@ -364,6 +370,7 @@ class LinearAttention(nn.Module):
             o, new_state = linear_attention(
                 phi_q, phi_k, v, causal=True, normalize=self.normalize, log_decay=g, chunk_size=self.chunk_size,
                 initial_state=state, return_state=True, backend=self.backend, cu_seqlens=cu_seqlens,
+                keep_chunk_states=self.keep_chunk_states,
             )
         if not self.normalize or self.output_gate:
             o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.out_norm
