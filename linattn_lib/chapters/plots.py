@@ -84,20 +84,21 @@ def plot_matrix(
 
 def plot_scaling(
     ax: Axes, xs: Sequence[float], series: Mapping[str, Sequence[float]], *,
-    xlabel: str = "T", ylabel: str = "", fit: bool = True,
+    xlabel: str = "T", ylabel: str = "", fit: bool = True, legend_loc: str = "best",
 ) -> dict[str, float]:
-    """Log-log plot of several series against xs, each labelled with its fitted exponent."""
+    """Log-log plot of several series against xs, each labelled with its fitted exponent
+    (rounded to 2 decimals: a flat series reads "slope 0.00", never "-0.00")."""
     slopes = {}
     for name, ys in series.items():
         label = name
         if fit and len(xs) > 1:
             slopes[name] = fit_loglog_slope(xs, ys)
-            label = f"{name} (slope {slopes[name]:.2f})"
+            label = f"{name} (slope {round(slopes[name], 2) + 0.0:.2f})"
         ax.loglog(xs, _np(ys), "o-", label=label)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
-    ax.legend()
+    ax.legend(loc=legend_loc)
     return slopes
 
 
