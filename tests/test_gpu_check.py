@@ -4,7 +4,8 @@
   into what Triton's JIT would compile; the public API launches nothing the op does not;
 * the report: JSON written after every section, even when a later one raises or is cut;
 * the wheels: a wheel carried in a folder installs (pip --target, or unzipped) and imports;
-* the exit statuses: no CUDA -> 2; a failed compile in the dry run -> 1; the time limits.
+* the exit statuses: no CUDA -> 2; a failed compile in the dry run -> 1; the time limits;
+* a resumed run (--resume): what the earlier run measured or passed is not repeated.
 """
 from __future__ import annotations
 
@@ -274,3 +275,46 @@ def test_kernel_tests_report_failures_and_cuts(tmp_path):
     assert res["status"] == "failed" and res["passed"] == 1 and res["failed"] == 1, res
     assert res["returncode"] is None and (out / "kernel_tests.log").exists()
     assert run_kernel_tests(out, [str(tests / "missing.py")], time.monotonic() + 5)["status"] == "not run"
+
+
+# --------------------------------------------------------------------------- --resume
+
+
+def test_a_resumed_run_skips_what_the_earlier_one_measured():
+    """Rows the earlier run timed are not timed again (a row that timed out is); the rest keep
+    their order except that the main shapes' leftovers go last; self-test checks it passed are
+    skipped, one it failed is not."""
+    from linattn_lib.experiments import gpu_check
+    from linattn_lib.experiments.gpu_bench import MAIN_T, benchmark_cases
+    from linattn_lib.experiments.kernel_selftest import _case_name, selftest_plan
+
+    cases = benchmark_cases()
+    timed, timed_out = cases[0], cases[1]
+    row = lambda c, **kw: {"shape": c.shape, "variant": c.variant, "provider": c.provider, **kw}
+    checks = [(_case_name(k, c), str(d).replace("torch.", "")) for k, c, d in selftest_plan("cpu", False)]
+    previous = {"benchmark": {"rows": [row(timed, forward_ms=1.0), row(timed_out, error="timed out after 20 s")]},
+                "selftest": {"checks": [{"name": checks[0][0], "dtype": checks[0][1], "status": "passed"},
+                                        {"name": checks[1][0], "dtype": checks[1][1], "status": "failed"}]}}
+    left = gpu_check.resumed_cases(previous)
+    assert timed not in left and timed_out in left and len(left) == len(cases) - 1
+    main = [c.T == MAIN_T for c in left]
+    assert main == sorted(main) and 0 < sum(main) < len(main)
+    assert gpu_check.passed_checks(previous) == {checks[0]}
+    assert gpu_check.resumed_cases({}) is None and gpu_check.passed_checks({}) == set()
+
+
+@needs_triton
+def test_the_self_test_skips_checks_passed_before():
+    """run_kernel_selftest(skip=...) leaves out exactly the named checks."""
+    from linattn_lib.experiments.kernel_selftest import _case_name, run_kernel_selftest, selftest_plan
+
+    everything = {(_case_name(k, c), str(d).replace("torch.", "")) for k, c, d in selftest_plan("cpu", True)}
+    res = run_kernel_selftest("cpu", quick=True, skip=everything)
+    assert res["checks"] == [] and res["status"] == "passed"
+
+
+def test_the_resume_flag_is_parsed():
+    from linattn_lib.experiments import gpu_check
+
+    args = gpu_check._parser().parse_args(["--resume", "x.json"])
+    assert args.resume == "x.json" and gpu_check._parser().parse_args([]).resume is None

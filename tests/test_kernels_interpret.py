@@ -840,6 +840,21 @@ def test_gpu_check_config_sweep_runs_every_candidate_on_cpu():
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA run is gpu_check itself")
+def test_gpu_check_resumed_sweeps_launch_every_depth_and_split():
+    """A resumed GPU check's sweeps (stand-in timer, interpreter): each two-phase kernel at three
+    pipelining depths, and the state pass walked in each asked-for number of runs."""
+    from linattn_lib.experiments.gpu_check import run_split_sweep, run_stage_sweep
+
+    bench = lambda fn, **kw: (fn(), 0.5)[1]
+    rows = run_stage_sweep(1, 1, 40, 16, do_bench=bench, device="cpu")
+    assert [r.get("error") for r in rows] == [None] * 12
+    assert [r["config"]["num_stages"] for r in rows] == [1, 3, 4] * 4
+    split = run_split_sweep(1, 2, 200, 16, dtype=torch.float32, do_bench=bench, device="cpu",
+                            splits=(1, 2, 4))
+    assert [(r["config"]["splits"], r.get("error")) for r in split] == [(1, None), (2, None), (4, None)]
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA run is gpu_check itself")
 def test_gpu_check_decode_benchmark_counts_the_state_traffic():
     """The decode benchmark's bandwidth is the state bytes (read + write, fp32) over the time."""
     from linattn_lib.experiments.gpu_check import run_decode_benchmark

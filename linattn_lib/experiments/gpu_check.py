@@ -48,6 +48,7 @@ from .gpu_extras import (  # noqa: F401  (their home was this module; tests impo
     run_decode_benchmark,
     run_favor_benchmark,
     run_split_sweep,
+    run_stage_sweep,
 )
 from .gpu_limits import Timeout, time_limit
 from .kernel_selftest import FAILED, NOT_RUN, PASSED
@@ -56,6 +57,8 @@ SKIPPED, CUT = "skipped", "cut"
 DEFAULT_BUDGET_S = 330.0
 SECTION_CAPS = {"setup": 30.0, "environment": 25.0, "precompile": 60.0, "benchmark": 150.0, "profile": 40.0,
                 "extras": 30.0, "selftest": 60.0, "kernel tests": None}
+# a resumed run's extras (its sweeps compile a dozen variants) and its profile (fla autotunes)
+RESUMED_CAPS = {"profile": 50.0, "extras": 60.0}
 KERNEL_TEST_FILES = ("tests/test_kernels_interpret.py", "tests/test_kernels_two_phase.py",
                      "tests/test_kernels_delta.py")
 _markdown = extras_markdown  # the old name of the legacy tables
@@ -84,10 +87,11 @@ class Report:
             (self.out / "gpu_check.md").write_text(f"markdown failed: {type(e).__name__}: {e}\n")
 
 
-def run_section(report: Report, name: str, deadline: float, fn: Callable[[float, Callable[[dict], None]], dict]) -> dict:
+def run_section(report: Report, name: str, deadline: float, fn: Callable[[float, Callable[[dict], None]], dict],
+                caps: dict = SECTION_CAPS) -> dict:
     """Run one section under its cap and the overall deadline; its result (status, seconds) is
     written even when it raises or is cut; partial results it `put` are kept when it is cut."""
-    cap = SECTION_CAPS.get(name)
+    cap = caps.get(name)
     left = deadline - time.monotonic()
     if left < MIN_SECTION_S:
         result = {"status": CUT, "reason": "the time budget was spent before this section"}
@@ -122,12 +126,36 @@ def exit_status(checks: dict) -> int:
     return 1 if FAILED in states else 2 if NOT_RUN in states else 0
 
 
+def _previous(path: str | None) -> dict:
+    """The sections of an earlier run's gpu_check.json (--resume), or {}."""
+    return json.loads(Path(path).read_text())["sections"] if path else {}
+
+
+def resumed_cases(previous: dict) -> list | None:
+    """The benchmark rows an earlier run did not measure (None: no earlier run): ours and fla at
+    the registry shapes first, then what was left at the main shapes."""
+    from .gpu_bench import MAIN_D, MAIN_H, MAIN_T, benchmark_cases
+
+    if not previous:
+        return None
+    done = {(r["shape"], r["variant"], r["provider"]) for r in previous.get("benchmark", {}).get("rows", [])
+            if "forward_ms" in r and "error" not in r}
+    left = [c for c in benchmark_cases() if (c.shape, c.variant, c.provider) not in done]
+    return sorted(left, key=lambda c: (c.T, c.H, c.D) == (MAIN_T, MAIN_H, MAIN_D))
+
+
+def passed_checks(previous: dict) -> set[tuple[str, str]]:
+    """(name, dtype) of the self-test checks an earlier run passed."""
+    return {(c["name"], c["dtype"]) for c in previous.get("selftest", {}).get("checks", [])
+            if c.get("status") == PASSED}
+
+
 def _benchmark(args, do_bench) -> Callable:
     from . import gpu_bench, gpu_plan
 
     def section(end: float, put: Callable[[dict], None]) -> dict:
         before = gpu_plan.cached_kernels()
-        result = gpu_bench.run_benchmark(end, put, do_bench)
+        result = gpu_bench.run_benchmark(end, put, do_bench, resumed_cases(_previous(args.resume)))
         ours = [r for r in result["rows"] if r["provider"].startswith("ours")]
         bad = [r for r in ours if "error" in r and "timed out" not in r["error"] or "backward_error" in r]
         result["plan_misses"] = gpu_plan.plan_misses(before, gpu_plan.our_kernel_names())
@@ -164,9 +192,13 @@ def _profile(args) -> Callable:
         from .gpu_sections import profile_fwd_bwd
 
         result: dict = {}
-        for variant in PROFILED:
-            share = (end - time.monotonic()) / (len(PROFILED) - len(result))
-            result[variant] = profile_fwd_bwd(variant, 2, MAIN_T, MAIN_H, MAIN_D, time.monotonic() + share)
+        # resumed: where we trail fla most, ours and fla's kernels side by side
+        todo = ([(v, "ours: op") for v in PROFILED] if not args.resume else
+                [("unnormalised", "ours: op"), ("unnormalised", "fla")])
+        for variant, provider in todo:
+            share = (end - time.monotonic()) / (len(todo) - len(result))
+            key = variant if provider == "ours: op" else f"{variant}, {provider}"
+            result[key] = profile_fwd_bwd(variant, 2, MAIN_T, MAIN_H, MAIN_D, time.monotonic() + share, provider)
             put(result)
         return result
 
@@ -175,6 +207,21 @@ def _profile(args) -> Callable:
 
 def _extras(args, do_bench) -> Callable:
     def section(end: float, put: Callable[[dict], None]) -> dict:
+        import torch
+
+        from .gpu_bench import MAIN_D, MAIN_H, MAIN_T
+
+        if args.resume:  # what the first run's numbers asked: pipelining depth, split-T
+            result = {"stage_sweep": run_stage_sweep(do_bench=do_bench, deadline=end - 3)}
+            put(result)
+            result["split_sweep"] = []
+            for B in (1, 2):
+                if time.monotonic() > end - 10:
+                    break
+                result["split_sweep"] += run_split_sweep(B, MAIN_H, MAIN_T, MAIN_D, dtype=torch.bfloat16,
+                                                         do_bench=do_bench, splits=(1, 2, 4, 8))
+                put(result)
+            return result
         result = {"decode": run_decode_benchmark(do_bench=do_bench)}
         put(result)
         result["favor"] = run_favor_benchmark(1, 16, 16384, do_bench=do_bench)
@@ -197,8 +244,9 @@ def _sections(args, out: Path, do_bench) -> list[tuple[str, Callable]]:
         if not args.skip_extras:
             sections.append(("extras", _extras(args, do_bench)))
     if not args.skip_tests:
+        skip = passed_checks(_previous(args.resume))
         sections.append(("selftest", lambda end, put: run_kernel_selftest("cuda", quick=args.quick, log=print,
-                                                                          deadline=end - 3)))
+                                                                          deadline=end - 3, skip=skip)))
         if args.pytest:
             sections.append(("kernel tests", lambda end, put: run_kernel_tests(out, args.pytest, end - 2)))
     return sections
@@ -221,6 +269,10 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--pytest", metavar="PATH", nargs="*", default=None,
                         help=f"kernel test files run with CUDA tensors (default: {' '.join(KERNEL_TEST_FILES)})")
     parser.add_argument("--quick", action="store_true", help="the self-test's quick subset only")
+    parser.add_argument("--resume", metavar="JSON", default=None,
+                        help="an earlier run's gpu_check.json: its measured benchmark rows and passed self-test "
+                             "checks are not repeated; the profile puts fla's kernels beside ours and the extras "
+                             "time pipelining depths and split-T instead")
     return parser
 
 
@@ -248,7 +300,7 @@ def main(argv: list[str] | None = None) -> int:
                                      "budget_s": args.budget_s})
     deadline = t_start + args.budget_s
     for name, fn in _sections(args, Path(args.out), do_bench):
-        run_section(report, name, deadline, fn)
+        run_section(report, name, deadline, fn, dict(SECTION_CAPS, **RESUMED_CAPS) if args.resume else SECTION_CAPS)
     report.data["seconds"] = round(time.monotonic() - t_start, 1)
     report.put("summary", {name: r.get("status") for name, r in report.data["sections"].items() if name != "summary"})
     status = exit_status({n: r for n, r in report.data["sections"].items() if n not in ("summary", "setup")})

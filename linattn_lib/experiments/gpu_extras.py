@@ -216,11 +216,45 @@ def run_config_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, d
     return rows + run_split_sweep(1, max(1, H // 8), T, D, dtype=dtype, do_bench=do_bench, device=device)
 
 
+def run_stage_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, do_bench: Callable,
+                    device: str = "cuda", deadline: float | None = None,
+                    stages: tuple[int, ...] = (1, 3, 4)) -> list[dict]:
+    """Each kernel of the two-phase engine alone, as run_config_sweep times it, under its chosen
+    config at other software-pipelining depths (num_stages): the first GPU run measured every
+    kernel at 2-3x the model's HBM-bound time whatever its tile widths, which points at
+    latency rather than bytes."""
+    import time
+
+    import torch
+
+    from .. import kernels as K
+
+    cap = torch.cuda.get_device_capability() if device == "cuda" else None
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    rows = []
+    for kernel, call in _sweep_calls(B, H, T, D, dtype, device).items():
+        chosen = K.select_config(kernel, D, dtype, cap)
+        for n in stages:
+            cfg = dict(chosen, num_stages=n)
+            row = {"kernel": kernel, "config": cfg, "chosen": cfg == chosen, "shape": f"B={B} H={H} T={T} D={D}",
+                   "dtype": str(dtype).replace("torch.", "")}
+            if deadline is not None and time.monotonic() > deadline:
+                rows.append(dict(row, error="cut: the time budget ran out"))
+                continue
+            try:
+                row["ms"] = round(float(do_bench(lambda call=call, cfg=cfg: call(cfg), warmup=10, rep=50)), 4)
+            except Exception as e:  # e.g. out of shared memory on this GPU
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+    return rows
+
+
 def run_split_sweep(B: int, H: int, T: int, D: int, *, dtype: torch.dtype, do_bench: Callable,
-                    device: str = "cuda") -> list[dict]:
+                    device: str = "cuda", splits: tuple[int, ...] | None = None) -> list[dict]:
     """The state pass (normalised, per-token decay) where its grid is small (B * H = 2 at the
     benchmark shape): walked whole, in the runs the launcher picks (split-T), and in twice as
-    many; the model's predictions are in book/results/perf_model.json ("split_T")."""
+    many, or in each count of `splits`; the model's predictions are in
+    book/results/perf_model.json ("split_T")."""
     import torch
 
     from .. import kernels as K
@@ -235,10 +269,10 @@ def run_split_sweep(B: int, H: int, T: int, D: int, *, dtype: torch.dtype, do_be
     sms = K.configs.multiprocessor_count(device) or 132
     chosen = K.split_count(programs, NT, sms)
     rows = []
-    for splits in dict.fromkeys((1, chosen, 2 * chosen)):
-        row = {"kernel": f"chunk_state split-T, B={B} H={H}", "config": {"splits": splits}, "chosen": splits == chosen,
+    for n in dict.fromkeys(splits or (1, chosen, 2 * chosen)):
+        row = {"kernel": f"chunk_state split-T, B={B} H={H}", "config": {"splits": n}, "chosen": n == chosen,
                "shape": f"B={B} H={H} T={T} D={D}", "dtype": str(dtype).replace("torch.", "")}
-        call = lambda splits=splits: K.chunk_states(k, v, log_decay=g, splits=splits)
+        call = lambda n=n: K.chunk_states(k, v, log_decay=g, splits=n)
         try:
             row["ms"] = round(float(do_bench(call, warmup=10, rep=50)), 4)
         except Exception as e:

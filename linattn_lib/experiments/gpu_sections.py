@@ -233,17 +233,21 @@ def pair_launches(measured: list[dict], predicted: list[dict]) -> list[dict]:
     return rows
 
 
-def profile_fwd_bwd(variant: str, B: int, T: int, H: int, D: int, deadline: float) -> dict:
-    """One forward+backward of ours through the op at a shape, profiled kernel by kernel, then
-    (while the deadline allows) beside the model's per-launch predictions."""
+def profile_fwd_bwd(variant: str, B: int, T: int, H: int, D: int, deadline: float,
+                    provider: str = "ours: op") -> dict:
+    """One forward+backward of `provider` (gpu_bench's names) at a shape, profiled kernel by
+    kernel, then, for ours through the op and while the deadline allows, beside the model's
+    per-launch predictions."""
     from .gpu_bench import VARIANTS, Case, case_call, fwd_bwd, make_inputs
 
     x = make_inputs(B, T, H, D, VARIANTS[variant], "cuda")
-    call, leaves, do = case_call(Case(B, T, H, D, variant, "ours: op"), x)
-    out = {"variant": variant, "shape": f"B={B} T={T} H={H} D={D}", "provider": "ours: op"}
+    call, leaves, do = case_call(Case(B, T, H, D, variant, provider), x)
+    out = {"variant": variant, "shape": f"B={B} T={T} H={H} D={D}", "provider": provider}
     out.update(measured_kernels(fwd_bwd(call, leaves, do)))
     del x, call, leaves, do
     torch.cuda.empty_cache()
+    if provider != "ours: op":
+        return out
     try:
         with time_limit(max(deadline - time.monotonic(), 1.0)):
             predicted = model_launches(variant, B, T, H, D, torch.cuda.get_device_name())

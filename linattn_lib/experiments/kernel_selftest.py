@@ -279,13 +279,15 @@ def selftest_plan(device: str | torch.device, quick: bool = False) -> list[tuple
 
 
 def run_kernel_selftest(device: str | torch.device = "cuda", quick: bool = False,
-                        log: Callable[[str], object] | None = None, deadline: float | None = None) -> dict:
+                        log: Callable[[str], object] | None = None, deadline: float | None = None,
+                        skip: set[tuple[str, str]] = frozenset()) -> dict:
     """Every kernel against the float64 references on `device` (CUDA: compiled; CPU: the
     Triton interpreter, slow). Returns {"status": passed | failed | not run | cut, "summary",
     "checks": [{"name", "dtype", "errors": {what: [error, tolerance]}, "status", ...}]}:
     one failing check does not stop the others. `log(line)` is told about each failure.
     deadline (time.monotonic()): the quick subset runs first (every kind of check), then the
-    rest while time is left; status "cut" when some were left out and none failed."""
+    rest while time is left; status "cut" when some were left out and none failed.
+    skip: (name, dtype) of checks not to run again (an earlier run passed them)."""
     t0 = time.perf_counter()
     from ..core import triton_ops
 
@@ -297,6 +299,7 @@ def run_kernel_selftest(device: str | torch.device = "cuda", quick: bool = False
     if deadline is not None and not quick:  # what matters most first, should the time run out
         first = selftest_plan(device, True)
         plan = first + [p for p in plan if p not in first]
+    plan = [p for p in plan if (_case_name(p[0], p[1]), str(p[2]).replace("torch.", "")) not in skip]
     for kind, case, dtype in plan:
         if deadline is not None and time.monotonic() > deadline:
             break
