@@ -112,6 +112,9 @@ def test_refit_on_measured_rows_recovers_the_constants():
     for name in pc.NAMES:
         assert getattr(c, name) == pytest.approx(getattr(truth, name), rel=2e-3), name
     assert max(abs(e) for e in errors) < 1e-3
+    # the computed component was kept: held to fixed constants, nothing is computed again
+    c2, again = pc.refit_measured(rows, comps, compute=lambda *a: asked.append(a), fit_fn=lambda *_: truth)
+    assert c2 is truth and len(asked) == 1 and max(abs(e) for e in again) < 1e-9
 
 
 def test_the_fit_stays_inside_its_bounds():
@@ -241,7 +244,8 @@ def test_the_cli_refits_on_measured_rows(tmp_path, capsys):
     path.write_text(json.dumps({"rows": rows}))
     pp.main(["--calibrate", "--measured", str(path)])
     out = capsys.readouterr().out
-    assert out.startswith("refitted on 24 measured rows: eta 0.9, latency_us 0.3, host_fwd_us 60, host_bwd_us 250")
+    assert out.startswith("on the H100 SXM")
+    assert "\nrefitted on 24 measured rows: eta 0.9, latency_us 0.3, host_fwd_us 60, host_bwd_us 250" in out
     assert "B2_T16384_H16_D128" in out and "+0%" in out
 
 
@@ -268,7 +272,7 @@ def test_the_cli_refits_on_a_gpu_checks_results(tmp_path, capsys):
     path.write_text(json.dumps({"sections": {"benchmark": {"rows": rows}}}))
     pp.main(["--calibrate", "--measured", str(path)])
     out = capsys.readouterr().out
-    assert out.startswith("refitted on 24 measured rows: eta 0.85, latency_us 0.4, host_fwd_us 80, host_bwd_us 300")
+    assert "\nrefitted on 24 measured rows: eta 0.85, latency_us 0.4, host_fwd_us 80, host_bwd_us 300" in out
 
 
 def _stub(call, target):
@@ -293,3 +297,17 @@ def test_components_keep_what_the_model_times_made_of():
     # the raw model of the components is the model's own total (5 digits kept)
     total = pm.total_time(rows)
     assert pc.gpu_time(ours["forward"], pc.Constants()) == pytest.approx(total, rel=1e-4)
+
+
+def test_components_carry_to_the_h200_by_its_bandwidth():
+    """on_gpu scales only the HBM seconds, by the H100 / H200 bandwidth ratio; gpu_of reads the
+    GPU check's device name."""
+    comps = _toy_comps()
+    h200 = pc.on_gpu(comps, "H200 SXM")
+    f = 3.35 / 4.8
+    for key, c in comps.items():
+        for part in ("forward", "backward"):
+            for old, new in zip(c[part], h200[key][part]):
+                assert new[0] == pytest.approx(old[0] * f) and new[1:] == old[1:]
+    assert pc.gpu_of({"sections": {"environment": {"gpu": "NVIDIA H200"}}}) == "H200 SXM"
+    assert pc.gpu_of({"sections": {"environment": {"gpu": "NVIDIA H100 80GB HBM3"}}}) == pc.GPU

@@ -353,16 +353,36 @@ def rows_from_gpu_check(data: dict) -> list[dict]:
     return out
 
 
+def gpu_of(data: dict) -> str:
+    """The model's name (`perf_model.GPUS`) of the GPU a GPU check's results (gpu_check.json) ran
+    on: the H200 by name, else the H100 the calibration is made for."""
+    name = data.get("sections", {}).get("environment", {}).get("gpu", "")
+    return "H200 SXM" if "H200" in name else GPU
+
+
+def on_gpu(comps: dict, gpu: str) -> dict:
+    """Components made for `GPU` (the H100) carried to `gpu`, a GPU of the same SMs and clocks
+    (the H200 is the same GH100 part with faster HBM): each launch's HBM seconds scaled by the
+    bandwidths' ratio; chains, steps and tensor-core seconds as they are."""
+    f = pm.GPUS[GPU].bandwidth / pm.GPUS[gpu].bandwidth
+    scale = lambda launches: [[part[0] * f, *part[1:]] for part in launches]
+    return {key: {**c, "forward": scale(c["forward"]), "backward": scale(c["backward"])}
+            for key, c in comps.items()}
+
+
 def refit_measured(rows: list[dict], comps: dict | None = None,
-                   compute: Callable[..., dict] = components) -> tuple[Constants, list[float]]:
+                   compute: Callable[..., dict] = components,
+                   fit_fn: Callable[[list[Row], dict], Constants] | None = None) -> tuple[Constants, list[float]]:
     """Refit the constants on measured rows, e.g. a GPU check's: each {"op" (or "kernel"): an fla
     `perf_fla.REPLAYED` label, an `OURS` label, or a published op name ("linear_attn"), "shape": a
     registry name, (B, T, H, D) or a dict, "timed" (or "part"): "fwd"/"forward" or
     "fwd+bwd"/"forward_backward", "measured_ms"}. Components missing from `comps` are computed by
     `compute(label, B, T, H, D)` (which compiles: fla's kernels from $LINATTN_FLA_SOURCE). Returns the constants and each row's
-    predicted / measured - 1 under them."""
+    predicted / measured - 1 under them. fit_fn(rows, comps): the constants (default `fit`; e.g.
+    a function returning fixed ones, to hold them to the rows). Computed components are added to
+    `comps` when it is given."""
     alias = {"forward": "fwd", "fwd": "fwd", "fwd+bwd": "fwd+bwd", "forward_backward": "fwd+bwd"}
-    comps, fitted = dict(comps or {}), []
+    comps, fitted = (comps if comps is not None else {}), []
     for m in rows:
         op = m.get("op", m.get("kernel"))
         label = OPS.get(op, op)
@@ -371,7 +391,7 @@ def refit_measured(rows: list[dict], comps: dict | None = None,
             comps[label, shape] = compute(label, *parse_shape(shape))
         fitted.append({"op": label, "shape": shape, "timed": alias[m.get("timed", m.get("part"))],
                        "ms": float(m["measured_ms"])})
-    c = fit(fitted, comps)
+    c = (fit_fn or fit)(fitted, comps)
     return c, [predicted_ms(comps, r, c) / r["ms"] - 1 for r in fitted]
 
 

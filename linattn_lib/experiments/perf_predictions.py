@@ -154,17 +154,32 @@ def calibration(stored: dict | None = None) -> dict:
     return {**result, "components": by_label}
 
 
-def refit_report(rows: list[dict], stored: dict) -> list[str]:
-    """`perf_calibration.refit_measured` on measured rows (a GPU check's), with the stored components
-    (others computed: fla's need $LINATTN_FLA_SOURCE), beside the constants fitted on the published rows."""
+def refit_report(rows: list[dict], stored: dict, gpu: str = pc.GPU) -> tuple[list[str], dict]:
+    """`perf_calibration.refit_measured` on measured rows (a GPU check's, on `gpu`), with the stored
+    components (others computed: fla's need $LINATTN_FLA_SOURCE) carried to that GPU, beside the
+    constants fitted on the published rows. Returns the printed lines and a record: the constants,
+    and every row with the refitted model's error and the published-fitted model's (predicted /
+    measured - 1)."""
     comps = {(label, shape): c for label, by in stored["components"].items() for shape, c in by.items()}
+    published = pc.Constants(**stored["constants"])
+    pc.refit_measured(rows, comps, fit_fn=lambda *_: published)  # computes what is missing into comps
+    comps = pc.on_gpu(comps, gpu)
+    _, before = pc.refit_measured(rows, comps, fit_fn=lambda *_: published)
     c, errors = pc.refit_measured(rows, comps)
-    old = pc.Constants(**stored["constants"]).readable()
-    lines = [f"refitted on {len(rows)} measured rows: " + ", ".join(f"{k} {v:g}" for k, v in c.readable().items()),
-             "  (on the published rows: " + ", ".join(f"{k} {v:g}" for k, v in old.items()) + ")"]
+    old = published.readable()
+    lines = [f"on the {gpu} (the H100's components, HBM at its bandwidth)",
+             f"refitted on {len(rows)} measured rows: " + ", ".join(f"{k} {v:g}" for k, v in c.readable().items()),
+             "  (on the published rows: " + ", ".join(f"{k} {v:g}" for k, v in old.items()) + ")",
+             "  error (predicted / measured - 1): refitted, fitted on the published rows"]
     lines += [f"  {r.get('op', r.get('kernel'))[:34]:34} {pc.shape_name(*pc.parse_shape(r['shape'])):19} "
-              f"{r.get('timed', r.get('part')):8} {r['measured_ms']:>8.3f} ms  {pc._pct(e):>5}" for r, e in zip(rows, errors)]
-    return lines
+              f"{r.get('timed', r.get('part')):8} {r['measured_ms']:>8.3f} ms  {pc._pct(e):>5} {pc._pct(b):>5}"
+              for r, e, b in zip(rows, errors, before)]
+    record = {"gpu": gpu, "constants": c.readable(), "published_constants": old,
+              "rows": [{"op": r.get("op", r.get("kernel")), "shape": pc.shape_name(*pc.parse_shape(r["shape"])),
+                        "timed": r.get("timed", r.get("part")), "measured_ms": r["measured_ms"],
+                        "refit_error": round(e, 4), "published_fit_error": round(b, 4)}
+                       for r, e, b in zip(rows, errors, before)]}
+    return lines, record
 
 
 def calibration_report(result: dict) -> list[str]:
@@ -265,9 +280,9 @@ def main(argv: list[str] | None = None) -> None:
                         "(--calibrate: book/results/perf_calibration.json)")
     parser.add_argument("--calibrate", action="store_true", help="hold the model to the published times, calibrate")
     parser.add_argument("--refit", action="store_true", help="with --calibrate: refit from the stored components")
-    parser.add_argument("--measured", metavar="ROWS_JSON", help="with --calibrate: refit on measured rows, a JSON "
-                        "list of {op, shape, timed, measured_ms} or a GPU check's gpu_check.json (printed, "
-                        "nothing written)")
+    parser.add_argument("--measured", metavar="ROWS_JSON", nargs="+", help="with --calibrate: refit on measured "
+                        "rows, each file a JSON list of {op, shape, timed, measured_ms} or a GPU check's "
+                        "gpu_check.json (printed; written to --out when given)")
     parser.add_argument("--published", metavar="HELION_GIT_DIR", help="write published_h100.json from a git "
                         "directory of pytorch/helion (fla's registry from $LINATTN_FLA_SOURCE's git directory)")
     args = parser.parse_args(argv)
@@ -279,10 +294,20 @@ def main(argv: list[str] | None = None) -> None:
         print(f"wrote {out}")
         return
     if args.calibrate and args.measured:
-        rows = json.loads(Path(args.measured).read_text())
-        if isinstance(rows, dict):  # a GPU check's gpu_check.json, or {"rows": [...]}
-            rows = pc.rows_from_gpu_check(rows) if "sections" in rows else rows["rows"]
-        print("\n".join(refit_report(rows, load_result("perf_calibration.json"))))
+        rows, gpu = [], pc.GPU
+        for path in args.measured:
+            got = json.loads(Path(path).read_text())
+            if isinstance(got, dict):  # a GPU check's gpu_check.json, or {"rows": [...]}
+                gpu = pc.gpu_of(got) if "sections" in got else gpu
+                got = pc.rows_from_gpu_check(got) if "sections" in got else got["rows"]
+            rows += got
+        lines, result = refit_report(rows, load_result("perf_calibration.json"), gpu)
+        print("\n".join(lines))
+        if args.out:
+            cmd = "python -m linattn_lib.experiments.perf_predictions --calibrate --measured"
+            result["command"] = " ".join([cmd, *args.measured, "--out", args.out])
+            Path(args.out).write_text(dumps(result))
+            print(f"wrote {args.out}")
         return
     if args.calibrate:
         out = args.out or "book/results/perf_calibration.json"
