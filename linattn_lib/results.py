@@ -68,7 +68,9 @@ COMMANDS = {
     "gpu/": "python -m linattn_lib.experiments.gpu_check --out book/results/gpu --budget-s 330"
             "  (on a machine with a CUDA GPU, from the checkout's root with PYTHONPATH=.; README, 'On a GPU');"
             " gpu_check_resumed.*: the same with --budget-s 360 --fla-workers 0"
-            " --resume book/results/gpu/gpu_check.json, renamed",
+            " --resume book/results/gpu/gpu_check.json, renamed; gpu_refit.json: python -m"
+            " linattn_lib.experiments.perf_predictions --calibrate --measured book/results/gpu/gpu_check.json"
+            " book/results/gpu/gpu_check_resumed.json --out book/results/gpu/gpu_refit.json",
     "perf_model.json": "python -m linattn_lib.experiments.perf_predictions --out book/results/perf_model.json"
                        "  (with LINATTN_FLA_SOURCE pointing at a checkout of flash-linear-attention)",
     "published_h100.json": "python -m linattn_lib.experiments.perf_predictions --published <git dir of"
