@@ -53,8 +53,8 @@ def _ms(x: float | None) -> str:
 
 def main_table(rows: dict) -> list[str]:
     """The main shape in ms: ours (the op), fla, and ours / fla forward+backward."""
-    lines = [f"{MAIN}, bf16, ms".ljust(28) + "  forward       fwd+bwd    ours/fla",
-             f"{'':28}{'ours':>7}{'fla':>7}{'ours':>7}{'fla':>7}   fwd+bwd"]
+    lines = [f"{MAIN}, bf16, ms", f"{'':28}{'forward':>14}{'fwd+bwd':>14}{'ours/fla':>9}",
+             f"{'':28}{'ours':>7}{'fla':>7}{'ours':>7}{'fla':>7}{'fwd+bwd':>9}"]
     for variant in ("unnormalised", "per-head decay", "per-token decay", "normalised"):
         (f_o, b_o), (f_f, b_f) = times(rows, variant, OURS), times(rows, variant, FLA)
         ratio = f"{b_o / b_f:9.2f}" if b_o and b_f else "        -"
