@@ -17,6 +17,7 @@ the workers' choices (from a slice, at a short T) out of the autotuning cache.
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 
 import torch
 
@@ -49,8 +50,10 @@ def slice_autotuners(index: int, slices: int) -> int:
     return len(done)
 
 
-def warm(index: int, slices: int, hopper_refuses_gated_backward: bool) -> list[str]:
-    """Run each of `warm_cases` forward and backward (fla's gated backward not where fla refuses it)."""
+def warm(index: int, slices: int, hopper_refuses_gated_backward: bool) -> Iterator[str]:
+    """Run each of `warm_cases` forward and backward (fla's gated backward not where fla refuses it),
+    yielding a line as each is done: a worker ended at its deadline still says how far it got
+    (the first GPU run's workers, printing at the end, said nothing)."""
     import fla.ops.linear_attn  # noqa: F401  (loads the modules whose autotuners are sliced)
     import fla.ops.retention  # noqa: F401
     import fla.ops.simple_gla  # noqa: F401
@@ -58,7 +61,6 @@ def warm(index: int, slices: int, hopper_refuses_gated_backward: bool) -> list[s
     from .gpu_bench import VARIANTS, fla_call, fwd_bwd, make_inputs
 
     slice_autotuners(index, slices)
-    done = []
     for B, H, D, variant in warm_cases():
         v = VARIANTS[variant]
         x = make_inputs(B, WARM_T, H, D, v, "cuda")
@@ -69,10 +71,9 @@ def warm(index: int, slices: int, hopper_refuses_gated_backward: bool) -> list[s
             if not (v.decay == "token" and hopper_refuses_gated_backward):
                 fwd_bwd(call, leaves, do)()
             torch.cuda.synchronize()
-            done.append(f"{variant} B={B} H={H} D={D}")
+            yield f"{variant} B={B} H={H} D={D}"
         except Exception as e:  # reported; the benchmark will meet it again and record it
-            done.append(f"{variant} B={B} H={H} D={D}: {type(e).__name__}: {e}"[:300])
-    return done
+            yield f"{variant} B={B} H={H} D={D}: {type(e).__name__}: {e}"[:300]
 
 
 def main(argv: list[str] | None = None) -> int:
