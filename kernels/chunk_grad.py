@@ -61,7 +61,7 @@ import triton.language as tl
 
 from .chunk_decay import chunk_decays, chunk_decays_at, launch_config
 from .chunk_state import chunk_states, state_config
-from .configs import dot_precision, launchable
+from .configs import dot_precision, launchable, rounds_operands
 from .sequences import (
     cdiv,
     chunk_of_program,
@@ -146,10 +146,11 @@ def _load_rows(ptr, row0, t, m_t, o_c, m_c, D):
 def _dqk_products(
     do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_k, m_k, Dk, Dv,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PREC: tl.constexpr,
+    DOT_PREC: tl.constexpr, ROUND: tl.constexpr,
 ):
     """Over the blocks of Dv: dO v^T (BT x BT), dO S_n^T (BT x BK) and dH_n v^T
-    (BK x BT: dk's state term, transposed like dk), fp32."""
+    (BK x BT: dk's state term, transposed like dk), fp32 (ROUND: the states
+    rounded to the input dtype first)."""
     A = tl.zeros([BT, BT], dtype=tl.float32)
     dqS = tl.zeros([BT, BK], dtype=tl.float32)
     dkH = tl.zeros([BK, BT], dtype=tl.float32)
@@ -161,13 +162,17 @@ def _dqk_products(
         s_off = i_s * Dk * Dv + o_k[:, None] * Dv + o_v[None, :]
         m_kv = m_k[:, None] & m_v[None, :]
         # fp32 or bf16 (see below)
-        S = tl.load(h_ptr + s_off, mask=m_kv, other=0.0).to(tl.float32)
+        S = tl.load(h_ptr + s_off, mask=m_kv, other=0.0)
         dH = tl.load(dh_ptr + s_off, mask=m_kv, other=0.0)
         A = tl.dot(do, tl.trans(v), acc=A, input_precision=DOT_PREC)
-        dqS = tl.dot(do.to(tl.float32), tl.trans(S), acc=dqS,
-                     input_precision=DOT_PREC)
-        dkH = tl.dot(dH.to(tl.float32), tl.trans(v.to(tl.float32)), acc=dkH,
-                     input_precision=DOT_PREC)
+        if ROUND:
+            dqS = tl.dot(do, tl.trans(S.to(do.dtype)), acc=dqS)
+            dkH = tl.dot(dH.to(v.dtype), tl.trans(v), acc=dkH)
+        else:
+            dqS = tl.dot(do.to(tl.float32), tl.trans(S.to(tl.float32)),
+                         acc=dqS, input_precision=DOT_PREC)
+            dkH = tl.dot(dH.to(tl.float32), tl.trans(v.to(tl.float32)),
+                         acc=dkH, input_precision=DOT_PREC)
     return A, dqS, dkH
 
 
@@ -237,6 +242,8 @@ def chunk_dqk_kernel(
     DECAY: tl.constexpr, DG: tl.constexpr, NORMALIZE: tl.constexpr,
     HAS_LEN: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
     KEPT: tl.constexpr = False,   # h, hz kept from the forward (not recomputed)
+    ROUND: tl.constexpr = False,  # operands rounded to the input dtype
+                                  # (rounds_operands)
 ):
     i_k = tl.program_id(0)
     row0, i_h, i_s, i_n, t, T_live, T_seq = _chunk_program(
@@ -251,7 +258,7 @@ def chunk_dqk_kernel(
     m_k = o_k < Dk
     A, dqS, dkH = _dqk_products(
         do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_k, m_k, Dk, Dv,
-        BT, BK, BV, DOT_PREC)
+        BT, BK, BV, DOT_PREC, ROUND)
     M, q_decay, k_decay = _decays(
         g_ptr, i_h, row0, i_n, t, T_live, o_t, BT, DECAY)
     if NORMALIZE:
@@ -272,10 +279,12 @@ def chunk_dqk_kernel(
     # (fla #640; tests/test_kernels_dot_transpose.py).
     rows = (row0 + t) * Dk
     m_kt = m_k[:, None] & m_t[None, :]
-    qT = tl.load(q_ptr + rows[None, :] + o_k[:, None], mask=m_kt,
-                 other=0.0).to(tl.float32)
-    dkT = tl.dot(qT, W, acc=k_decay[None, :] * dk_state,
-                 input_precision=DOT_PREC)
+    qT = tl.load(q_ptr + rows[None, :] + o_k[:, None], mask=m_kt, other=0.0)
+    if ROUND:
+        dkT = tl.dot(qT, W.to(qT.dtype), acc=k_decay[None, :] * dk_state)
+    else:
+        dkT = tl.dot(qT.to(tl.float32), W, acc=k_decay[None, :] * dk_state,
+                     input_precision=DOT_PREC)
     tl.store(dk_ptr + rows[None, :] + o_k[:, None],
              dkT.to(dk_ptr.dtype.element_ty),
              mask=m_k[:, None] & m_out[None, :])
@@ -284,8 +293,12 @@ def chunk_dqk_kernel(
                      other=0.0).to(tl.float32)
         # padded keys: 0 (kT), selected out
         kdk = tl.where(m_t, tl.sum(kT * dkT, axis=0), 0.0)
-    k = _load_rows(k_ptr, row0, t, m_t, o_k, m_k, Dk).to(tl.float32)
-    dq = tl.dot(W, k, acc=q_decay[:, None] * dq_state, input_precision=DOT_PREC)
+    k = _load_rows(k_ptr, row0, t, m_t, o_k, m_k, Dk)
+    if ROUND:
+        dq = tl.dot(W.to(k.dtype), k, acc=q_decay[:, None] * dq_state)
+    else:
+        dq = tl.dot(W, k.to(tl.float32), acc=q_decay[:, None] * dq_state,
+                    input_precision=DOT_PREC)
     if HAS_LEN and KEPT:
         # past the live length dO is 0, but entry states kept from the forward
         # may hold what the tail held (NaN padding): its gradients are 0
@@ -313,6 +326,8 @@ def chunk_dv_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr,
     NORMALIZE: tl.constexpr, HAS_LEN: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    ROUND: tl.constexpr = False,  # operands rounded to the input dtype
+                                  # (rounds_operands)
 ):
     i_v = tl.program_id(0)
     row0, i_h, i_s, i_n, t, T_live, T_seq = _chunk_program(
@@ -338,15 +353,22 @@ def chunk_dv_kernel(
         dH = tl.load(dh_ptr + i_s * Dk * Dv + o_k[:, None] * Dv + o_v[None, :],
                      mask=m_k[:, None] & m_v[None, :], other=0.0)
         Pt = tl.dot(k, tl.trans(q), acc=Pt, input_precision=DOT_PREC)
-        kH = tl.dot(k.to(tl.float32), dH.to(tl.float32), acc=kH,
-                    input_precision=DOT_PREC)
+        if ROUND:
+            kH = tl.dot(k, dH.to(k.dtype), acc=kH)
+        else:
+            kH = tl.dot(k.to(tl.float32), dH.to(tl.float32), acc=kH,
+                        input_precision=DOT_PREC)
     Mt, _, k_decay = _decays(
         g_ptr, i_h, row0, i_n, t, T_live, o_t, BT, DECAY, True)
     Pt = Mt * Pt
     if NORMALIZE:
         Pt = Pt * tl.load(r_ptr + row0 + t, mask=m_t, other=0.0)[None, :]
-    do = _load_rows(do_ptr, row0, t, m_t, o_v, m_v, Dv).to(tl.float32)
-    dv = tl.dot(Pt, do, acc=k_decay[:, None] * kH, input_precision=DOT_PREC)
+    do = _load_rows(do_ptr, row0, t, m_t, o_v, m_v, Dv)
+    if ROUND:
+        dv = tl.dot(Pt.to(do.dtype), do, acc=k_decay[:, None] * kH)
+    else:
+        dv = tl.dot(Pt, do.to(tl.float32), acc=k_decay[:, None] * kH,
+                    input_precision=DOT_PREC)
     tl.store(dv_ptr + (row0 + t)[:, None] * Dv + o_v[None, :],
              dv.to(dv_ptr.dtype.element_ty),
              mask=m_out[:, None] & m_v[None, :])
@@ -479,7 +501,7 @@ def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         DECAY=0 if g is None else (1 if g.dim() == 1 else 2),
         DG=dg is not None, NORMALIZE=r is not None,
         HAS_LEN=lengths is not None, IS_VARLEN=cu is not None,
-        DOT_PREC=dot_precision(q.dtype), KEPT=kept,
+        DOT_PREC=dot_precision(q.dtype), KEPT=kept, ROUND=rounds_operands(cfg, q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return dq, dk, dg
 
@@ -501,7 +523,7 @@ def chunk_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor,
         DECAY=0 if g is None else (1 if g.dim() == 1 else 2),
         NORMALIZE=r is not None,
         HAS_LEN=lengths is not None, IS_VARLEN=cu is not None,
-        DOT_PREC=dot_precision(q.dtype),
+        DOT_PREC=dot_precision(q.dtype), ROUND=rounds_operands(cfg, q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     return dv
 
@@ -657,6 +679,7 @@ def compile_spec_dqk(cfg: dict, dtype: str) -> tuple[dict, dict]:
     # the default backward's variant (recomputed states): the one the gates
     # hold to their register budget
     signature["KEPT"], constexprs["KEPT"] = "constexpr", False
+    signature["ROUND"], constexprs["ROUND"] = "constexpr", rounds_operands(cfg, dtype)
     return signature, constexprs
 
 
@@ -665,7 +688,9 @@ def compile_spec_dv(cfg: dict, dtype: str) -> tuple[dict, dict]:
     (decay, normaliser)."""
     names = ["q_ptr", "k_ptr", "do_ptr", "g_ptr", "r_ptr", "dh_ptr", "dv_ptr",
              "cu_ptr", "co_ptr", "ci_ptr", "len_ptr"]
-    return _spec(names, dtype, cfg, ["T", "H", "Dk", "Dv", "NT"])
+    signature, constexprs = _spec(names, dtype, cfg, ["T", "H", "Dk", "Dv", "NT"])
+    signature["ROUND"], constexprs["ROUND"] = "constexpr", rounds_operands(cfg, dtype)
+    return signature, constexprs
 
 
 def compile_spec_decay_grad(cfg: dict, dtype: str) -> tuple[dict, dict]:

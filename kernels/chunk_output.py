@@ -51,7 +51,7 @@ from .chunk_decay import (
 )
 from .chunk_fwd import _gap
 from .chunk_state import chunk_states, state_config
-from .configs import dot_precision, launchable
+from .configs import dot_precision, launchable, rounds_operands
 from .sequences import (
     cdiv,
     chunk_of_program,
@@ -129,6 +129,7 @@ def chunk_output_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DECAY: tl.constexpr, NORMALIZE: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    ROUND: tl.constexpr = False,  # scores rounded to v's dtype (rounds_operands)
 ):
     i_v = tl.program_id(0)
     i_seq, i_h, i_n = chunk_of_program(
@@ -167,7 +168,11 @@ def chunk_output_kernel(
         d = d * q_decay
     visible = o_t[:, None] >= o_t[None, :]
     A, v = _poison_bad_values(A, v.to(tl.float32), visible)
-    o = tl.dot(A, v, acc=o, input_precision=DOT_PREC)
+    if ROUND:  # v's entries are still of its dtype: rounding them is exact
+        in_dtype = v_ptr.dtype.element_ty
+        o = tl.dot(A.to(in_dtype), v.to(in_dtype), acc=o)
+    else:
+        o = tl.dot(A, v, acc=o, input_precision=DOT_PREC)
     if NORMALIZE:
         # padded keys were read as 0: their scores are 0
         d = tl.sum(A, axis=1) + d + eps
@@ -240,7 +245,7 @@ def chunk_output(
         BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"],
         DECAY=0 if log_decay is None else (1 if log_decay.dim() == 1 else 2),
         NORMALIZE=normalize, IS_VARLEN=cu is not None,
-        DOT_PREC=dot_precision(q.dtype),
+        DOT_PREC=dot_precision(q.dtype), ROUND=rounds_operands(cfg, q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o, den
@@ -331,7 +336,8 @@ def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:
     }
     constexprs = {"BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2,
                   "NORMALIZE": True, "IS_VARLEN": False,
-                  "DOT_PREC": dot_precision(dtype)}
+                  "DOT_PREC": dot_precision(dtype),
+                  "ROUND": rounds_operands(cfg, dtype)}
     for name in constexprs:
         signature[name] = "constexpr"
     return signature, constexprs

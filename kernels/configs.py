@@ -390,6 +390,16 @@ def selectable_configs(kernel: str, target: str, dtype: str) -> list[dict]:
     return out
 
 
+def rounds_operands(cfg: dict, dtype) -> bool:
+    """Whether a parallel kernel (chunk_output, chunk_dqk, chunk_dv) launched with `cfg` rounds the
+    fp32 operands of its in-chunk products (scores, gradient weights, state tiles) to the 16-bit
+    input dtype before the product, as fla does, instead of multiplying them in tf32. An
+    experiment, off unless `cfg["round_operands"]`: the H200 measured these kernels at 1.7-2.1x
+    fla's (book/results/gpu/) and the GPU check times both ways. For fp16 it can lose what falls
+    below fp16's range (the normalised backward's 1 / den factors); bf16 has fp32's range."""
+    return bool(cfg.get("round_operands")) and dtype in (torch.bfloat16, torch.float16, "bf16", "fp16")
+
+
 def dot_precision(dtype) -> str:
     """input_precision of the kernels' tl.dot calls, for inputs of `dtype` (torch or "fp32").
 

@@ -841,17 +841,42 @@ def test_gpu_check_config_sweep_runs_every_candidate_on_cpu():
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA run is gpu_check itself")
 def test_gpu_check_resumed_sweeps_launch_every_depth_and_split():
-    """A resumed GPU check's sweeps (stand-in timer, interpreter): each two-phase kernel at three
-    pipelining depths, and the state pass walked in each asked-for number of runs."""
-    from linattn_lib.experiments.gpu_check import run_split_sweep, run_stage_sweep
+    """A GPU check's later sweeps (stand-in timer, interpreter): each two-phase kernel at three
+    pipelining depths, the parallel ones with and without rounded operands, and the state pass
+    walked in each asked-for number of runs."""
+    from linattn_lib.experiments.gpu_check import run_operand_sweep, run_split_sweep, run_stage_sweep
 
     bench = lambda fn, **kw: (fn(), 0.5)[1]
     rows = run_stage_sweep(1, 1, 40, 16, do_bench=bench, device="cpu")
     assert [r.get("error") for r in rows] == [None] * 12
     assert [r["config"]["num_stages"] for r in rows] == [1, 3, 4] * 4
+    rows = run_operand_sweep(1, 1, 40, 16, do_bench=bench, device="cpu")
+    assert [(r["kernel"], r["chosen"], r["config"].get("round_operands", False), r.get("error")) for r in rows] == [
+        (k, c, not c, None) for k in ("chunk_output", "chunk_dqk", "chunk_dv") for c in (True, False)]
     split = run_split_sweep(1, 2, 200, 16, dtype=torch.float32, do_bench=bench, device="cpu",
                             splits=(1, 2, 4))
     assert [(r["config"]["splits"], r.get("error")) for r in split] == [(1, None), (2, None), (4, None)]
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA run is gpu_check itself")
+def test_rounded_operands_change_the_products_by_16_bit_rounding_only():
+    """The experiment `rounds_operands` (off by default): each parallel kernel with its fp32
+    operands rounded to the input dtype (fp16 here: the interpreter has no bf16) gives what the
+    fp32 products give up to fp16 rounding, and not exactly that (the flag reaches the kernel)."""
+    from linattn_lib import kernels as K
+    from linattn_lib.experiments.gpu_extras import _sweep_calls
+
+    calls = _sweep_calls(1, 2, 80, 32, torch.float16, "cpu")
+    outputs = {"chunk_output": 1, "chunk_dqk": 2, "chunk_dv": 1}  # o; dq, dk; dv
+    for kernel, n in outputs.items():
+        cfg = K.select_config(kernel, 32, torch.float16, None)
+        plain, rounded = (calls[kernel](c) for c in (cfg, dict(cfg, round_operands=True)))
+        plain, rounded = ((x,) if torch.is_tensor(x) else x for x in (plain, rounded))
+        for a, b in zip(plain[:n], rounded[:n]):
+            err = ((a.float() - b.float()).norm() / a.float().norm()).item()
+            assert 0 < err < 1e-2, (kernel, err)
+    assert not K.rounds_operands({}, torch.bfloat16)
+    assert not K.rounds_operands({"round_operands": True}, torch.float32)
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA run is gpu_check itself")

@@ -216,13 +216,12 @@ def run_config_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, d
     return rows + run_split_sweep(1, max(1, H // 8), T, D, dtype=dtype, do_bench=do_bench, device=device)
 
 
-def run_stage_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, do_bench: Callable,
-                    device: str = "cuda", deadline: float | None = None,
-                    stages: tuple[int, ...] = (1, 3, 4)) -> list[dict]:
-    """Each kernel of the two-phase engine alone, as run_config_sweep times it, under its chosen
-    config at other software-pipelining depths (num_stages): the first GPU run measured every
-    kernel at 2-3x the model's HBM-bound time whatever its tile widths, which points at
-    latency rather than bytes."""
+def _variant_sweep(B: int, H: int, T: int, D: int, variants: Callable[[dict], list[dict]],
+                   kernels: tuple[str, ...], *, do_bench: Callable, device: str,
+                   deadline: float | None) -> list[dict]:
+    """Each of `kernels` alone (`_sweep_calls`, bf16 on CUDA, fp16 on the CPU's interpreter) under
+    every config `variants(chosen)` makes of its chosen one; configs not started by `deadline`
+    (time.monotonic()) are reported as cut."""
     import time
 
     import torch
@@ -230,12 +229,13 @@ def run_stage_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, do
     from .. import kernels as K
 
     cap = torch.cuda.get_device_capability() if device == "cuda" else None
-    dtype = torch.bfloat16 if device == "cuda" else torch.float32
+    dtype = torch.bfloat16 if device == "cuda" else torch.float16
     rows = []
     for kernel, call in _sweep_calls(B, H, T, D, dtype, device).items():
+        if kernel not in kernels:
+            continue
         chosen = K.select_config(kernel, D, dtype, cap)
-        for n in stages:
-            cfg = dict(chosen, num_stages=n)
+        for cfg in variants(chosen):
             row = {"kernel": kernel, "config": cfg, "chosen": cfg == chosen, "shape": f"B={B} H={H} T={T} D={D}",
                    "dtype": str(dtype).replace("torch.", "")}
             if deadline is not None and time.monotonic() > deadline:
@@ -247,6 +247,28 @@ def run_stage_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, do
                 row["error"] = f"{type(e).__name__}: {e}"[:300]
             rows.append(row)
     return rows
+
+
+TWO_PHASE = ("chunk_state", "chunk_output", "chunk_dqk", "chunk_dv")
+
+
+def run_stage_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, do_bench: Callable,
+                    device: str = "cuda", deadline: float | None = None,
+                    stages: tuple[int, ...] = (1, 3, 4)) -> list[dict]:
+    """Each kernel of the two-phase engine alone, as run_config_sweep times it, under its chosen
+    config at other software-pipelining depths (num_stages): the first GPU run measured every
+    kernel at 2-3x the model's HBM-bound time whatever its tile widths."""
+    return _variant_sweep(B, H, T, D, lambda c: [dict(c, num_stages=n) for n in stages], TWO_PHASE,
+                          do_bench=do_bench, device=device, deadline=deadline)
+
+
+def run_operand_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, do_bench: Callable,
+                      device: str = "cuda", deadline: float | None = None) -> list[dict]:
+    """The three parallel kernels under their chosen config, as they are and with their fp32
+    operands rounded to bf16 first (`kernels.rounds_operands`, fla's choice): the H200 measured
+    them at 1.7-2.1x fla's kernels; this says whether the operands are why."""
+    return _variant_sweep(B, H, T, D, lambda c: [c, dict(c, round_operands=True)], TWO_PHASE[1:],
+                          do_bench=do_bench, device=device, deadline=deadline)
 
 
 def run_split_sweep(B: int, H: int, T: int, D: int, *, dtype: torch.dtype, do_bench: Callable,
