@@ -13,12 +13,12 @@ MAIN = "B=2 T=16384 H=16 D=128"
 OURS, KEPT, FLA, SDPA = "ours: op", "ours: op, kept states", "fla", "sdpa"
 # one forward+backward, unnormalised: (role, our kernel and its occurrence, fla's)
 ROLES = (
-    ("fwd  state walk", ("chunk_state_kernel", 0), ("chunk_fwd_kernel_h", 0)),
-    ("fwd  outputs", ("chunk_output_kernel", 0), ("chunk_fwd_kernel_o", 0)),
-    ("bwd  state walk again", ("chunk_state_kernel", 1), ("chunk_fwd_kernel_h", 1)),
-    ("bwd  state gradients", ("chunk_state_kernel", 2), ("chunk_bwd_kernel_dh", 0)),
-    ("bwd  dq, dk", ("chunk_dqk_kernel", 0), ("chunk_bwd_kernel_dqkwg", 0)),
-    ("bwd  dv", ("chunk_dv_kernel", 0), ("chunk_bwd_kernel_dv", 0)),
+    ("fwd walk", ("chunk_state_kernel", 0), ("chunk_fwd_kernel_h", 0)),
+    ("fwd outputs", ("chunk_output_kernel", 0), ("chunk_fwd_kernel_o", 0)),
+    ("bwd walk again", ("chunk_state_kernel", 1), ("chunk_fwd_kernel_h", 1)),
+    ("bwd dS walk", ("chunk_state_kernel", 2), ("chunk_bwd_kernel_dh", 0)),
+    ("bwd dq, dk", ("chunk_dqk_kernel", 0), ("chunk_bwd_kernel_dqkwg", 0)),
+    ("bwd dv", ("chunk_dv_kernel", 0), ("chunk_bwd_kernel_dv", 0)),
 )
 
 
@@ -47,23 +47,28 @@ def times(rows: dict, variant: str, provider: str, shape: str = MAIN) -> tuple:
     return r.get("forward_ms"), fb if isinstance(fb, (int, float)) else None
 
 
-def _ms(x: float | None) -> str:
-    return f"{x:7.2f}" if x is not None else "      -"
+def _ms(x: float | None, width: int = 7) -> str:
+    return f"{x:{width}.2f}" if x is not None else " " * (width - 1) + "-"
+
+
+VARIANTS = ("unnormalised", "per-head decay", "per-token decay", "normalised")
 
 
 def main_table(rows: dict) -> list[str]:
-    """The main shape in ms: ours (the op), fla, and ours / fla forward+backward."""
-    lines = [f"{MAIN}, bf16, ms", f"{'':28}{'forward':>14}{'fwd+bwd':>14}{'ours/fla':>9}",
-             f"{'':28}{'ours':>7}{'fla':>7}{'ours':>7}{'fla':>7}{'fwd+bwd':>9}"]
-    for variant in ("unnormalised", "per-head decay", "per-token decay", "normalised"):
-        (f_o, b_o), (f_f, b_f) = times(rows, variant, OURS), times(rows, variant, FLA)
-        ratio = f"{b_o / b_f:9.2f}" if b_o and b_f else "        -"
-        lines.append(f"{variant:28}{_ms(f_o)}{_ms(f_f)}{_ms(b_o)}{_ms(b_f)}{ratio}")
-        f_k, b_k = times(rows, variant, KEPT)
-        if b_k is not None:
-            lines.append(f"{'  kept states':28}{_ms(f_k)}{'':7}{_ms(b_k)}")
-    f_s, b_s = times(rows, "normalised", SDPA)
-    lines.append(f"{'softmax (SDPA, flash)':28}{_ms(f_s)}{'':7}{_ms(b_s)}")
+    """The main shape in ms, narrow enough for a phone: forward+backward, ours (the op) beside
+    fla with the ratio, the kept-states rows and softmax (SDPA); then the forwards."""
+    lines = [f"{MAIN}, bf16"]
+    for col, title in ((1, "forward+backward, ms"), (0, "forward, ms")):
+        lines.append(f"{title:20}{'ours':>7}{'fla':>7}{'ours/fla':>10}")
+        for variant in VARIANTS:
+            ours, fla = times(rows, variant, OURS)[col], times(rows, variant, FLA)[col]
+            ratio = _ms(ours / fla, 10) if ours and fla else _ms(None, 10)
+            lines.append(f"{variant:20}{_ms(ours)}{_ms(fla)}{ratio}")
+            kept = times(rows, variant, KEPT)[col]
+            if col == 1 and kept is not None:
+                lines.append(f"{'  kept states':20}{_ms(kept)}")
+        if col == 1:
+            lines.append(f"{'softmax (flash)':20}{_ms(times(rows, 'normalised', SDPA)[1])}")
     return lines
 
 
@@ -84,12 +89,14 @@ def kernel_pairs(runs: list[dict]) -> list[tuple[str, float, float, float]]:
             for role, (mine, i), (theirs, j) in ROLES]
 
 
-def kernel_table(pairs: list[tuple[str, float, float, float]]) -> list[str]:
-    lines = [f"{'one fwd+bwd, unnormalised, us':30}{'model':>7}{'ours':>7}{'fla':>7}"
-             f"{'ours/model':>11}{'ours/fla':>9}"]
+def kernel_table(pairs: list[tuple[str, float, float, float]], timed_ms: tuple[float, float]) -> list[str]:
+    """The kernel-by-kernel table, narrow enough for a phone, with the profiled sums beside the
+    timed calls (`timed_ms`: ours', fla's forward+backward)."""
+    lines = ["one fwd+bwd, B=2, unnormalised, us", f"{'':16}{'ours':>6}{'fla':>6}{'vs fla':>8}{'vs model':>9}"]
     for role, model, ours, fla in pairs:
-        lines.append(f"{role:30}{model:7.0f}{ours:7.0f}{fla:7.0f}{ours / model:11.2f}{ours / fla:9.2f}")
+        lines.append(f"{role:16}{ours:6.0f}{fla:6.0f}{ours / fla:8.2f}{ours / model:9.2f}")
     total = [sum(p[i] for p in pairs) for i in (1, 2, 3)]
-    lines.append(f"{'all six':30}{total[0]:7.0f}{total[1]:7.0f}{total[2]:7.0f}"
-                 f"{total[1] / total[0]:11.2f}{total[1] / total[2]:9.2f}")
+    lines.append(f"{'sum':16}{total[1]:6.0f}{total[2]:6.0f}{total[1] / total[2]:8.2f}{total[1] / total[0]:9.2f}")
+    ours, fla = (1e3 * t for t in timed_ms)
+    lines.append(f"{'timed call':16}{ours:6.0f}{fla:6.0f}{ours / fla:8.2f}")
     return lines
