@@ -281,7 +281,8 @@ def test_kernel_tests_report_failures_and_cuts(tmp_path):
 
 
 def test_a_resumed_run_skips_what_the_earlier_one_measured():
-    """Rows the earlier run timed are not timed again (a row that timed out is); the rest keep
+    """Rows the earlier run timed are not timed again, nor one whose first call ran into its cap
+    (one cut short by the budget is); the rest keep
     their order except that the main shapes' leftovers go last; self-test checks it passed are
     skipped, one it failed is not."""
     from linattn_lib.experiments import gpu_check
@@ -290,13 +291,16 @@ def test_a_resumed_run_skips_what_the_earlier_one_measured():
 
     cases = benchmark_cases()
     timed, timed_out = cases[0], cases[1]
+    autotuned = next(c for c in cases if c.provider == "fla")
     row = lambda c, **kw: {"shape": c.shape, "variant": c.variant, "provider": c.provider, **kw}
     checks = [(_case_name(k, c), str(d).replace("torch.", "")) for k, c, d in selftest_plan("cpu", False)]
-    previous = {"benchmark": {"rows": [row(timed, forward_ms=1.0), row(timed_out, error="timed out after 20 s")]},
+    previous = {"benchmark": {"rows": [row(timed, forward_ms=1.0), row(timed_out, error="timed out after 20 s"),
+                                       row(autotuned, error="timed out after 90 s (first call: compiles)")]},
                 "selftest": {"checks": [{"name": checks[0][0], "dtype": checks[0][1], "status": "passed"},
                                         {"name": checks[1][0], "dtype": checks[1][1], "status": "failed"}]}}
     left = gpu_check.resumed_cases(previous)
-    assert timed not in left and timed_out in left and len(left) == len(cases) - 1
+    # cut by the budget: tried again; at its own cap (fla's autotuning): not
+    assert timed not in left and timed_out in left and autotuned not in left and len(left) == len(cases) - 2
     main = [c.T == MAIN_T for c in left]
     assert main == sorted(main) and 0 < sum(main) < len(main)
     assert gpu_check.passed_checks(previous) == {checks[0]}

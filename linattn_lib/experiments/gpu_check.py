@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 import time
 import traceback
@@ -134,13 +135,22 @@ def _previous(path: str | None) -> dict:
 
 def resumed_cases(previous: dict) -> list | None:
     """The benchmark rows an earlier run did not measure (None: no earlier run): ours and fla at
-    the registry shapes first, then what was left at the main shapes."""
-    from .gpu_bench import MAIN_D, MAIN_H, MAIN_T, benchmark_cases
+    the registry shapes first, then what was left at the main shapes. A row whose first call ran
+    into its own cap (`gpu_bench.FIRST_CALL_CAP`: fla autotuning for longer than that) is not
+    tried again; one cut shorter by the budget is."""
+    from .gpu_bench import FIRST_CALL_CAP, MAIN_D, MAIN_H, MAIN_T, benchmark_cases
 
     if not previous:
         return None
+
+    def settled(r: dict) -> bool:
+        if "forward_ms" in r and "error" not in r:
+            return True
+        timed_out = re.match(r"timed out after (\d+) s", r.get("error", ""))
+        return bool(timed_out) and float(timed_out[1]) >= FIRST_CALL_CAP[r["provider"].split(":")[0]]
+
     done = {(r["shape"], r["variant"], r["provider"]) for r in previous.get("benchmark", {}).get("rows", [])
-            if "forward_ms" in r and "error" not in r}
+            if settled(r)}
     left = [c for c in benchmark_cases() if (c.shape, c.variant, c.provider) not in done]
     return sorted(left, key=lambda c: (c.T, c.H, c.D) == (MAIN_T, MAIN_H, MAIN_D))
 
