@@ -282,9 +282,8 @@ def test_kernel_tests_report_failures_and_cuts(tmp_path):
 
 def test_a_resumed_run_skips_what_the_earlier_one_measured():
     """Rows the earlier run timed are not timed again, nor one whose first call ran into its cap
-    (one cut short by the budget is); the rest keep
-    their order except that the main shapes' leftovers go last; self-test checks it passed are
-    skipped, one it failed is not."""
+    (one cut short by the budget is); the rest keep their order except that the main shapes'
+    leftovers go last; self-test checks it passed are skipped, one it failed is not."""
     from linattn_lib.experiments import gpu_check
     from linattn_lib.experiments.gpu_bench import MAIN_T, benchmark_cases
     from linattn_lib.experiments.kernel_selftest import _case_name, selftest_plan
