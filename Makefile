@@ -46,6 +46,9 @@ lint: $(STAMP)  ## check the library, kernels and tests with ruff (settings in p
 # rebuilds every page (what CI does, from a clean clone).
 book: $(STAMP)  ## build the HTML book into _build/html, only what changed (warnings are errors)
 	$(BIN)/jupyter-book build . -W -n --keep-going
+	@# an incremental build with no page to write copies no static file: our stylesheet and
+	@# script, as they are now
+	cp book/_static/*.css book/_static/*.js _build/html/_static/
 	@echo "open _build/html/index.html"
 
 book-clean: $(STAMP)  ## rebuild every page of the HTML book from scratch

@@ -491,6 +491,28 @@ def test_root_redirects_to_the_introduction(server, browser_context, html_dir):
     assert blocked[n_blocked:] == []
 
 
+def test_wide_outputs_and_tables_say_they_scroll_on_a_phone(server, browser_context):
+    """At 390 px, a printed output or a table wider than the column says above it that it
+    scrolls sideways (wide_hint.js marks it, reading.css writes the line); at 1280 px none does."""
+    context, _ = browser_context
+    page = context.new_page()
+    hints = """() => [...document.querySelectorAll('.wide-box')].map(
+        e => getComputedStyle(e, '::before').content)"""
+    try:
+        page.set_viewport_size({"width": 390, "height": 800})
+        page.goto(f"{server}/book/08_experiments.html")
+        page.wait_for_load_state("load")
+        narrow = page.evaluate(hints)
+        page.set_viewport_size({"width": 1280, "height": 800})
+        page.wait_for_timeout(200)
+        wide = page.evaluate(hints)
+    finally:
+        page.close()
+    assert any("whole table" in h for h in narrow)  # the complexity table of 8.1
+    assert any("whole output" in h for h in narrow)
+    assert wide == []
+
+
 def _reading_totals(reports, key: str, width: str) -> list[str]:
     return [f"{name}: {item}" for name, rep in reports.items() for item in rep[width][key]]
 
