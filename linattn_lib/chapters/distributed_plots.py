@@ -38,13 +38,13 @@ def draw_rank_scan(world_size: int = 4, *, ax: Axes | None = None, mode: str = "
             ax.text(x0 + 1.32, 0.12, f"step {r + 1}", ha="center", fontsize=10)
         title = rf"ring: {W - 1} sequential sends; rank $r$ sends $e^{{G_r}} S^{{in}}_r + S_r$ to rank $r+1$"
     else:
-        ax.add_patch(Rectangle((-0.1, 0.55), 1.5 * W - 0.1, 0.2, color="0.6", alpha=0.5))
-        ax.text(0.75 * W - 0.15, 0.65, "all_gather: every rank receives every $(S_s, z_s, G_s)$",
-                ha="center", va="center", fontsize=10, zorder=3,
-                bbox=dict(facecolor="white", edgecolor="none", alpha=0.9, pad=1.5))  # over the arrows
+        # a band tall enough for its label: the arrows end at its edges, clear of the text
+        ax.add_patch(Rectangle((-0.1, 0.5), 1.5 * W - 0.1, 0.32, color="0.6", alpha=0.35))
+        ax.text(0.75 * W - 0.15, 0.66, "all_gather: every rank receives every $(S_s, z_s, G_s)$",
+                ha="center", va="center", fontsize=10)
         for r in range(W):
-            ax.add_patch(FancyArrowPatch((r * 1.5 + 0.6, 1.0), (r * 1.5 + 0.6, 0.75), arrowstyle="->", mutation_scale=8))
-            ax.add_patch(FancyArrowPatch((r * 1.5 + 0.6, 0.55), (r * 1.5 + 0.6, 0.42), arrowstyle="->", mutation_scale=8))
+            ax.add_patch(FancyArrowPatch((r * 1.5 + 0.6, 1.0), (r * 1.5 + 0.6, 0.82), arrowstyle="->", mutation_scale=8))
+            ax.add_patch(FancyArrowPatch((r * 1.5 + 0.6, 0.5), (r * 1.5 + 0.6, 0.4), arrowstyle="->", mutation_scale=8))
         title = r"all-gather: one collective; rank $r$ adds $e^{G_{s+1}+\dots+G_{r-1}} S_s$ over $s<r$"
     ax.set_xlim(-0.2, 1.5 * W)
     ax.set_ylim(0.0, 2.6)
