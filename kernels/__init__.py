@@ -44,11 +44,11 @@ from .chunk_grad import (
     decay_grad_kernel,
     live_length_kernel,
 )
-from .chunk_grad import compile_spec_decay_grad as _decay_grad_spec
-from .chunk_grad import compile_spec_dqk as _chunk_dqk_spec
-from .chunk_grad import compile_spec_dv as _chunk_dv_spec
-from .chunk_grad import compile_spec_live_length as _live_length_spec
-from .chunk_grad import compile_spec_prep as _chunk_prep_spec
+from .chunk_grad_specs import compile_spec_decay_grad as _decay_grad_spec
+from .chunk_grad_specs import compile_spec_dqk as _chunk_dqk_spec
+from .chunk_grad_specs import compile_spec_dv as _chunk_dv_spec
+from .chunk_grad_specs import compile_spec_live_length as _live_length_spec
+from .chunk_grad_specs import compile_spec_prep as _chunk_prep_spec
 from .chunk_output import chunk_fwd_two_phase, chunk_output, chunk_output_kernel
 from .chunk_output import compile_spec as _chunk_output_spec
 from .chunk_state import chunk_state_kernel, chunk_state_merge_kernel, chunk_states, split_count
@@ -65,6 +65,7 @@ from .configs import (
     device_capability,
     dot_precision,
     launchable,
+    overridden,
     rounds_operands,
     select_config,
     selectable_configs,
@@ -130,6 +131,7 @@ __all__ = [
     "delta_rule_fwd",
     "device_capability",
     "dot_precision",
+    "overridden",
     "rounds_operands",
     "favor_features",
     "launchable",

@@ -135,9 +135,13 @@ def launch_config(kernel: str, d_whole: int, dtype: torch.dtype,
                   device) -> dict:
     """`select_config(kernel, d_whole, dtype, device)`, looked up once per
     (kernel, head dim, dtype, compute capability): a launcher's config costs a
-    dict lookup, not a search."""
-    return _launch_config(kernel, d_whole, dtype,
-                          configs.device_capability(device))
+    dict lookup, not a search (and one more while an experiment overrides
+    configs: `configs.overridden`)."""
+    cfg = _launch_config(kernel, d_whole, dtype,
+                         configs.device_capability(device))
+    if configs.OVERRIDES and kernel in configs.OVERRIDES:
+        return {**cfg, **configs.OVERRIDES[kernel]}
+    return cfg
 
 
 @functools.lru_cache(maxsize=512)

@@ -61,7 +61,7 @@ import triton.language as tl
 
 from .chunk_decay import chunk_decays, chunk_decays_at, launch_config
 from .chunk_state import chunk_states, state_config
-from .configs import dot_precision, launchable, rounds_operands
+from .configs import dot_precision, launchable, max_registers, rounds_operands
 from .sequences import (
     cdiv,
     chunk_of_program,
@@ -162,18 +162,38 @@ def _dqk_products(
         s_off = i_s * Dk * Dv + o_k[:, None] * Dv + o_v[None, :]
         m_kv = m_k[:, None] & m_v[None, :]
         # fp32 or bf16 (see below)
-        S = tl.load(h_ptr + s_off, mask=m_kv, other=0.0)
+        if ROUND:
+            S = tl.load(h_ptr + s_off, mask=m_kv, other=0.0).to(do.dtype)
+        else:
+            S = tl.load(h_ptr + s_off, mask=m_kv, other=0.0).to(tl.float32)
         dH = tl.load(dh_ptr + s_off, mask=m_kv, other=0.0)
         A = tl.dot(do, tl.trans(v), acc=A, input_precision=DOT_PREC)
         if ROUND:
-            dqS = tl.dot(do, tl.trans(S.to(do.dtype)), acc=dqS)
+            dqS = tl.dot(do, tl.trans(S), acc=dqS)
             dkH = tl.dot(dH.to(v.dtype), tl.trans(v), acc=dkH)
         else:
-            dqS = tl.dot(do.to(tl.float32), tl.trans(S.to(tl.float32)),
-                         acc=dqS, input_precision=DOT_PREC)
+            dqS = tl.dot(do.to(tl.float32), tl.trans(S), acc=dqS,
+                         input_precision=DOT_PREC)
             dkH = tl.dot(dH.to(tl.float32), tl.trans(v.to(tl.float32)),
                          acc=dkH, input_precision=DOT_PREC)
     return A, dqS, dkH
+
+
+@triton.jit
+def _w_product(x, W, acc, W_FIRST: tl.constexpr, ROUND: tl.constexpr,
+               DOT_PREC: tl.constexpr):
+    """acc + W x (W_FIRST) or acc + x W, for x loaded in the input dtype: in
+    tf32 from fp32 operands, or (ROUND) with W rounded to x's dtype."""
+    if ROUND:
+        w = W.to(x.dtype)
+    else:
+        x = x.to(tl.float32)
+        w = W
+    if W_FIRST:
+        out = tl.dot(w, x, acc=acc, input_precision=DOT_PREC)
+    else:
+        out = tl.dot(x, w, acc=acc, input_precision=DOT_PREC)
+    return out
 
 
 @triton.jit
@@ -280,11 +300,7 @@ def chunk_dqk_kernel(
     rows = (row0 + t) * Dk
     m_kt = m_k[:, None] & m_t[None, :]
     qT = tl.load(q_ptr + rows[None, :] + o_k[:, None], mask=m_kt, other=0.0)
-    if ROUND:
-        dkT = tl.dot(qT, W.to(qT.dtype), acc=k_decay[None, :] * dk_state)
-    else:
-        dkT = tl.dot(qT.to(tl.float32), W, acc=k_decay[None, :] * dk_state,
-                     input_precision=DOT_PREC)
+    dkT = _w_product(qT, W, k_decay[None, :] * dk_state, False, ROUND, DOT_PREC)
     tl.store(dk_ptr + rows[None, :] + o_k[:, None],
              dkT.to(dk_ptr.dtype.element_ty),
              mask=m_k[:, None] & m_out[None, :])
@@ -294,11 +310,7 @@ def chunk_dqk_kernel(
         # padded keys: 0 (kT), selected out
         kdk = tl.where(m_t, tl.sum(kT * dkT, axis=0), 0.0)
     k = _load_rows(k_ptr, row0, t, m_t, o_k, m_k, Dk)
-    if ROUND:
-        dq = tl.dot(W.to(k.dtype), k, acc=q_decay[:, None] * dq_state)
-    else:
-        dq = tl.dot(W, k.to(tl.float32), acc=q_decay[:, None] * dq_state,
-                    input_precision=DOT_PREC)
+    dq = _w_product(k, W, q_decay[:, None] * dq_state, True, ROUND, DOT_PREC)
     if HAS_LEN and KEPT:
         # past the live length dO is 0, but entry states kept from the forward
         # may hold what the tail held (NaN padding): its gradients are 0
@@ -363,11 +375,12 @@ def chunk_dv_kernel(
     Pt = Mt * Pt
     if NORMALIZE:
         Pt = Pt * tl.load(r_ptr + row0 + t, mask=m_t, other=0.0)[None, :]
-    do = _load_rows(do_ptr, row0, t, m_t, o_v, m_v, Dv)
     if ROUND:
+        do = _load_rows(do_ptr, row0, t, m_t, o_v, m_v, Dv)
         dv = tl.dot(Pt.to(do.dtype), do, acc=k_decay[:, None] * kH)
     else:
-        dv = tl.dot(Pt, do.to(tl.float32), acc=k_decay[:, None] * kH,
+        do = _load_rows(do_ptr, row0, t, m_t, o_v, m_v, Dv).to(tl.float32)
+        dv = tl.dot(Pt, do, acc=k_decay[:, None] * kH,
                     input_precision=DOT_PREC)
     tl.store(dv_ptr + (row0 + t)[:, None] * Dv + o_v[None, :],
              dv.to(dv_ptr.dtype.element_ty),
@@ -501,8 +514,10 @@ def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         DECAY=0 if g is None else (1 if g.dim() == 1 else 2),
         DG=dg is not None, NORMALIZE=r is not None,
         HAS_LEN=lengths is not None, IS_VARLEN=cu is not None,
-        DOT_PREC=dot_precision(q.dtype), KEPT=kept, ROUND=rounds_operands(cfg, q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        DOT_PREC=dot_precision(q.dtype), KEPT=kept,
+        ROUND=rounds_operands(cfg, q.dtype),
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        maxnreg=max_registers(cfg, Dk, Dv))
     return dq, dk, dg
 
 
@@ -524,7 +539,8 @@ def chunk_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor,
         NORMALIZE=r is not None,
         HAS_LEN=lengths is not None, IS_VARLEN=cu is not None,
         DOT_PREC=dot_precision(q.dtype), ROUND=rounds_operands(cfg, q.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        maxnreg=max_registers(cfg, Dk, Dv))
     return dv
 
 
@@ -635,79 +651,3 @@ def _checked_entry_states(states: tuple, NT: int, k: torch.Tensor,
             f"{None if hz is None else tuple(hz.shape)} are not the entry "
             f"states {want} of these chunks (the forward's configs differ)")
     return h.contiguous(), (hz.contiguous() if normalize else None)
-
-
-def compile_spec_prep(cfg: dict, dtype: str) -> tuple[dict, dict]:
-    """Signature and constexprs of `chunk_bwd_prep_kernel`."""
-    signature = {"do_ptr": f"*{dtype}", "o_ptr": f"*{dtype}",
-                 "den_ptr": "*fp32", "r_ptr": "*fp32", "e_ptr": "*fp32",
-                 "len_ptr": "*i32", "T": "i32", "Dv": "i32"}
-    constexprs = {"BT": cfg["BT"], "BV": cfg["BV"], "NORMALIZE": True,
-                  "FIND_LEN": True}
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return signature, constexprs
-
-
-def _spec(names: list[str], dtype: str, cfg: dict,
-          ints: list[str]) -> tuple[dict, dict]:
-    signature = {
-        n: (f"*{dtype}" if n in ("q_ptr", "k_ptr", "v_ptr", "do_ptr",
-                                 "dq_ptr", "dk_ptr", "dv_ptr")
-            else "*i32" if n in ("cu_ptr", "co_ptr", "ci_ptr", "len_ptr")
-            else "*fp32")
-        for n in names}
-    signature.update(dict.fromkeys(ints, "i32"))
-    constexprs = {"BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2,
-                  "NORMALIZE": True, "HAS_LEN": True, "IS_VARLEN": False,
-                  "DOT_PREC": dot_precision(dtype)}
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return signature, constexprs
-
-
-def compile_spec_dqk(cfg: dict, dtype: str) -> tuple[dict, dict]:
-    """Signature and constexprs of `chunk_dqk_kernel`'s heaviest variant
-    (decay, normaliser)."""
-    names = ["q_ptr", "k_ptr", "v_ptr", "do_ptr", "g_ptr", "r_ptr", "e_ptr",
-             "h_ptr", "hz_ptr", "dh_ptr", "dhz_ptr", "dq_ptr", "dk_ptr",
-             "dg_ptr", "cu_ptr", "co_ptr", "ci_ptr", "len_ptr"]
-    signature, constexprs = _spec(names, dtype, cfg,
-                                  ["T", "H", "Dk", "Dv", "NT", "n_rows"])
-    # bf16 inputs read bf16 entry states (chunk_bwd_two_phase)
-    if dtype == "bf16":
-        signature["h_ptr"] = "*bf16"
-    signature["DG"], constexprs["DG"] = "constexpr", True
-    # the default backward's variant (recomputed states): the one the gates
-    # hold to their register budget
-    signature["KEPT"], constexprs["KEPT"] = "constexpr", False
-    signature["ROUND"], constexprs["ROUND"] = "constexpr", rounds_operands(cfg, dtype)
-    return signature, constexprs
-
-
-def compile_spec_dv(cfg: dict, dtype: str) -> tuple[dict, dict]:
-    """Signature and constexprs of `chunk_dv_kernel`'s heaviest variant
-    (decay, normaliser)."""
-    names = ["q_ptr", "k_ptr", "do_ptr", "g_ptr", "r_ptr", "dh_ptr", "dv_ptr",
-             "cu_ptr", "co_ptr", "ci_ptr", "len_ptr"]
-    signature, constexprs = _spec(names, dtype, cfg, ["T", "H", "Dk", "Dv", "NT"])
-    signature["ROUND"], constexprs["ROUND"] = "constexpr", rounds_operands(cfg, dtype)
-    return signature, constexprs
-
-
-def compile_spec_decay_grad(cfg: dict, dtype: str) -> tuple[dict, dict]:
-    """Signature and constexprs of `decay_grad_kernel` (fp32 whatever `dtype`;
-    packed, with a final-state term)."""
-    signature = {"part_ptr": "*fp32", "end_ptr": "*fp32", "dg_ptr": "*fp32",
-                 "cu_ptr": "*i32", "T": "i32", "H": "i32", "n_rows": "i32",
-                 "NK": "i32"}
-    constexprs = {"BT": cfg["BT"], "HAS_END": True, "IS_VARLEN": True}
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return signature, constexprs
-
-
-def compile_spec_live_length(cfg: dict, dtype: str) -> tuple[dict, dict]:
-    """Signature and constexprs of `live_length_kernel`."""
-    signature = {"do_ptr": f"*{dtype}", "len_ptr": "*i32",
-                 "T": "i32", "Dv": "i32", "P": "i32"}
-    constexprs = {"BT": cfg["BT"], "BV": cfg["BV"]}
-    signature.update(dict.fromkeys(constexprs, "constexpr"))
-    return signature, constexprs

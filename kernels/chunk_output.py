@@ -51,7 +51,7 @@ from .chunk_decay import (
 )
 from .chunk_fwd import _gap
 from .chunk_state import chunk_states, state_config
-from .configs import dot_precision, launchable, rounds_operands
+from .configs import dot_precision, launchable, max_registers, rounds_operands
 from .sequences import (
     cdiv,
     chunk_of_program,
@@ -129,7 +129,8 @@ def chunk_output_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DECAY: tl.constexpr, NORMALIZE: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-    ROUND: tl.constexpr = False,  # scores rounded to v's dtype (rounds_operands)
+    ROUND: tl.constexpr = False,  # scores rounded to v's dtype
+                                  # (rounds_operands)
 ):
     i_v = tl.program_id(0)
     i_seq, i_h, i_n = chunk_of_program(
@@ -247,6 +248,7 @@ def chunk_output(
         NORMALIZE=normalize, IS_VARLEN=cu is not None,
         DOT_PREC=dot_precision(q.dtype), ROUND=rounds_operands(cfg, q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        maxnreg=max_registers(cfg, Dk, Dv),
     )
     return o, den
 

@@ -10,6 +10,9 @@ a config, and its answers always come from `CONFIGS`.
 """
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 import torch
 
 # Head dims above this need a different tiling (the "whole" dim would not fit registers).
@@ -260,6 +263,23 @@ for _classes in _TABLE.values():
     _classes.setdefault("sm90", _classes["mma16"])
 
 
+# (kernel, class) -> registers per thread the compiler may use (Triton's maxnreg), where the head
+# dims are multiples of 16 (`max_registers`). chunk_dqk's sm_90 config fits two 8-warp CTAs per
+# SM at 128, and the gated (heaviest) variant compiles to 118-122; but the variant without a
+# decay or a normaliser came to 130-131, one CTA per SM, and on an H200 it took 1.17 ms where the
+# normalised one took 0.76 (book/results/gpu/). Capped at 128 it compiles with no spill and the
+# same instruction count (tests/test_perf_model.py). Other head dims compile without the
+# divisibility the JIT sees at multiples of 16, to 175-230 registers: capped, they would spill.
+MAXNREG = {("chunk_dqk", "sm90"): 128}
+
+
+def max_registers(cfg: dict, dk: int, dv: int) -> int | None:
+    """The maxnreg to launch `cfg` with at head dims `dk`, `dv`: its cap when both are multiples
+    of 16, else None (no cap)."""
+    cap = cfg.get("maxnreg")
+    return cap if cap is not None and dk % 16 == 0 and dv % 16 == 0 else None
+
+
 def _config(kernel: str, cls: str, whole: int) -> dict:
     if kernel in _DELTA:
         return _delta_config(kernel, cls, whole)
@@ -267,9 +287,13 @@ def _config(kernel: str, cls: str, whole: int) -> dict:
     w, t = DIM_NAMES[kernel]
     if len(entry) == 4:  # blocked in both dims (the two-phase forward)
         BT, block, tile, num_warps = entry
-        return {"BT": BT, w: block, t: tile, "num_warps": num_warps, "num_stages": NUM_STAGES[cls]}
-    BT, tile, num_warps = entry
-    return {"BT": BT, w: whole, t: tile, "num_warps": num_warps, "num_stages": NUM_STAGES[cls]}
+        cfg = {"BT": BT, w: block, t: tile, "num_warps": num_warps, "num_stages": NUM_STAGES[cls]}
+    else:
+        BT, tile, num_warps = entry
+        cfg = {"BT": BT, w: whole, t: tile, "num_warps": num_warps, "num_stages": NUM_STAGES[cls]}
+    if (kernel, cls) in MAXNREG:
+        cfg["maxnreg"] = MAXNREG[kernel, cls]
+    return cfg
 
 
 def _configs(kernel: str) -> list[dict]:
@@ -388,6 +412,27 @@ def selectable_configs(kernel: str, target: str, dtype: str) -> list[dict]:
         if cfg not in out:
             out.append(cfg)
     return out
+
+
+# experiments (gpu_extras): kernel name -> keys to change in its launch config, while `overridden`
+OVERRIDES: dict[str, dict] = {}
+
+
+@contextlib.contextmanager
+def overridden(changes: dict[str, dict]) -> Iterator[None]:
+    """Within the block, every launch of kernel `k` that a launcher configures through
+    `launch_config` uses its config updated with `changes[k]`, e.g. {"chunk_dqk": {"maxnreg":
+    128}} (a cap on registers per thread, passed to Triton) or {"chunk_output":
+    {"round_operands": True}}: for timing the whole op under a change on a GPU. Not
+    thread-safe; nested blocks replace, then restore."""
+    saved = dict(OVERRIDES)
+    OVERRIDES.clear()
+    OVERRIDES.update(changes)
+    try:
+        yield
+    finally:
+        OVERRIDES.clear()
+        OVERRIDES.update(saved)
 
 
 def rounds_operands(cfg: dict, dtype) -> bool:

@@ -241,7 +241,9 @@ def _compile_one(job: dict) -> dict:
         compiled = triton.compile(
             ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
             target=GPUTarget("cuda", int("".join(map(str, K.TARGETS[job["target"]]))), 32),
-            options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
+            options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
+                     # the launchers' cap applies where the JIT sees the dims' divisibility
+                     **({"maxnreg": cfg["maxnreg"]} if "maxnreg" in cfg and job.get("aligned") else {})},
         )
         result.update(ok=True, shared=int(compiled.metadata.shared), cubin_bytes=len(compiled.asm["cubin"]))
         result["sass"] = sass_stats(compiled.asm["cubin"], lazy=True)  # None without cuobjdump

@@ -880,6 +880,36 @@ def test_rounded_operands_change_the_products_by_16_bit_rounding_only():
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA run is gpu_check itself")
+def test_overridden_configs_reach_the_launches_and_go_away(monkeypatch):
+    """kernels.overridden: inside the block launch_config returns the changed config and the
+    op's output moves by the rounding it asks for; after it, the chosen config again. The GPU
+    check's whole-op sweep runs every set (fp16 stand-in for bf16, interpreter, stand-in timer)."""
+    from linattn_lib import kernels as K
+    from linattn_lib.experiments import gpu_bench
+    from linattn_lib.experiments.gpu_check import run_override_sweep
+    from linattn_lib.kernels.chunk_decay import launch_config
+
+    chosen = launch_config("chunk_dqk", 32, torch.float16, "cpu")
+    with K.overridden({"chunk_dqk": {"maxnreg": 128}}):
+        assert launch_config("chunk_dqk", 32, torch.float16, "cpu") == {**chosen, "maxnreg": 128}
+        assert "maxnreg" not in launch_config("chunk_dv", 32, torch.float16, "cpu")  # only the kernel named
+    assert launch_config("chunk_dqk", 32, torch.float16, "cpu") == chosen and K.configs.OVERRIDES == {}
+    q, k, v = (torch.rand(1, 2, 40, 32, dtype=torch.float16) for _ in range(3))
+    plain = linear_attention(q, k, v, backend="triton")
+    with K.overridden({"chunk_output": {"round_operands": True}}):
+        rounded = linear_attention(q, k, v, backend="triton")
+    err = ((plain.float() - rounded.float()).norm() / plain.float().norm()).item()
+    assert 0 < err < 1e-2
+    monkeypatch.setattr(gpu_bench, "DTYPE", torch.float16)
+    rows = run_override_sweep(B=1, T=40, H=1, D=16, device="cpu", do_bench=lambda fn, **kw: (fn(), 0.5)[1])
+    assert [(r["variant"], r["override"], r.get("error")) for r in rows] == [
+        (v, name, None) for v in ("unnormalised", "normalised") for name in K_OVERRIDE_NAMES]
+
+
+K_OVERRIDE_NAMES = ("as chosen", "chunk_dqk without its register cap", "operands rounded to bf16")
+
+
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA run is gpu_check itself")
 def test_gpu_check_decode_benchmark_counts_the_state_traffic():
     """The decode benchmark's bandwidth is the state bytes (read + write, fp32) over the time."""
     from linattn_lib.experiments.gpu_check import run_decode_benchmark

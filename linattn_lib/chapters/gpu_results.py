@@ -16,7 +16,7 @@ ROLES = (
     ("fwd walk", ("chunk_state_kernel", 0), ("chunk_fwd_kernel_h", 0)),
     ("fwd outputs", ("chunk_output_kernel", 0), ("chunk_fwd_kernel_o", 0)),
     ("bwd walk again", ("chunk_state_kernel", 1), ("chunk_fwd_kernel_h", 1)),
-    ("bwd dS walk", ("chunk_state_kernel", 2), ("chunk_bwd_kernel_dh", 0)),
+    ("bwd dH walk", ("chunk_state_kernel", 2), ("chunk_bwd_kernel_dh", 0)),
     ("bwd dq, dk", ("chunk_dqk_kernel", 0), ("chunk_bwd_kernel_dqkwg", 0)),
     ("bwd dv", ("chunk_dv_kernel", 0), ("chunk_bwd_kernel_dv", 0)),
 )
@@ -92,11 +92,11 @@ def kernel_pairs(runs: list[dict]) -> list[tuple[str, float, float, float]]:
 def kernel_table(pairs: list[tuple[str, float, float, float]], timed_ms: tuple[float, float]) -> list[str]:
     """The kernel-by-kernel table, narrow enough for a phone, with the profiled sums beside the
     timed calls (`timed_ms`: ours', fla's forward+backward)."""
-    lines = ["one fwd+bwd, B=2, unnormalised, us", f"{'':16}{'ours':>6}{'fla':>6}{'vs fla':>8}{'vs model':>9}"]
+    lines = ["one fwd+bwd, B=2, unnormalised, us", f"{'':15}{'ours':>6}{'fla':>6}{'vs fla':>7}{'vs model':>9}"]
     for role, model, ours, fla in pairs:
-        lines.append(f"{role:16}{ours:6.0f}{fla:6.0f}{ours / fla:8.2f}{ours / model:9.2f}")
+        lines.append(f"{role:15}{ours:6.0f}{fla:6.0f}{ours / fla:7.2f}{ours / model:9.2f}")
     total = [sum(p[i] for p in pairs) for i in (1, 2, 3)]
-    lines.append(f"{'sum':16}{total[1]:6.0f}{total[2]:6.0f}{total[1] / total[2]:8.2f}{total[1] / total[0]:9.2f}")
+    lines.append(f"{'sum':15}{total[1]:6.0f}{total[2]:6.0f}{total[1] / total[2]:7.2f}{total[1] / total[0]:9.2f}")
     ours, fla = (1e3 * t for t in timed_ms)
-    lines.append(f"{'timed call':16}{ours:6.0f}{fla:6.0f}{ours / fla:8.2f}")
+    lines.append(f"{'timed call':15}{ours:6.0f}{fla:6.0f}{ours / fla:7.2f}")
     return lines

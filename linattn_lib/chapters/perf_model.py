@@ -5,8 +5,8 @@ benchmark shapes (B in {1, 4}, H = 16, T = 16384, D = 128, bf16). It needs no GP
 
 1. `census` runs our real launchers (`causal_forward`, `causal_backward`) on meta tensors with
    `launchable` replaced by a recorder (`recording`): every launch (kernel, grid, arguments by
-   name) and every eager torch op between them is recorded; nothing runs. fla's launches come
-   the same way from its launchers replayed (perf_fla.py: `perf_fla.Replay`, `replay_calls`).
+   name) and every eager torch op between them is recorded; nothing runs. fla's launches come the
+   same way from its launchers replayed (perf_fla.py: `Replay`, `replay_calls`).
 2. `launch_of` makes a `Launch` of each: bytes of the tensors it touches (`REREAD`: which its
    programs re-read), steps per program (`STEPS`), SASS instructions of one warp in the loop
    body and outside it (`sass_stats_of`: compiled as the JIT would; the loop found by its
@@ -21,11 +21,10 @@ benchmark shapes (B in {1, 4}, H = 16, T = 16384, D = 128, bf16). It needs no GP
    turns. HBM bytes: each tensor once, plus once per re-reading program unless the programs
    sharing an element run together (spread in launch order <= SMs x CTAs/SM: L2 hits). An
    eager torch op reads and writes each of its tensors once.
-4. `compare`: the rows of `ROWS`, pairs of the same op: ours normalised (no decay; a per-head
-   decay) against fla's chunk_linear_attn(normalize=True), ours unnormalised with a per-token
-   decay against fla's chunk_simple_gla(g), each beside its fused op's HBM `roofline`;
-   fla's autotuners are stood in for by the model's fastest of `perf_fla.fla_candidates`
-   (`tuned_launches`); `assumptions` says what all this assumes.
+4. `compare`: the rows of `ROWS`, pairs of the same op (ours normalised, no decay or a per-head one,
+   against fla's chunk_linear_attn(normalize=True); ours with a per-token decay against fla's
+   chunk_simple_gla(g)), each beside its fused op's HBM `roofline`; fla's autotuners stood in for by
+   the model's fastest of `perf_fla.fla_candidates` (`tuned_launches`); `assumptions`: what it assumes.
 """
 from __future__ import annotations
 
@@ -34,7 +33,6 @@ import hashlib
 import inspect
 import json
 import math
-import os
 import re
 import subprocess
 import sys
@@ -42,6 +40,7 @@ import tempfile
 import textwrap
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -93,6 +92,7 @@ class Call:
     num_warps: int = 4
     num_stages: int = 2
     fn: Any = None
+    maxnreg: int | None = None  # a cap on registers per thread (configs.MAXNREG)
 
 
 class _Recorder:
@@ -102,13 +102,14 @@ class _Recorder:
         self.kernel, self.calls = kernel, calls
 
     def __getitem__(self, grid: Any) -> Callable[..., None]:
-        def launch(*args: Any, num_warps: int = 4, num_stages: int = 3, **kwargs: Any) -> None:  # Triton's defaults
+        def launch(*args: Any, num_warps: int = 4, num_stages: int = 3, maxnreg: int | None = None,
+                   **kwargs: Any) -> None:  # Triton's defaults
             py = getattr(self.kernel, "fn", self.kernel)
             bound = inspect.signature(py).bind(*args, **kwargs)
             bound.apply_defaults()
             g = grid(bound.arguments) if callable(grid) else grid
             self.calls.append(Call(py.__name__, tuple(map(int, g)), dict(bound.arguments), num_warps, num_stages,
-                                   self.kernel))
+                                   self.kernel, maxnreg))
         return launch
 
 
@@ -254,20 +255,17 @@ def _signature(call: Call) -> tuple[dict, dict, dict]:
 
 def _read_cubin(cubin: bytes) -> SassStats:
     """A cubin's registers and `parse_sass` numbers, from cuobjdump; cached on disk (it takes seconds)."""
-    cache = os.path.join(tempfile.gettempdir(), f"linattn_sass_{hashlib.sha1(cubin).hexdigest()}.json")
-    if os.path.exists(cache):
-        with open(cache) as f:
-            return SassStats(**json.load(f))
+    cache = Path(tempfile.gettempdir()) / f"linattn_sass_{hashlib.sha1(cubin).hexdigest()}.json"
+    if cache.exists():
+        return SassStats(**json.loads(cache.read_text()))
     tool = ka._nvidia_tool("cuobjdump")
     with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "kernel.cubin")
-        with open(path, "wb") as f:
-            f.write(cubin)
-        run = lambda flag: subprocess.run([tool, flag, path], capture_output=True, text=True).stdout
+        path = Path(tmp) / "kernel.cubin"
+        path.write_bytes(cubin)
+        run = lambda flag: subprocess.run([tool, flag, str(path)], capture_output=True, text=True).stdout
         regs = re.search(r"REG:(\d+)", run("-res-usage"))
         stats = SassStats(int(regs.group(1)) if regs else 255, 0, *parse_sass(run("-sass")))
-    with open(cache, "w") as f:
-        json.dump(asdict(stats), f)
+    cache.write_text(json.dumps(asdict(stats)))
     return stats
 
 
@@ -283,11 +281,12 @@ def sass_stats_of(call: Call, target: str = "sm_90") -> SassStats:
     if not isinstance(call.fn, triton.runtime.jit.JITFunction) or ka._nvidia_tool("cuobjdump") is None:
         raise RuntimeError(f"sass_stats_of({call.kernel}): needs a JITFunction (TRITON_INTERPRET unset) and cuobjdump")
     sig, ce, attrs = _signature(call)
-    key = (call.kernel, id(call.fn), repr(sig), repr(ce), repr(sorted(attrs)), call.num_warps, call.num_stages, target)
+    options = {"num_warps": call.num_warps, "num_stages": call.num_stages}
+    options.update({"maxnreg": call.maxnreg} if call.maxnreg is not None else {})  # the config's cap
+    key = (call.kernel, id(call.fn), repr(sig), repr(ce), repr(sorted(attrs)), repr(options), target)
     if key not in _SASS_CACHE:
-        compiled = triton.compile(ASTSource(fn=call.fn, signature=sig, constexprs=ce, attrs=attrs),
-                                  target=triton.backends.compiler.GPUTarget("cuda", int(target[3:]), 32),
-                                  options={"num_warps": call.num_warps, "num_stages": call.num_stages})
+        gpu = triton.backends.compiler.GPUTarget("cuda", int(target[3:]), 32)
+        compiled = triton.compile(ASTSource(fn=call.fn, signature=sig, constexprs=ce, attrs=attrs), gpu, options)
         stats = _read_cubin(compiled.asm["cubin"])
         _SASS_CACHE[key] = replace(stats, shared_bytes=int(compiled.metadata.shared))
     return _SASS_CACHE[key]

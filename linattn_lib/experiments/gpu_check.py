@@ -16,7 +16,9 @@ within --budget-s (a section that reaches its cap or the budget is cut, and says
     benchmark     ours (public API and op), fla, SDPA: gpu_bench, row by row               150 s
     profile       torch.profiler per kernel of one fwd+bwd beside the model's per-launch
                   predictions (normalised; unnormalised with a per-token decay)             40 s
-    extras        decoding step, FAVOR+ map, launch-config sweep (gpu_extras)               30 s
+    extras        the parallel kernels with rounded operands, alone and in the whole op (and
+                  chunk_dqk without its register cap); decoding step, FAVOR+ map,
+                  launch-config sweep (gpu_extras)                                          60 s
     selftest      the kernel self-test (kernel_selftest), quick subset first               60 s
     kernel tests  the checkout's kernel test files with CUDA tensors (pytest)        what is left
 
@@ -49,6 +51,7 @@ from .gpu_extras import (  # noqa: F401  (their home was this module; tests impo
     run_decode_benchmark,
     run_favor_benchmark,
     run_operand_sweep,
+    run_override_sweep,
     run_split_sweep,
     run_stage_sweep,
 )
@@ -58,9 +61,9 @@ from .kernel_selftest import FAILED, NOT_RUN, PASSED
 SKIPPED, CUT = "skipped", "cut"
 DEFAULT_BUDGET_S = 330.0
 SECTION_CAPS = {"setup": 30.0, "environment": 25.0, "precompile": 60.0, "benchmark": 150.0, "profile": 40.0,
-                "extras": 30.0, "selftest": 60.0, "kernel tests": None}
+                "extras": 60.0, "selftest": 60.0, "kernel tests": None}
 # a resumed run's extras (its sweeps compile a dozen variants) and its profile (fla autotunes)
-RESUMED_CAPS = {"profile": 50.0, "extras": 60.0}
+RESUMED_CAPS = {"profile": 50.0, "extras": 90.0}
 KERNEL_TEST_FILES = ("tests/test_kernels_interpret.py", "tests/test_kernels_two_phase.py",
                      "tests/test_kernels_delta.py")
 _markdown = extras_markdown  # the old name of the legacy tables
@@ -224,6 +227,8 @@ def _extras(args, do_bench) -> Callable:
 
         # first: are fp32 operands why the parallel kernels trail fla's (book/results/gpu/)?
         result = {"operand_sweep": run_operand_sweep(do_bench=do_bench, deadline=end - 3)}
+        put(result)
+        result["override_sweep"] = run_override_sweep(do_bench=do_bench, deadline=end - 3)
         put(result)
         if args.resume:  # what the first run's numbers asked: pipelining depth, split-T
             result["stage_sweep"] = run_stage_sweep(do_bench=do_bench, deadline=end - 3)

@@ -271,6 +271,45 @@ def run_operand_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, 
                           do_bench=do_bench, device=device, deadline=deadline)
 
 
+# whole-op experiments on the parallel kernels (run_override_sweep): name -> `kernels.overridden` changes
+_ROUNDED = {k: {"round_operands": True} for k in TWO_PHASE[1:]}
+OVERRIDE_SETS = {
+    "as chosen": {},
+    "chunk_dqk without its register cap": {"chunk_dqk": {"maxnreg": None}},
+    "operands rounded to bf16": _ROUNDED,
+}
+
+
+def run_override_sweep(variants: tuple[str, ...] = ("unnormalised", "normalised"), B: int = 2, T: int = 16384,
+                       H: int = 16, D: int = 128, *, do_bench: Callable, device: str = "cuda",
+                       deadline: float | None = None) -> list[dict]:
+    """Forward+backward of ours through the op, as the benchmark times it, under each of
+    `OVERRIDE_SETS`: the parallel kernels' operands rounded, and chunk_dqk without the cap of
+    128 registers per thread (configs.MAXNREG, added after the first GPU run: uncapped, its
+    unnormalised variant without a decay compiles to 130-131 registers, one 8-warp CTA per SM)."""
+    import time
+
+    from .. import kernels as K
+    from . import gpu_bench as gb
+
+    rows = []
+    for variant in variants:
+        x = gb.make_inputs(B, T, H, D, gb.VARIANTS[variant], device)
+        step = gb.fwd_bwd(*gb.case_call(gb.Case(B, T, H, D, variant, "ours: op"), x))
+        for name, changes in OVERRIDE_SETS.items():
+            row = {"variant": variant, "shape": f"B={B} T={T} H={H} D={D}", "override": name}
+            if deadline is not None and time.monotonic() > deadline:
+                rows.append(dict(row, error="cut: the time budget ran out"))
+                continue
+            try:
+                with K.overridden(changes):
+                    row["forward_backward_ms"] = round(float(do_bench(step, warmup=10, rep=50)), 4)
+            except Exception as e:  # recorded; the next set still runs
+                row["error"] = f"{type(e).__name__}: {e}"[:300]
+            rows.append(row)
+    return rows
+
+
 def run_split_sweep(B: int, H: int, T: int, D: int, *, dtype: torch.dtype, do_bench: Callable,
                     device: str = "cuda", splits: tuple[int, ...] | None = None) -> list[dict]:
     """The state pass (normalised, per-token decay) where its grid is small (B * H = 2 at the
