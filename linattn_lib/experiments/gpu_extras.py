@@ -192,50 +192,45 @@ def run_config_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, d
 
     from .. import kernels as K
 
-    if device == "cuda":
-        cap = torch.cuda.get_device_capability()
-        dtype = torch.bfloat16 if cap >= (8, 0) else torch.float16
-    else:  # the interpreter (a smoke test of this function)
-        cap, dtype = None, torch.float32
-    rows = []
-    for kernel, call in _sweep_calls(B, H, T, D, dtype, device).items():
-        chosen = K.select_config(kernel, D, dtype, cap)
-        for cfg in candidate_configs(kernel, K.whole_dim(D), dtype, cap):
-            row = {"kernel": kernel, "config": cfg, "chosen": cfg == chosen, "shape": f"B={B} H={H} T={T} D={D}",
-                   "dtype": str(dtype).replace("torch.", "")}
-            if deadline is not None and time.monotonic() > deadline:
-                rows.append(dict(row, error="cut: the time budget ran out"))
-                continue
-            try:
-                row["ms"] = round(float(do_bench(lambda call=call, cfg=cfg: call(cfg), warmup=10, rep=50)), 4)
-            except Exception as e:  # e.g. out of shared memory on this GPU
-                row["error"] = f"{type(e).__name__}: {e}"[:300]
-            rows.append(row)
+    candidates = lambda kernel, chosen, dtype, cap: candidate_configs(kernel, K.whole_dim(D), dtype, cap)
+    rows = _variant_sweep(B, H, T, D, candidates, TWO_PHASE, do_bench=do_bench, device=device, deadline=deadline,
+                          cpu_dtype=torch.float32)
     if deadline is not None and time.monotonic() > deadline:
         return rows
+    dtype = torch.float32 if device == "cpu" else torch.bfloat16 if _capability(device) >= (8, 0) else torch.float16
     return rows + run_split_sweep(1, max(1, H // 8), T, D, dtype=dtype, do_bench=do_bench, device=device)
 
 
-def _variant_sweep(B: int, H: int, T: int, D: int, variants: Callable[[dict], list[dict]],
+def _capability(device: str) -> tuple[int, int] | None:
+    import torch
+
+    return torch.cuda.get_device_capability() if device == "cuda" else None
+
+
+def _variant_sweep(B: int, H: int, T: int, D: int, variants: Callable[..., list[dict]],
                    kernels: tuple[str, ...], *, do_bench: Callable, device: str,
-                   deadline: float | None) -> list[dict]:
-    """Each of `kernels` alone (`_sweep_calls`, bf16 on CUDA, fp16 on the CPU's interpreter) under
-    every config `variants(chosen)` makes of its chosen one; configs not started by `deadline`
-    (time.monotonic()) are reported as cut."""
+                   deadline: float | None, cpu_dtype=None) -> list[dict]:
+    """Each of `kernels` alone (`_sweep_calls`: bf16 on CUDA, fp16 before sm_80; `cpu_dtype`,
+    default fp16, in the CPU's interpreter) under every config `variants(kernel, chosen, dtype,
+    capability)` makes of its chosen one; configs not started by `deadline` (time.monotonic())
+    are reported as cut."""
     import time
 
     import torch
 
     from .. import kernels as K
 
-    cap = torch.cuda.get_device_capability() if device == "cuda" else None
-    dtype = torch.bfloat16 if device == "cuda" else torch.float16
+    cap = _capability(device)
+    if cap is None:
+        dtype = cpu_dtype or torch.float16
+    else:
+        dtype = torch.bfloat16 if cap >= (8, 0) else torch.float16
     rows = []
     for kernel, call in _sweep_calls(B, H, T, D, dtype, device).items():
         if kernel not in kernels:
             continue
         chosen = K.select_config(kernel, D, dtype, cap)
-        for cfg in variants(chosen):
+        for cfg in variants(kernel, chosen, dtype, cap):
             row = {"kernel": kernel, "config": cfg, "chosen": cfg == chosen, "shape": f"B={B} H={H} T={T} D={D}",
                    "dtype": str(dtype).replace("torch.", "")}
             if deadline is not None and time.monotonic() > deadline:
@@ -258,7 +253,7 @@ def run_stage_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, do
     """Each kernel of the two-phase engine alone, as run_config_sweep times it, under its chosen
     config at other software-pipelining depths (num_stages): the first GPU run measured every
     kernel at 2-3x the model's HBM-bound time whatever its tile widths."""
-    return _variant_sweep(B, H, T, D, lambda c: [dict(c, num_stages=n) for n in stages], TWO_PHASE,
+    return _variant_sweep(B, H, T, D, lambda k, c, *_: [dict(c, num_stages=n) for n in stages], TWO_PHASE,
                           do_bench=do_bench, device=device, deadline=deadline)
 
 
@@ -267,7 +262,7 @@ def run_operand_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, 
     """The three parallel kernels under their chosen config, as they are and with their fp32
     operands rounded to bf16 first (`kernels.rounds_operands`, fla's choice): the H200 measured
     them at 1.7-2.1x fla's kernels; this says whether the operands are why."""
-    return _variant_sweep(B, H, T, D, lambda c: [c, dict(c, round_operands=True)], TWO_PHASE[1:],
+    return _variant_sweep(B, H, T, D, lambda k, c, *_: [c, dict(c, round_operands=True)], TWO_PHASE[1:],
                           do_bench=do_bench, device=device, deadline=deadline)
 
 
