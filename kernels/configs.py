@@ -272,6 +272,14 @@ for _classes in _TABLE.values():
 # divisibility the JIT sees at multiples of 16, to 175-230 registers: capped, they would spill.
 MAXNREG = {("chunk_dqk", "sm90"): 128}
 
+# (kernel, class) whose fp32 operands of the in-chunk products are rounded to bf16 before the
+# product, for bf16 inputs (`rounds_operands`; fla does it in all its kernels). On an H200 the
+# parallel kernels' times follow the warp instructions they issue (~1.9 a cycle per SM,
+# linattn_lib/chapters/perf_kernels.py: fitted on 38 measured launches, leave-one-out median
+# error 9%): rounded, chunk_dqk issues 18-41% fewer and chunk_dv 19-34% fewer (sm_90, D = 128),
+# predicted 11-25% faster. chunk_output's products barely change (-1 to -3%): left as it was.
+ROUNDED = {("chunk_dqk", "sm90"), ("chunk_dv", "sm90")}
+
 
 def max_registers(cfg: dict, dk: int, dv: int) -> int | None:
     """The maxnreg to launch `cfg` with at head dims `dk`, `dv`: its cap when both are multiples
@@ -293,6 +301,8 @@ def _config(kernel: str, cls: str, whole: int) -> dict:
         cfg = {"BT": BT, w: whole, t: tile, "num_warps": num_warps, "num_stages": NUM_STAGES[cls]}
     if (kernel, cls) in MAXNREG:
         cfg["maxnreg"] = MAXNREG[kernel, cls]
+    if (kernel, cls) in ROUNDED:
+        cfg["round_operands"] = "bf16"
     return cfg
 
 
@@ -438,11 +448,14 @@ def overridden(changes: dict[str, dict]) -> Iterator[None]:
 def rounds_operands(cfg: dict, dtype) -> bool:
     """Whether a parallel kernel (chunk_output, chunk_dqk, chunk_dv) launched with `cfg` rounds the
     fp32 operands of its in-chunk products (scores, gradient weights, state tiles) to the 16-bit
-    input dtype before the product, as fla does, instead of multiplying them in tf32. An
-    experiment, off unless `cfg["round_operands"]`: the H200 measured these kernels at 1.7-2.1x
-    fla's (book/results/gpu/) and the GPU check times both ways. For fp16 it can lose what falls
-    below fp16's range (the normalised backward's 1 / den factors); bf16 has fp32's range."""
-    return bool(cfg.get("round_operands")) and dtype in (torch.bfloat16, torch.float16, "bf16", "fp16")
+    input dtype before the product, as fla does, instead of multiplying them in tf32.
+    `cfg["round_operands"]`: "bf16" (the default of the kernels in `ROUNDED`) for bf16 inputs only,
+    True for fp16 too (an experiment: fp16 can lose what falls below its range, the normalised
+    backward's 1 / den factors; bf16 has fp32's range), False or absent: never."""
+    flag = cfg.get("round_operands")
+    if flag == "bf16":
+        return dtype in (torch.bfloat16, "bf16")
+    return bool(flag) and dtype in (torch.bfloat16, torch.float16, "bf16", "fp16")
 
 
 def dot_precision(dtype) -> str:

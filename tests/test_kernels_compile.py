@@ -176,7 +176,7 @@ def _cost(job: dict) -> int:
     cfg = job["config"]
     size = 1
     for name, value in cfg.items():
-        if name not in ("num_warps", "num_stages"):
+        if name.startswith("B"):  # the block sizes (not warps, stages, a register cap or flags)
             size *= value
     return size * (4 if job["kernel"].startswith("chunk") else 1) * (2 if job["dtype"] != "fp32" else 1)
 
@@ -567,7 +567,8 @@ if __name__ != "__main__" and __name__ != "__mp_main__":
     def test_fp16_lays_out_like_bf16(compiled):
         """fp16 is compiled for sm_75 only; on sm_80+ it picks bf16's configs. Check on the
         heaviest configs of the chunk kernels in FP16_TWINS that it needs exactly bf16's
-        shared memory."""
+        shared memory, where both multiply alike; where bf16 rounds its operands and fp16 does
+        not (configs.ROUNDED, sm_90), that fp16 still fits the SM."""
         twins = twin_jobs(_K)
         assert twins, f"none of {FP16_TWINS} is a kernel"
         for job in twins:
@@ -575,7 +576,10 @@ if __name__ != "__main__" and __name__ != "__mp_main__":
             r = next(r for r in group if r["dtype"] == "fp16" and r["config"] == job["config"])
             assert r["ok"], r.get("error")
             twin = next(b for b in group if b["dtype"] == "bf16" and b["config"] == r["config"])
-            assert r["shared"] == twin["shared"], (r, twin)
+            if _K.rounds_operands(r["config"], "fp16") == _K.rounds_operands(r["config"], "bf16"):
+                assert r["shared"] == twin["shared"], (r, twin)
+            else:
+                assert r["shared"] <= _K.SMEM_LIMITS[job["target"]], r
 
 
 if __name__ == "__main__":

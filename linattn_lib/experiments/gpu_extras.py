@@ -259,11 +259,14 @@ def run_stage_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, do
 
 def run_operand_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, do_bench: Callable,
                       device: str = "cuda", deadline: float | None = None) -> list[dict]:
-    """The three parallel kernels under their chosen config, as they are and with their fp32
-    operands rounded to bf16 first (`kernels.rounds_operands`, fla's choice): the H200 measured
-    them at 1.7-2.1x fla's kernels; this says whether the operands are why."""
-    return _variant_sweep(B, H, T, D, lambda k, c, *_: [c, dict(c, round_operands=True)], TWO_PHASE[1:],
-                          do_bench=do_bench, device=device, deadline=deadline)
+    """The three parallel kernels under their chosen config, as they are and with the rounding of
+    their fp32 operands to bf16 before the in-chunk products (`kernels.rounds_operands`, fla's
+    choice) flipped: chunk_dqk and chunk_dv round by default on sm_90 since the fitted model
+    (chapters/perf_kernels.py) predicted them 11-25% faster so; this measures it."""
+    from .. import kernels as K
+
+    flip = lambda k, c, dtype, cap: [c, dict(c, round_operands=not K.rounds_operands(c, dtype))]
+    return _variant_sweep(B, H, T, D, flip, TWO_PHASE[1:], do_bench=do_bench, device=device, deadline=deadline)
 
 
 # whole-op experiments on the parallel kernels (run_override_sweep): name -> `kernels.overridden` changes
@@ -272,6 +275,7 @@ OVERRIDE_SETS = {
     "as chosen": {},
     "chunk_dqk without its register cap": {"chunk_dqk": {"maxnreg": None}},
     "operands rounded to bf16": _ROUNDED,
+    "operands not rounded (before the fitted model)": {k: {"round_operands": False} for k in TWO_PHASE[1:]},
 }
 
 
