@@ -510,7 +510,41 @@ def test_wide_outputs_and_tables_say_they_scroll_on_a_phone(server, browser_cont
         page.close()
     assert any("whole table" in h for h in narrow)  # the complexity table of 8.1
     assert any("whole output" in h for h in narrow)
+    assert any("whole line" in h for h in narrow)  # code of 80 columns
     assert wide == []
+
+
+# inline formulas that begin a line right after a character written against them ("(", a letter)
+_MATHS_CUT_FROM_ITS_TEXT = """() => {
+  let cut = 0;
+  for (const c of document.querySelectorAll(".bd-article mjx-container:not([display='true'])")) {
+    const m = c.closest('span.math') || c;
+    const prev = m.previousSibling;
+    if (prev && prev.nodeType === 3 && /\\S$/.test(prev.data)) {
+      const r = document.createRange();
+      r.setStart(prev, prev.data.length - 1);
+      r.setEnd(prev, prev.data.length);
+      if (c.getBoundingClientRect().top > r.getBoundingClientRect().bottom - 2) cut++;
+    }
+  }
+  return [cut, document.querySelectorAll('.math-glue').length];
+}"""
+
+
+def test_inline_maths_keeps_its_punctuation_on_a_phone(server, browser_context):
+    """At 390 px no inline formula starts a line while the text before it ends against it (an
+    opening parenthesis left at the end of the line above): math_glue.js binds them. Without it,
+    chapter 8 had 4 such breaks at this width."""
+    context, _ = browser_context
+    page = context.new_page()
+    try:
+        page.set_viewport_size({"width": 390, "height": 800})
+        page.goto(f"{server}/book/08_experiments.html")
+        page.wait_for_function("document.documentElement.dataset.mathGlued === '1'", timeout=30000)
+        cut, glued = page.evaluate(_MATHS_CUT_FROM_ITS_TEXT)
+    finally:
+        page.close()
+    assert glued > 20 and cut == 0
 
 
 def _reading_totals(reports, key: str, width: str) -> list[str]:
