@@ -907,7 +907,7 @@ def test_overridden_configs_reach_the_launches_and_go_away(monkeypatch):
 
 
 K_OVERRIDE_NAMES = ("as chosen", "chunk_dqk without its register cap", "operands rounded to bf16",
-                    "operands not rounded (before the fitted model)")
+                    "operands not rounded (before the fitted model)", "chunk_output in one value tile")
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA run is gpu_check itself")

@@ -17,8 +17,9 @@ from a fit without it. The state walks are not in the fit: they are a chain of 2
 
 `collect` compiles (minutes; run it under the Triton the GPU ran: `make gpu-deps` fills
 .venv-gpu) and stores the rows in book/results/gpu/kernel_fit.json with `predictions`: the op's
-parallel kernels at B=2 T=16384 H=16 D=128 under the configs as chosen and under alternatives
-(`ALTERNATIVES`), so the appendix and the tests rerun from the file.
+parallel kernels at B=2 T=16384 H=16 D=128 under the configs as chosen and under the changes the
+GPU check's whole-op sweep times (`gpu_extras.OVERRIDE_SETS`), so the appendix and the tests rerun
+from the file.
 `python -m linattn_lib.chapters.perf_kernels [--collect]`.
 """
 from __future__ import annotations
@@ -44,12 +45,6 @@ SMS, CLOCK = 132, 1.755e9
 GRID = (np.arange(0.8, 3.5001, 0.01), np.arange(0.0, 1.5001, 0.05))   # ipc16, alpha
 VARIANTS = {"unnormalised": (False, None), "per-head decay": (False, "head"),
             "per-token decay": (False, "token"), "normalised": (True, None)}
-# what `predictions` times beside the configs as chosen: name -> kernels.overridden changes
-ALTERNATIVES = {
-    "operands not rounded": {"chunk_dqk": {"round_operands": False}, "chunk_dv": {"round_operands": False}},
-    "chunk_output's operands rounded too": {"chunk_output": {"round_operands": True}},
-    "chunk_dqk without its register cap": {"chunk_dqk": {"maxnreg": None}},
-}
 
 
 def features(launch) -> dict:
@@ -205,7 +200,9 @@ def collect(fla_root: str | None = None) -> dict:
             "measured_triton": env["triton"], "gpu": env["gpu"],
             "bandwidth": env["ceilings"]["copy_TB_per_s"] * 1e12,
             "rows": _sweep_rows(gpu) + _profile_rows(gpu) + _fla_rows(gpu, fla_root)}
-    sets = {"as chosen": {}, **ALTERNATIVES}
+    from ..experiments.gpu_extras import OVERRIDE_SETS
+
+    sets = OVERRIDE_SETS
     data["predictions"] = {v: {name: op_kernels(v, changes, gpu) for name, changes in sets.items()}
                            for v in VARIANTS}
     data["chosen_round_operands"] = {k: K.rounds_operands(K.select_config(k, 128, "bf16", (9, 0)), "bf16")
