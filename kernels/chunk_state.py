@@ -103,6 +103,19 @@ def _chunk_inputs(
 
 
 @triton.jit
+def _keys_transposed(k_ptr, row0, t, m_t, o_k, m_k, Dk):
+    """A chunk's key tile read as k^T (BK x BT), the operand the product
+    takes: a load that feeds tl.dot directly is copied to shared memory
+    asynchronously, num_stages chunks ahead. Loaded as (BT x BK) and
+    transposed, it went through registers one chunk ahead (a plain LDG in the
+    loop, sm_90); the H200 timed the walk at 1.2-1.5 us a chunk at any tile
+    and no faster with deeper pipelining, fla's (both operands copied
+    asynchronously) at 0.73."""
+    return tl.load(k_ptr + (row0 + t)[None, :] * Dk + o_k[:, None],
+                   mask=m_k[:, None] & m_t[None, :], other=0.0)
+
+
+@triton.jit
 def _chunk_decay(gl_ptr, c, i, n_chunks, step, DECAY: tl.constexpr):
     """The decay exp(g_last) of chunk c + step, the walk's chunk after c, when
     its step i + 1 of n_chunks exists (else 1; 1 without a decay). The walk
@@ -193,9 +206,12 @@ def _walk_S(
         elif DECAY > 0 and k.dtype == tl.bfloat16:
             S = tl.dot(tl.trans(_decayed_bf16(k, ea)), v, acc=S,
                        input_precision=DOT_PREC)
-        else:
+        elif DECAY > 0:
             S = tl.dot(tl.trans(k_s.to(k.dtype)), v, acc=S,
                        input_precision=DOT_PREC)
+        else:  # plain keys, read transposed: `_keys_transposed`
+            kT = _keys_transposed(k_ptr, row0, t, t < T_seq, o_k, m_k, Dk)
+            S = tl.dot(kT, v, acc=S, input_precision=DOT_PREC)
     if STORE_ST:
         tl.store(st_ptr + i_st * Dk * Dv + kv_off, S, mask=m_kv)
     if IS_SPLIT and DECAY > 0:
@@ -255,7 +271,8 @@ def _walk_z(
         E = weight[:, None] + tl.zeros([BT, ZW], dtype=tl.float32)
         if k.dtype == tl.bfloat16:
             # the weights rounded to bf16, as _walk_S rounds its decayed keys
-            Z = tl.dot(tl.trans(k), E.to(tl.bfloat16), acc=Z)
+            kT = _keys_transposed(k_ptr, row0, t, t < T_seq, o_k, m_k, Dk)
+            Z = tl.dot(kT, E.to(tl.bfloat16), acc=Z)
         elif k.dtype == tl.float16:
             # e (HAS_W) may be below fp16's range: tf32
             Z = tl.dot(tl.trans(k.to(tl.float32)), E, acc=Z,
@@ -517,7 +534,8 @@ def chunk_states(
         HAS_R=r is not None, HAS_W=w is not None,
         HAS_LEN=lengths is not None, IS_VARLEN=cu is not None, IS_SPLIT=split,
         DOT_PREC=dot_precision(k.dtype),
-        num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        num_warps=cfg["num_warps"], num_stages=configs.walk_stages(
+            cfg, configs.plain_walk(k.dtype, decay, r, w, track_z)),
     )
     if not split:
         return h, hz, S_T, z_T
@@ -613,8 +631,11 @@ def state_config(Dk: int, Dv: int, rows: int, dtype: torch.dtype, device,
     configs.py has the numbers. Off a GPU (no SM count): the narrow config.
     Looked up once per (shape, dtype, device model): the launch path pays a dict
     lookup."""
-    return _state_config(Dk, Dv, rows, dtype, configs.device_capability(device),
-                         multiprocessor_count(device), track_z)
+    cfg = _state_config(Dk, Dv, rows, dtype, configs.device_capability(device),
+                        multiprocessor_count(device), track_z)
+    if configs.OVERRIDES and "chunk_state" in configs.OVERRIDES:  # experiments
+        return {**cfg, **configs.OVERRIDES["chunk_state"]}
+    return cfg
 
 
 @functools.lru_cache(maxsize=512)

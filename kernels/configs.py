@@ -275,10 +275,19 @@ MAXNREG = {("chunk_dqk", "sm90"): 128}
 # (kernel, class) whose fp32 operands of the in-chunk products are rounded to bf16 before the
 # product, for bf16 inputs (`rounds_operands`; fla does it in all its kernels). On an H200 the
 # parallel kernels' times follow the warp instructions they issue (~1.9 a cycle per SM,
-# linattn_lib/chapters/perf_kernels.py: fitted on 38 measured launches, leave-one-out median
+# linattn_lib/experiments/kernel_fit.py: fitted on 38 measured launches, leave-one-out median
 # error 9%): rounded, chunk_dqk issues 18-41% fewer and chunk_dv 19-34% fewer (sm_90, D = 128),
 # predicted 11-25% faster. chunk_output's products barely change (-1 to -3%): left as it was.
 ROUNDED = {("chunk_dqk", "sm90"), ("chunk_dv", "sm90")}
+
+# class -> num_stages of a plain state walk (`chunk_state.plain_walk`: no decay, no key scales or z
+# weights), whose two operands are both copied to shared memory asynchronously (no load in the
+# loop goes through registers): 3 keeps two chunks in flight. The H200 timed every walk at 1.2-1.5
+# us a chunk whatever its tiles and no faster at 3 or 4 stages than at 2 (1.9 at 1), its keys then
+# read through registers one chunk ahead; fla's walk, both operands copied, at 0.73. Measured next
+# GPU run (the GPU check's whole-op sweep times the walks at 2 stages too).
+PLAIN_WALK_STAGES = {"sm90": 3}
+_STATE_WALKS = ("chunk_state", "chunk_state_wide", "chunk_state_few", "chunk_state_few_wide")
 
 
 def max_registers(cfg: dict, dk: int, dv: int) -> int | None:
@@ -286,6 +295,24 @@ def max_registers(cfg: dict, dk: int, dv: int) -> int | None:
     of 16, else None (no cap)."""
     cap = cfg.get("maxnreg")
     return cap if cap is not None and dk % 16 == 0 and dv % 16 == 0 else None
+
+
+def plain_walk(dtype: torch.dtype, decay: int, key_scale, z_weights,
+               track_z: bool) -> bool:
+    """Whether every load of a walk's loop feeds its product as it is read
+    (chunk_state.py's `_keys_transposed`): no decay, no key scales and, with z, no weights and
+    bf16 keys (z's fp16 product converts them)."""
+    if decay or key_scale is not None:
+        return False
+    return not track_z or (z_weights is None and dtype == torch.bfloat16)
+
+
+def walk_stages(cfg: dict, plain: bool) -> int:
+    """The walk's pipelining depth: the config's "plain_stages" for a plain
+    walk (`PLAIN_WALK_STAGES`), else its num_stages."""
+    if plain:
+        return cfg.get("plain_stages", cfg["num_stages"])
+    return cfg["num_stages"]
 
 
 def _config(kernel: str, cls: str, whole: int) -> dict:
@@ -303,6 +330,8 @@ def _config(kernel: str, cls: str, whole: int) -> dict:
         cfg["maxnreg"] = MAXNREG[kernel, cls]
     if (kernel, cls) in ROUNDED:
         cfg["round_operands"] = "bf16"
+    if kernel in _STATE_WALKS and cls in PLAIN_WALK_STAGES:
+        cfg["plain_stages"] = PLAIN_WALK_STAGES[cls]
     return cfg
 
 

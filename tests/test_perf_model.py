@@ -387,3 +387,23 @@ def test_the_benchmarked_variants_fit_two_ctas_per_sm(normalize, decay):
         s = pm.sass_stats_of(call, "sm_90")
         fit = ka.ctas_per_sm(s.registers, call.num_warps, s.shared_bytes, "sm_90")
         assert fit.ctas >= 2, (call.kernel, s.registers, s.shared_bytes)
+
+
+@needs_compiler
+@pytest.mark.parametrize("normalize,decay,plain", [(False, None, (True, True, True)), (True, None, (True, True, False)),
+                                                   (False, "token", (False, False, False))])
+def test_plain_walks_copy_both_operands_ahead(normalize, decay, plain):
+    """A state walk without a decay or key scales reads its keys transposed, so that no load of its
+    loop goes through registers (no plain LDG: the keys, loaded token-major and transposed, went
+    through registers one chunk ahead, and the H200 timed every walk at 1.2-1.5 us a chunk whatever
+    its depth), and runs at configs.PLAIN_WALK_STAGES deep; a decayed walk keeps its registers and
+    the config's depth (sm_90, bf16, B = 2, H = 16, T = 16384, D = 128: forward walk, rerun, dH walk)."""
+    from linattn_lib.chapters import sass
+
+    cen = pm.census(2, 16, 16384, 128, normalize=normalize, decay=decay, target="sm_90", sms=132)
+    walks = [c for part in ("forward", "backward") for c in cen[part] if c.kernel == "chunk_state_kernel"]
+    assert len(walks) == 3
+    for call, is_plain in zip(walks, plain):
+        ops = sass.loop_opcodes(sass.sass_listing(call, "sm_90"))
+        assert ("LDG" not in ops) == is_plain and "LDGSTS" in ops, (call.args["DECAY"], ops.count("LDG"))
+        assert call.num_stages == (K.configs.PLAIN_WALK_STAGES["sm90"] if is_plain else 2)

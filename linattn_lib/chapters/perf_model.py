@@ -29,18 +29,12 @@ benchmark shapes (B in {1, 4}, H = 16, T = 16384, D = 128, bf16). It needs no GP
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import inspect
-import json
 import math
-import re
-import subprocess
 import sys
-import tempfile
 import textwrap
 from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, replace
-from pathlib import Path
+from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
@@ -49,6 +43,7 @@ from ..core import triton_ops
 from ..flops import io_bytes
 from . import kernel_anatomy as ka
 from . import perf_fla
+from .sass import SassStats, compiled_kernel, loop_of, parse_sass, sass_stats_of  # noqa: F401 (the model's API)
 
 
 @dataclass(frozen=True)
@@ -189,107 +184,6 @@ def census(B: int, H: int, T: int, D: int, dtype: torch.dtype = torch.bfloat16, 
                                    dS_T=None, dz_T=None, normalize=normalize,
                                    needs=(True, True, True, decay == "token", False, False))
     return {"forward": fwd, "backward": bwd}
-
-
-@dataclass(frozen=True)
-class SassStats:
-    """A compiled kernel: registers per thread, shared memory, one warp's instructions in all and
-    in the main loop's body (NOPs excluded), and tensor-core FLOPs in the body and outside it."""
-
-    registers: int
-    shared_bytes: int
-    total: int
-    body: int
-    flops_body: int = 0
-    flops_rest: int = 0
-
-
-_SASS_LINE = re.compile(r"^\s*/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?(\S+)([^;]*);")
-
-
-def _mma_flops(op: str) -> int:
-    """FLOPs of one warp's share of an MMA instruction (HMMA: per warp; HGMMA: per warpgroup of 4)."""
-    m = re.match(r"HGMMA\.(\d+)x(\d+)x(\d+)", op)
-    if m:
-        return 2 * math.prod(int(x) for x in m.groups()) // 4
-    m = re.match(r"HMMA\.168(\d+)", op)  # m16 n8 kK
-    return 2 * 16 * 8 * int(m.group(1)) if m else 0
-
-
-def parse_sass(sass: str) -> tuple[int, int, int, int]:
-    """(total, loop body, MMA FLOPs in the body, outside it) of a `cuobjdump -sass` listing; the loop
-    is the longest backward branch (BRA to a lower address), its body target..branch (else 0)."""
-    ins = [(int(m.group(1), 16), m.group(2), m.group(3)) for m in map(_SASS_LINE.match, sass.splitlines())
-           if m and not m.group(2).startswith("NOP")]
-    loops = [(int(t.group(1), 16), addr) for addr, op, rest in ins
-             if op.startswith("BRA") and (t := re.search(r"0x([0-9a-f]+)", rest)) and int(t.group(1), 16) < addr]
-    lo, hi = max(loops, key=lambda ab: ab[1] - ab[0]) if loops else (1, 0)
-    in_body = [lo <= addr <= hi for addr, _, _ in ins]
-    flops = [_mma_flops(op) for _, op, _ in ins]
-    body_flops = sum(f for f, b in zip(flops, in_body) if b)
-    return len(ins), sum(in_body), body_flops, sum(flops) - body_flops
-
-
-_DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16", torch.float32: "fp32", torch.int32: "i32",
-           torch.int64: "i64", torch.bool: "i1"}
-
-
-def _signature(call: Call) -> tuple[dict, dict, dict]:
-    """signature, constexprs, attrs as the JIT specialises the call (aligned pointers, ints % 16, 1, None)."""
-    sig, ce, attrs = {}, {}, {}
-    for i, p in enumerate(call.fn.params):
-        val = call.args[p.name] if p.name in call.args else p.default
-        spec, is_int = not p.do_not_specialize, isinstance(val, int) and not isinstance(val, bool)
-        if p.is_constexpr or val is None or (is_int and val == 1 and spec):
-            sig[p.name], ce[p.name] = "constexpr", val
-        elif isinstance(val, torch.Tensor):
-            sig[p.name], attrs[(i,)] = "*" + _DTYPES[val.dtype], [["tt.divisibility", 16]]
-        elif is_int:
-            sig[p.name] = "i32" if -2**31 <= val < 2**31 else "i64"
-            if spec and val % 16 == 0:
-                attrs[(i,)] = [["tt.divisibility", 16]]
-        else:
-            sig[p.name] = "i1" if isinstance(val, bool) else "fp32"
-    return sig, ce, attrs
-
-
-def _read_cubin(cubin: bytes) -> SassStats:
-    """A cubin's registers and `parse_sass` numbers, from cuobjdump; cached on disk (it takes seconds)."""
-    cache = Path(tempfile.gettempdir()) / f"linattn_sass_{hashlib.sha1(cubin).hexdigest()}.json"
-    if cache.exists():
-        return SassStats(**json.loads(cache.read_text()))
-    tool = ka._nvidia_tool("cuobjdump")
-    with tempfile.TemporaryDirectory() as tmp:
-        path = Path(tmp) / "kernel.cubin"
-        path.write_bytes(cubin)
-        run = lambda flag: subprocess.run([tool, flag, str(path)], capture_output=True, text=True).stdout
-        regs = re.search(r"REG:(\d+)", run("-res-usage"))
-        stats = SassStats(int(regs.group(1)) if regs else 255, 0, *parse_sass(run("-sass")))
-    cache.write_text(json.dumps(asdict(stats)))
-    return stats
-
-
-_SASS_CACHE: dict[tuple, SassStats] = {}
-
-
-def sass_stats_of(call: Call, target: str = "sm_90") -> SassStats:
-    """Compile `call`'s kernel ahead of time for `target` (no GPU; ptxas and cuobjdump ship with
-    Triton) with its arguments' dtypes and constexprs, and read its SASS; cached per variant."""
-    import triton
-    from triton.compiler import ASTSource
-
-    if not isinstance(call.fn, triton.runtime.jit.JITFunction) or ka._nvidia_tool("cuobjdump") is None:
-        raise RuntimeError(f"sass_stats_of({call.kernel}): needs a JITFunction (TRITON_INTERPRET unset) and cuobjdump")
-    sig, ce, attrs = _signature(call)
-    options = {"num_warps": call.num_warps, "num_stages": call.num_stages}
-    options.update({"maxnreg": call.maxnreg} if call.maxnreg is not None else {})  # the config's cap
-    key = (call.kernel, id(call.fn), repr(sig), repr(ce), repr(sorted(attrs)), repr(options), target)
-    if key not in _SASS_CACHE:
-        gpu = triton.backends.compiler.GPUTarget("cuda", int(target[3:]), 32)
-        compiled = triton.compile(ASTSource(fn=call.fn, signature=sig, constexprs=ce, attrs=attrs), gpu, options)
-        stats = _read_cubin(compiled.asm["cubin"])
-        _SASS_CACHE[key] = replace(stats, shared_bytes=int(compiled.metadata.shared))
-    return _SASS_CACHE[key]
 
 
 # kernel -> {argument: grid axes whose programs all read the same elements of it}; any other tensor argument

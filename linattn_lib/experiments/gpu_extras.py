@@ -262,23 +262,26 @@ def run_operand_sweep(B: int = 1, H: int = 16, T: int = 16384, D: int = 128, *, 
     """The three parallel kernels under their chosen config, as they are and with the rounding of
     their fp32 operands to bf16 before the in-chunk products (`kernels.rounds_operands`, fla's
     choice) flipped: chunk_dqk and chunk_dv round by default on sm_90 since the fitted model
-    (chapters/perf_kernels.py) predicted them 11-25% faster so; this measures it."""
+    (experiments/kernel_fit.py) predicted them 11-25% faster so; this measures it."""
     from .. import kernels as K
 
     flip = lambda k, c, dtype, cap: [c, dict(c, round_operands=not K.rounds_operands(c, dtype))]
     return _variant_sweep(B, H, T, D, flip, TWO_PHASE[1:], do_bench=do_bench, device=device, deadline=deadline)
 
 
-# whole-op experiments on the parallel kernels (run_override_sweep): name -> `kernels.overridden` changes
+# whole-op experiments (run_override_sweep), most telling first: name -> `kernels.overridden` changes
 _ROUNDED = {k: {"round_operands": True} for k in TWO_PHASE[1:]}
 OVERRIDE_SETS = {
     "as chosen": {},
-    "chunk_dqk without its register cap": {"chunk_dqk": {"maxnreg": None}},
-    "operands rounded to bf16": _ROUNDED,
+    # chunk_dqk and chunk_dv round by default on sm_90 since the fitted model (kernel_fit.py)
     "operands not rounded (before the fitted model)": {k: {"round_operands": False} for k in TWO_PHASE[1:]},
+    # plain walks (no decay: both operands copied asynchronously) at the depth the others keep
+    "plain state walks at 2 stages": {"chunk_state": {"plain_stages": 2}},
     # the fitted model's next candidate: one program per chunk (the scores formed once, not per
     # value tile), 4 warps for 2 CTAs per SM: 56% fewer instructions, the kernel predicted ~20% faster
     "chunk_output in one value tile": {"chunk_output": {"BK": 64, "BV": 128, "num_warps": 4, "round_operands": True}},
+    "operands rounded to bf16": _ROUNDED,
+    "chunk_dqk without its register cap": {"chunk_dqk": {"maxnreg": None}},
 }
 
 
@@ -286,9 +289,9 @@ def run_override_sweep(variants: tuple[str, ...] = ("unnormalised", "normalised"
                        H: int = 16, D: int = 128, *, do_bench: Callable, device: str = "cuda",
                        deadline: float | None = None) -> list[dict]:
     """Forward+backward of ours through the op, as the benchmark times it, under each of
-    `OVERRIDE_SETS`: the parallel kernels' operands rounded, and chunk_dqk without the cap of
-    128 registers per thread (configs.MAXNREG, added after the first GPU run: uncapped, its
-    unnormalised variant without a decay compiles to 130-131 registers, one 8-warp CTA per SM)."""
+    `OVERRIDE_SETS`: the decisions taken without a GPU since the first run (rounded operands in
+    chunk_dqk and chunk_dv, plain walks 3 deep, chunk_dqk capped at 128 registers) undone one at
+    a time, and the next candidate (chunk_output in one value tile)."""
     import time
 
     from .. import kernels as K

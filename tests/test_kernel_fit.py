@@ -1,4 +1,4 @@
-"""The parallel kernels' model fitted on the H200's measured launches (linattn_lib/chapters/perf_kernels.py),
+"""The parallel kernels' model fitted on the H200's measured launches (linattn_lib/experiments/kernel_fit.py),
 rerun from book/results/gpu/kernel_fit.json: no compiling."""
 import json
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from linattn_lib import kernels as K
-from linattn_lib.chapters import perf_kernels as pk
+from linattn_lib.experiments import kernel_fit as pk
 from linattn_lib.experiments.gpu_extras import OVERRIDE_SETS
 
 

@@ -20,7 +20,7 @@ from a fit without it. The state walks are not in the fit: they are a chain of 2
 parallel kernels at B=2 T=16384 H=16 D=128 under the configs as chosen and under the changes the
 GPU check's whole-op sweep times (`gpu_extras.OVERRIDE_SETS`), so the appendix and the tests rerun
 from the file.
-`python -m linattn_lib.chapters.perf_kernels [--collect]`.
+`python -m linattn_lib.experiments.kernel_fit [--collect]`.
 """
 from __future__ import annotations
 
@@ -30,6 +30,10 @@ import sys
 from pathlib import Path
 
 import numpy as np
+
+from ..chapters import perf_fla
+from ..chapters import perf_model as pm
+from . import gpu_extras
 
 RESULTS = Path(__file__).resolve().parents[2] / "book" / "results" / "gpu"
 STORED = RESULTS / "kernel_fit.json"
@@ -47,7 +51,7 @@ VARIANTS = {"unnormalised": (False, None), "per-head decay": (False, "head"),
             "per-token decay": (False, "token"), "normalised": (True, None)}
 
 
-def features(launch) -> dict:
+def features(launch: pm.Launch) -> dict:
     """What the fit reads of a `perf_model.Launch`."""
     return {"kernel": launch.kernel, "instr": launch.programs * launch.num_warps * launch.instr_per_warp,
             "hbm": launch.bytes_hbm, "programs": launch.programs, "num_warps": launch.num_warps,
@@ -104,15 +108,12 @@ def _load(file: str) -> dict:
     return json.loads((RESULTS / file).read_text())
 
 
-def _sweep_rows(gpu) -> list[dict]:
+def _sweep_rows(gpu: pm.GPU) -> list[dict]:
     """Our kernels alone, as the GPU check's config and stage sweeps timed them (the launch's
     share: the sweep's other launches, the chunk decays, at the raw model's time)."""
     import torch
 
     from .. import kernels as K
-    from ..experiments import gpu_extras
-    from . import perf_model as pm
-
     with pm.recording(), pm._capability("sm_90", SMS):
         calls = gpu_extras._sweep_calls(1, 16, 16384, 128, torch.bfloat16, "meta")
     rows = []
@@ -130,12 +131,10 @@ def _sweep_rows(gpu) -> list[dict]:
     return rows
 
 
-def _profile_rows(gpu) -> list[dict]:
+def _profile_rows(gpu: pm.GPU) -> list[dict]:
     """Our kernels as torch.profiler timed them in one forward+backward (B=2), matched in order to
     the launches of the op's census (da24ccc ran chunk_dqk without a register cap)."""
     from .. import kernels as K
-    from . import perf_model as pm
-
     rows = []
     for file, name, (normalize, decay) in PROFILES:
         prof = _load(file)["sections"]["profile"][name]
@@ -150,11 +149,9 @@ def _profile_rows(gpu) -> list[dict]:
     return rows
 
 
-def _fla_rows(gpu, root: str | None) -> list[dict]:
+def _fla_rows(gpu: pm.GPU, root: str | None) -> list[dict]:
     """fla's parallel kernels as profiled beside ours (unnormalised, B=2), under each config its
     autotuner could have picked (which it picked was not recorded): a check, not fitted."""
-    from . import perf_fla
-    from . import perf_model as pm
 
     kernels = perf_fla.fla_kernels(root)
     if not kernels:
@@ -174,12 +171,10 @@ def _fla_rows(gpu, root: str | None) -> list[dict]:
     return rows
 
 
-def op_kernels(variant: str, changes: dict, gpu) -> list[dict]:
+def op_kernels(variant: str, changes: dict, gpu: pm.GPU) -> list[dict]:
     """The features of the op's parallel launches at B=2 T=16384 H=16 D=128 (bf16, sm_90), forward
     and backward, with `kernels.overridden(changes)`."""
     from .. import kernels as K
-    from . import perf_model as pm
-
     normalize, decay = VARIANTS[variant]
     with K.overridden(changes):
         c = pm.census(2, 16, 16384, 128, normalize=normalize, decay=decay, target="sm_90", sms=SMS)
@@ -192,17 +187,14 @@ def collect(fla_root: str | None = None) -> dict:
     import triton
 
     from .. import kernels as K
-    from . import perf_model as pm
-
     gpu = pm.GPUS["H200 SXM"]
     env = _load(SWEEPS[0][0])["sections"]["environment"]
-    data = {"command": "python -m linattn_lib.chapters.perf_kernels --collect", "triton": triton.__version__,
+    data = {"command": "python -m linattn_lib.experiments.kernel_fit --collect", "triton": triton.__version__,
             "measured_triton": env["triton"], "gpu": env["gpu"],
             "bandwidth": env["ceilings"]["copy_TB_per_s"] * 1e12,
             "rows": _sweep_rows(gpu) + _profile_rows(gpu) + _fla_rows(gpu, fla_root)}
-    from ..experiments.gpu_extras import OVERRIDE_SETS
 
-    sets = OVERRIDE_SETS
+    sets = gpu_extras.OVERRIDE_SETS
     data["predictions"] = {v: {name: op_kernels(v, changes, gpu) for name, changes in sets.items()}
                            for v in VARIANTS}
     data["chosen_round_operands"] = {k: K.rounds_operands(K.select_config(k, 128, "bf16", (9, 0)), "bf16")
