@@ -76,16 +76,32 @@ from .sequences import cdiv, first_chunk, packed_layout, sequence_rows
 
 
 @triton.jit
+def _keys_transposed(k_ptr, row0, t, m_t, o_k, m_k, Dk):
+    """A chunk's key tile read as k^T (BK x BT), the product's operand: a load
+    that feeds tl.dot directly is copied to shared memory asynchronously,
+    num_stages - 1 chunks ahead. Loaded as (BT x BK) and transposed, it went
+    through registers one chunk ahead (an LDG in the loop, sm_90): the H200
+    timed such walks at 1.2-1.5 us a chunk at any tile or depth, fla's (both
+    operands copied) at 0.73."""
+    return tl.load(k_ptr + (row0 + t)[None, :] * Dk + o_k[:, None],
+                   mask=m_k[:, None] & m_t[None, :], other=0.0)
+
+
+@triton.jit
 def _chunk_inputs(
     k_ptr, v_ptr, ka_ptr, r_ptr, w_ptr, row0, t, m_t, c,
     o_k, m_k, o_v, m_v, Dk, Dv,
     BT: tl.constexpr, DECAY: tl.constexpr, HAS_R: tl.constexpr,
-    HAS_W: tl.constexpr, LOAD_V: tl.constexpr,
+    HAS_W: tl.constexpr, LOAD_V: tl.constexpr, KEYS_T: tl.constexpr,
 ):
-    """One chunk's key tile, value tile (LOAD_V), key decays exp(a) (of chunk c,
-    from chunk_decay_kernel), key scales and z weights."""
-    k = tl.load(k_ptr + (row0 + t)[:, None] * Dk + o_k[None, :],
-                mask=m_t[:, None] & m_k[None, :], other=0.0)
+    """One chunk's key tile (KEYS_T: transposed, `_keys_transposed`), value
+    tile (LOAD_V), key decays exp(a) (of chunk c, from chunk_decay_kernel), key
+    scales and z weights."""
+    if KEYS_T:
+        k = _keys_transposed(k_ptr, row0, t, m_t, o_k, m_k, Dk)
+    else:
+        k = tl.load(k_ptr + (row0 + t)[:, None] * Dk + o_k[None, :],
+                    mask=m_t[:, None] & m_k[None, :], other=0.0)
     v = k
     if LOAD_V:
         v = tl.load(v_ptr + (row0 + t)[:, None] * Dv + o_v[None, :],
@@ -100,19 +116,6 @@ def _chunk_inputs(
     if HAS_W:
         w = tl.load(w_ptr + row0 + t, mask=m_t, other=0.0)
     return k, v, ea, r, w
-
-
-@triton.jit
-def _keys_transposed(k_ptr, row0, t, m_t, o_k, m_k, Dk):
-    """A chunk's key tile read as k^T (BK x BT), the operand the product
-    takes: a load that feeds tl.dot directly is copied to shared memory
-    asynchronously, num_stages chunks ahead. Loaded as (BT x BK) and
-    transposed, it went through registers one chunk ahead (a plain LDG in the
-    loop, sm_90); the H200 timed the walk at 1.2-1.5 us a chunk at any tile
-    and no faster with deeper pipelining, fla's (both operands copied
-    asynchronously) at 0.73."""
-    return tl.load(k_ptr + (row0 + t)[None, :] * Dk + o_k[:, None],
-                   mask=m_k[:, None] & m_t[None, :], other=0.0)
 
 
 @triton.jit
@@ -187,7 +190,8 @@ def _walk_S(
         t = n * BT + o_t
         k, v, ea, r, _ = _chunk_inputs(
             k_ptr, v_ptr, ka_ptr, r_ptr, r_ptr, row0, t, t < T_seq, c0 + n,
-            o_k, m_k, o_v, m_v, Dk, Dv, BT, DECAY, HAS_R, False, True)
+            o_k, m_k, o_v, m_v, Dk, Dv, BT, DECAY, HAS_R, False, True,
+            (DECAY == 0) & (HAS_R == 0))
         k_s = k.to(tl.float32)
         if DECAY > 0:
             # |exp(a_j) k_j| <= |k_j|: fits the input dtype
@@ -209,9 +213,8 @@ def _walk_S(
         elif DECAY > 0:
             S = tl.dot(tl.trans(k_s.to(k.dtype)), v, acc=S,
                        input_precision=DOT_PREC)
-        else:  # plain keys, read transposed: `_keys_transposed`
-            kT = _keys_transposed(k_ptr, row0, t, t < T_seq, o_k, m_k, Dk)
-            S = tl.dot(kT, v, acc=S, input_precision=DOT_PREC)
+        else:  # plain keys, read transposed (KEYS_T)
+            S = tl.dot(k, v, acc=S, input_precision=DOT_PREC)
     if STORE_ST:
         tl.store(st_ptr + i_st * Dk * Dv + kv_off, S, mask=m_kv)
     if IS_SPLIT and DECAY > 0:
@@ -261,7 +264,8 @@ def _walk_z(
         t = n * BT + o_t
         k, _, ea, _, w = _chunk_inputs(
             k_ptr, k_ptr, ka_ptr, w_ptr, w_ptr, row0, t, t < T_seq, c0 + n,
-            o_k, m_k, o_k, m_k, Dk, Dk, BT, DECAY, False, HAS_W, False)
+            o_k, m_k, o_k, m_k, Dk, Dk, BT, DECAY, False, HAS_W, False,
+            k_ptr.dtype.element_ty == tl.bfloat16)
         weight = tl.full([BT], 1.0, dtype=tl.float32)
         if DECAY > 0:
             weight = ea
@@ -271,8 +275,7 @@ def _walk_z(
         E = weight[:, None] + tl.zeros([BT, ZW], dtype=tl.float32)
         if k.dtype == tl.bfloat16:
             # the weights rounded to bf16, as _walk_S rounds its decayed keys
-            kT = _keys_transposed(k_ptr, row0, t, t < T_seq, o_k, m_k, Dk)
-            Z = tl.dot(kT, E.to(tl.bfloat16), acc=Z)
+            Z = tl.dot(k, E.to(tl.bfloat16), acc=Z)  # k transposed (KEYS_T)
         elif k.dtype == tl.float16:
             # e (HAS_W) may be below fp16's range: tf32
             Z = tl.dot(tl.trans(k.to(tl.float32)), E, acc=Z,
