@@ -36,6 +36,27 @@ def _small_cases():
     return [Case(2, 128, 2, 32, v, p) for v in VARIANTS for p in ("ours: linear_attention", "ours: op")]
 
 
+@needs_triton
+def test_the_whole_op_sweep_is_precompiled_with_its_changes():
+    """The precompile plan (`gpu_plan.planned_calls`) ends with the whole-op sweep's calls, one per
+    variant and changed set, recorded under their changes: the plain walks at 2 stages where
+    the op runs them 3 deep, chunk_output in one value tile (small stand-in shape)."""
+    from linattn_lib.experiments import gpu_extras
+    from linattn_lib.experiments.gpu_plan import record_plan
+
+    calls = list(gpu_extras.override_plan_calls(B=1, T=256, H=2, D=128))
+    changed = [n for n, c in gpu_extras.OVERRIDE_SETS.items() if c]
+    assert [label for label, _ in calls] == [f"{v}, {n}" for v in ("unnormalised", "normalised") for n in changed]
+    launches, _ = record_plan(calls[:len(changed)])  # unnormalised
+    by_set = {}
+    for launch in launches:
+        by_set.setdefault(launch["call"].split(", ", 1)[1], []).append(launch)
+    walks = lambda name: {x["num_stages"] for x in by_set[name] if x["kernel"] == "chunk_state_kernel"}
+    assert walks("plain state walks at 2 stages") == {2} and walks("chunk_output in one value tile") == {3}
+    tiles = lambda name: {x["grid"][0] for x in by_set[name] if x["kernel"] == "chunk_output_kernel"}
+    assert tiles("chunk_output in one value tile") == {1} and tiles("operands rounded to bf16") == {2}
+
+
 def test_every_benchmark_row_of_ours_is_in_the_plan():
     """plan_calls makes a forward and a forward+backward of every (shape, variant) the benchmark
     times with ours (the op everywhere, the public API at B=2 of the main shape)."""

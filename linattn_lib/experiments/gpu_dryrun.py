@@ -3,7 +3,8 @@
 What CI runs (`make gpu-rehearsal`) in an environment like the GPU machine's (torch, the
 GPU machine's Triton, numpy, einops, pytest; the project from source on PYTHONPATH, not
 installed): every module the GPU run imports is imported; every kernel launch of ours that
-the benchmark and the profiled forward+backward make is recorded (`gpu_plan.record_plan`:
+the benchmark, the profiled forward+backward and the whole-op sweep of the extras make is
+recorded (`gpu_plan.planned_calls`, `gpu_plan.record_plan`:
 the launchers run on CPU stand-ins with the launches stubbed out, as on an H100/H200);
 each distinct launch is compiled for sm_90 exactly as the JIT would specialise it, and the
 performance model's per-launch predictions are made for the profiled call and paired with
@@ -94,14 +95,13 @@ def dry_run(args: argparse.Namespace) -> int:
     import torch
     import triton
 
-    from .gpu_bench import plan_calls
-    from .gpu_plan import compile_jobs, compile_workers, record_plan
+    from .gpu_plan import compile_jobs, compile_workers, planned_calls, record_plan
 
     print(f"gpu_check --dry-run: python {platform.python_version()}, torch {torch.__version__}, triton "
           f"{triton.__version__}; imports {time.perf_counter() - t0:.1f} s", flush=True)
     print(_check_wheels(args.wheels), flush=True)
     t1 = time.perf_counter()
-    launches, jobs = record_plan(plan_calls())
+    launches, jobs = record_plan(planned_calls())
     t2 = time.perf_counter()
     print(f"recorded {len(launches)} launches ({len(jobs)} distinct compiles) in {t2 - t1:.1f} s", flush=True)
     results = {r["key"]: r for r in compile_jobs(jobs, args.workers)}

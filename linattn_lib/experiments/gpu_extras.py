@@ -15,7 +15,7 @@ stand-in timer (tests/test_kernels_interpret.py).
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
 from .kernel_selftest import FAILED
@@ -283,6 +283,25 @@ OVERRIDE_SETS = {
     "operands rounded to bf16": _ROUNDED,
     "chunk_dqk without its register cap": {"chunk_dqk": {"maxnreg": None}},
 }
+
+
+def override_plan_calls(variants: tuple[str, ...] = ("unnormalised", "normalised"), B: int = 2,
+                        T: int = 16384, H: int = 16, D: int = 128) -> Iterator[tuple[str, Callable[[], object]]]:
+    """(label, call) of `run_override_sweep`'s forward+backward under each changed set, on CPU
+    stand-ins (for `gpu_plan.record_plan`): the precompile builds their kernels with the rest, on
+    all cores, instead of the extras compiling them one by one inside their minute."""
+    from .. import kernels as K
+    from . import gpu_bench as gb
+
+    for variant in variants:
+        x = gb.make_inputs(B, T, H, D, gb.VARIANTS[variant], "cpu", fill="empty")
+        for name, changes in OVERRIDE_SETS.items():
+            if changes:
+                def call(variant=variant, changes=changes, x=x):
+                    with K.overridden(changes):
+                        return gb.fwd_bwd(*gb.case_call(gb.Case(B, T, H, D, variant, "ours: op"), x))()
+
+                yield f"{variant}, {name}", call
 
 
 def run_override_sweep(variants: tuple[str, ...] = ("unnormalised", "normalised"), B: int = 2, T: int = 16384,

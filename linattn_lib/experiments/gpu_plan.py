@@ -1,6 +1,7 @@
 """The GPU check's launch plan: every kernel launch it would make, compiled ahead of time for sm_90.
 
-`record_plan()` runs the benchmark's and the profile's calls of ours on CPU stand-ins under
+`record_plan()` runs the benchmark's, the profile's and the whole-op sweep's calls of ours
+(`planned_calls`) on CPU stand-ins under
 `launches.record_launches(stub=True)` (nothing runs; the launchers take the CUDA path: the
 configs, grids and arguments of an H100/H200). `jit_job()` turns each recorded launch into
 exactly what Triton's JIT would compile for it -- the JIT's own binder gives the
@@ -99,7 +100,8 @@ def record_plan(calls: Iterable[tuple[str, Callable[[], object]]], target: tuple
                 job = jit_job(launch, backend)
                 jobs.setdefault(job["key"], dict(job, calls=0))["calls"] += 1
                 launches.append({"call": label, "kernel": launch.name, "grid": list(launch.grid),
-                                 "num_warps": job["options"].get("num_warps"), "key": job["key"]})
+                                 "num_warps": job["options"].get("num_warps"),
+                                 "num_stages": job["options"].get("num_stages"), "key": job["key"]})
     return launches, list(jobs.values())
 
 
@@ -179,15 +181,23 @@ def cached_kernels() -> set[str]:
             if not p.name.startswith("__grp__")} if root.is_dir() else set()
 
 
+def planned_calls() -> Iterator[tuple[str, Callable[[], object]]]:
+    """The calls of ours the GPU check makes, on CPU stand-ins: the benchmark's and the profile's
+    (`gpu_bench.plan_calls`), then the whole-op sweep's (`gpu_extras.override_plan_calls`)."""
+    from .gpu_bench import plan_calls
+    from .gpu_extras import override_plan_calls
+
+    yield from plan_calls()
+    yield from override_plan_calls()
+
+
 def precompile(deadline: float, workers: int | None = None) -> dict:
     """The plan (`record_plan` of the benchmark's and the profile's calls of ours) compiled on
     `workers` processes until `deadline` (time.monotonic()), into Triton's cache: the JIT then
     loads these instead of compiling them one by one. Returns the counts, the failures and
     the cache's entries before (for `plan_misses`)."""
-    from .gpu_bench import plan_calls
-
     t0 = time.perf_counter()
-    launches, jobs = record_plan(plan_calls())
+    launches, jobs = record_plan(planned_calls())
     recorded = time.perf_counter() - t0
     results = compile_jobs(jobs, workers, timeout=max(deadline - time.monotonic(), 1.0))
     failed = [r for r in results if not r.get("ok")]
