@@ -59,7 +59,13 @@ import torch
 import triton
 import triton.language as tl
 
-from .chunk_decay import chunk_decays, chunk_decays_at, launch_config
+from .chunk_decay import (
+    ChunkDecays,
+    chunk_decays,
+    chunk_decays_at,
+    launch_config,
+)
+from .chunk_fwd import _gap
 from .chunk_state import chunk_states, state_config
 from .configs import dot_precision, launchable, max_registers, rounds_operands
 from .sequences import (
@@ -197,18 +203,33 @@ def _w_product(x, W, acc, W_FIRST: tl.constexpr, ROUND: tl.constexpr,
 
 
 @triton.jit
-def _decays(g_ptr, i_h, row0, i_n, t, T_live, o_t, BT: tl.constexpr,
-            DECAY: tl.constexpr, TRANSPOSED: tl.constexpr = False):
+def _decays(g_ptr, hi_ptr, lo_ptr, ka_ptr, kr_ptr, i_h, i_s, row0, i_n, t,
+            T_live, o_t, BT: tl.constexpr, DECAY: tl.constexpr,
+            TRANSPOSED: tl.constexpr = False):
     """exp(L) on the causal triangle (0 off it), exp(gc) and exp(a) of chunk
-    i_n. TRANSPOSED: exp(L)^T (row j, column i), for products that give the
-    keys' rows: the reversed decays of `chunk_log_decays`, whose
-    L[j, i] = g_{j+1} + ... + g_i (i > j) is the forward L[i, j], computed by
-    the same operations (their 1-d decays come swapped)."""
+    i_n (entry i_s of the per-chunk tables). TRANSPOSED: exp(L)^T (row j,
+    column i), for products that give the keys' rows.
+
+    A decay per token comes from `chunk_decays`' tables: exp(gc) and exp(a)
+    are its kr and ka, and L[i, j] = P_i - P_j the gap of its compensated
+    prefix sums (hi, lo), as the output kernel forms it. Scanning the chunk's
+    log-decays here instead cost 209 of dv's 1323 SASS instructions and 169
+    of dqk's 1329 (sm_90, bf16: scans, shuffles, layout changes through shared
+    memory), and dv 20 more registers (168)."""
     if TRANSPOSED:
         visible = o_t[:, None] <= o_t[None, :]
     else:
         visible = o_t[:, None] >= o_t[None, :]
-    if DECAY > 0:
+    if DECAY == 2:
+        at = i_s * BT + o_t
+        hi, lo = tl.load(hi_ptr + at), tl.load(lo_ptr + at)
+        if TRANSPOSED:  # row j, column i: P_i - P_j
+            L = _gap(hi[None, :], lo[None, :], hi[:, None], lo[:, None])
+        else:
+            L = _gap(hi[:, None], lo[:, None], hi[None, :], lo[None, :])
+        return (tl.where(visible, tl.exp(L), 0.0),
+                tl.load(kr_ptr + at), tl.load(ka_ptr + at))
+    elif DECAY == 1:
         L, first, second, _ = chunk_decays_at(
             g_ptr, i_h, row0, i_n, t, T_live, BT, TRANSPOSED, DECAY)
         if TRANSPOSED:
@@ -246,7 +267,8 @@ def _chunk_program(cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT,
 def chunk_dqk_kernel(
     q_ptr, k_ptr, v_ptr, do_ptr,  # (B, H, T, Dk) x 2, (B, H, T, Dv) x 2;
                                   # contiguous, one dtype
-    g_ptr,                        # log-decay (H,) or (B, H, T) fp32 (DECAY)
+    g_ptr,                        # log-decay per head (H,) fp32 (DECAY == 1)
+    hi_ptr, lo_ptr, ka_ptr, kr_ptr,  # DECAY == 2: chunk_decays' tables
     r_ptr, e_ptr,                 # (B, H, T) fp32 from chunk_bwd_prep_kernel
                                   # (NORMALIZE)
     h_ptr, hz_ptr,                # forward entry states (B, H, NT, Dk, Dv),
@@ -280,7 +302,8 @@ def chunk_dqk_kernel(
         do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_k, m_k, Dk, Dv,
         BT, BK, BV, DOT_PREC, ROUND)
     M, q_decay, k_decay = _decays(
-        g_ptr, i_h, row0, i_n, t, T_live, o_t, BT, DECAY)
+        g_ptr, hi_ptr, lo_ptr, ka_ptr, kr_ptr, i_h, i_s, row0, i_n, t, T_live,
+        o_t, BT, DECAY)
     if NORMALIZE:
         r = tl.load(r_ptr + row0 + t, mask=m_t, other=0.0)
         e = tl.load(e_ptr + row0 + t, mask=m_t, other=0.0)
@@ -293,10 +316,9 @@ def chunk_dqk_kernel(
         W = M * A
         dq_state = dqS
         dk_state = dkH
-    # dk = W^T q, computed transposed as q^T W (BK x BT) from a transposed load
-    # of q and stored through transposed pointers: a tl.dot of tl.trans(W),
-    # W a dot result, is miscompiled on Hopper by Triton 3.4 <= v < 3.7.1
-    # (fla #640; tests/test_kernels_dot_transpose.py).
+    # dk = W^T q as q^T W (BK x BT), q loaded and dk stored transposed: tl.dot
+    # of tl.trans(W), W a dot result, is miscompiled on Hopper by Triton 3.4 <=
+    # v < 3.7.1 (fla #640; tests/test_kernels_dot_transpose.py).
     rows = (row0 + t) * Dk
     m_kt = m_k[:, None] & m_t[None, :]
     qT = tl.load(q_ptr + rows[None, :] + o_k[:, None], mask=m_kt, other=0.0)
@@ -328,8 +350,9 @@ def chunk_dqk_kernel(
 def chunk_dv_kernel(
     q_ptr, k_ptr, do_ptr,         # (B, H, T, Dk) x 2, (B, H, T, Dv);
                                   # contiguous, one dtype
-    g_ptr, r_ptr,                 # log-decay (DECAY); 1 / den (B, H, T) fp32
-                                  # (NORMALIZE)
+    g_ptr,                        # log-decay per head (H,) fp32 (DECAY == 1)
+    hi_ptr, lo_ptr, ka_ptr, kr_ptr,  # DECAY == 2: chunk_decays' tables
+    r_ptr,                        # 1 / den (B, H, T) fp32 (NORMALIZE)
     dh_ptr,                       # state gradients leaving each chunk
                                   # (B, H, NT, Dk, Dv) fp32 or bf16
     dv_ptr,                       # out, the input dtype
@@ -371,7 +394,8 @@ def chunk_dv_kernel(
             kH = tl.dot(k.to(tl.float32), dH.to(tl.float32), acc=kH,
                         input_precision=DOT_PREC)
     Mt, _, k_decay = _decays(
-        g_ptr, i_h, row0, i_n, t, T_live, o_t, BT, DECAY, True)
+        g_ptr, hi_ptr, lo_ptr, ka_ptr, kr_ptr, i_h, i_s, row0, i_n, t, T_live,
+        o_t, BT, DECAY, True)
     Pt = Mt * Pt
     if NORMALIZE:
         Pt = Pt * tl.load(r_ptr + row0 + t, mask=m_t, other=0.0)[None, :]
@@ -482,12 +506,27 @@ def chunk_bwd_prep(do: torch.Tensor, o: torch.Tensor | None,
     return r, e, lengths
 
 
+def _decay_tables(g: torch.Tensor | None, decays: ChunkDecays | None,
+                  BT: int, layout: tuple, lengths: torch.Tensor | None
+                  ) -> list[torch.Tensor | None]:
+    """(g, hi, lo, ka, kr) as the parallel backward kernels take them: g for a
+    decay per head, the tables of `chunk_decays` for a decay per token (made
+    here when not given), None where unused."""
+    if g is None or g.dim() == 1:
+        return [g, None, None, None, None]
+    if decays is None or decays.hi is None or decays.kr is None:
+        B, H, T = g.shape
+        decays = chunk_decays(g, B, H, T, BT, layout=layout, lengths=lengths,
+                              to_start=True, prefix=True)
+    return [None, decays.hi, decays.lo, decays.ka, decays.kr]
+
+
 def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               do: torch.Tensor, g: torch.Tensor | None,
               r: torch.Tensor | None, e: torch.Tensor | None,
               states: tuple, grads: tuple, layout: tuple,
               lengths: torch.Tensor | None, cfg: dict, need_dg: bool = True,
-              kept: bool = False
+              kept: bool = False, decays: ChunkDecays | None = None
               ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Launch `chunk_dqk_kernel`: dq, dk (input dtype) and the per-token
     q . dq - k . dk, one partial per block of Dk ((NK, B, H, T) fp32, for
@@ -498,7 +537,9 @@ def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     gradients (chunk_states, forward and reversed, with cfg's BT);
     layout: (cu, chunk_offsets, chunk_indices, NT) as `sequences.packed_layout`
     gives them; lengths: (B, H) int32 or None; kept: the states are the
-    forward's, not recomputed with `lengths`."""
+    forward's, not recomputed with `lengths`; decays: `chunk_decays` of a
+    per-token g with these chunks and lengths, its ka, kr and prefix sums
+    (None: launched here)."""
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
     cu, offsets, indices, NT = layout
@@ -506,7 +547,8 @@ def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     NK = cdiv(Dk, cfg["BK"])
     dg = (torch.empty(NK, B, H, T, dtype=torch.float32, device=q.device)
           if g is not None and need_dg else None)
-    ptrs = [g, r, e, *states, *grads, dq, dk, dg, cu, offsets, indices, lengths]
+    ptrs = [*_decay_tables(g, decays, cfg["BT"], layout, lengths), r, e,
+            *states, *grads, dq, dk, dg, cu, offsets, indices, lengths]
     launchable(chunk_dqk_kernel, q.device)[(NK, NT, B * H)](
         q, k, v, do, *(p if p is not None else dq for p in ptrs),
         T, H, Dk, Dv, NT, B * H * T,
@@ -524,14 +566,15 @@ def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
 def chunk_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor,
              g: torch.Tensor | None, r: torch.Tensor | None,
              dh: torch.Tensor, layout: tuple, lengths: torch.Tensor | None,
-             cfg: dict) -> torch.Tensor:
+             cfg: dict, decays: ChunkDecays | None = None) -> torch.Tensor:
     """Launch `chunk_dv_kernel`: dv in the input dtype (arguments as for
     `chunk_dqk`)."""
     B, H, T, Dk = q.shape
     Dv = do.shape[-1]
     cu, offsets, indices, NT = layout
     dv = torch.empty(do.shape, dtype=q.dtype, device=q.device)
-    ptrs = [g, r, dh, dv, cu, offsets, indices, lengths]
+    ptrs = [*_decay_tables(g, decays, cfg["BT"], layout, lengths), r, dh, dv,
+            cu, offsets, indices, lengths]
     launchable(chunk_dv_kernel, q.device)[(cdiv(Dv, cfg["BV"]), NT, B * H)](
         q, k, do, *(p if p is not None else dv for p in ptrs), T, H, Dk, Dv, NT,
         BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"],
@@ -619,7 +662,8 @@ def chunk_bwd_two_phase(
          if log_decay is not None else None)
     if g is not None:  # both walks' decays in one launch
         kw["decays"] = chunk_decays(g, B, H, T, cfg_s["BT"], layout=layout,
-                                    lengths=lengths, to_start=True)
+                                    lengths=lengths, to_start=True,
+                                    prefix=True)
     if entry_states is None:
         h, hz, _, _ = chunk_states(
             k, v, initial_state=initial_state, state_dtype=state_dtype, **kw)
@@ -631,8 +675,10 @@ def chunk_bwd_two_phase(
         state_dtype=torch.float32 if need_dg else state_dtype, **kw)
     dq, dk, dg = chunk_dqk(q, k, v, do, g, r, e, (h, hz), (dh, dhz),
                            layout, lengths, cfg_dqk, need_dg,
-                           kept=entry_states is not None)
-    dv = chunk_dv(q, k, do, g, r, dh, layout, lengths, cfg_dv)
+                           kept=entry_states is not None,
+                           decays=kw.get("decays"))
+    dv = chunk_dv(q, k, do, g, r, dh, layout, lengths, cfg_dv,
+                  decays=kw.get("decays"))
     dG = decay_grad(dg, log_decay_end, cu_seqlens) if dg is not None else None
     return {"dq": dq, "dk": dk, "dv": dv, "dG": dG, "dS0": dS0, "dz0": dz0}
 

@@ -5,6 +5,9 @@ from __future__ import annotations
 
 from .configs import dot_precision, rounds_operands
 
+# a decay per head's g, or a decay per token's tables (chunk_decays)
+DECAY_TABLES = ["g_ptr", "hi_ptr", "lo_ptr", "ka_ptr", "kr_ptr"]
+
 
 def compile_spec_prep(cfg: dict, dtype: str) -> tuple[dict, dict]:
     """Signature and constexprs of `chunk_bwd_prep_kernel`."""
@@ -37,7 +40,7 @@ def _spec(names: list[str], dtype: str, cfg: dict,
 def compile_spec_dqk(cfg: dict, dtype: str) -> tuple[dict, dict]:
     """Signature and constexprs of `chunk_dqk_kernel`'s heaviest variant
     (decay, normaliser)."""
-    names = ["q_ptr", "k_ptr", "v_ptr", "do_ptr", "g_ptr", "r_ptr", "e_ptr",
+    names = ["q_ptr", "k_ptr", "v_ptr", "do_ptr", *DECAY_TABLES, "r_ptr", "e_ptr",
              "h_ptr", "hz_ptr", "dh_ptr", "dhz_ptr", "dq_ptr", "dk_ptr",
              "dg_ptr", "cu_ptr", "co_ptr", "ci_ptr", "len_ptr"]
     signature, constexprs = _spec(names, dtype, cfg,
@@ -55,7 +58,8 @@ def compile_spec_dqk(cfg: dict, dtype: str) -> tuple[dict, dict]:
 def compile_spec_dv(cfg: dict, dtype: str) -> tuple[dict, dict]:
     """Signature and constexprs of `chunk_dv_kernel`'s heaviest variant
     (decay, normaliser)."""
-    names = ["q_ptr", "k_ptr", "do_ptr", "g_ptr", "r_ptr", "dh_ptr", "dv_ptr",
+    names = ["q_ptr", "k_ptr", "do_ptr", *DECAY_TABLES, "r_ptr", "dh_ptr",
+             "dv_ptr",
              "cu_ptr", "co_ptr", "ci_ptr", "len_ptr"]
     return _spec(names, dtype, cfg, ["T", "H", "Dk", "Dv", "NT"])
 

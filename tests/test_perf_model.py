@@ -407,3 +407,25 @@ def test_plain_walks_copy_both_operands_ahead(normalize, decay, plain):
         ops = sass.loop_opcodes(sass.sass_listing(call, "sm_90"))
         assert ("LDG" not in ops) == is_plain and "LDGSTS" in ops, (call.args["DECAY"], ops.count("LDG"))
         assert call.num_stages == (K.configs.PLAIN_WALK_STAGES["sm90"] if is_plain else 2)
+
+
+@needs_compiler
+def test_backward_kernels_read_a_per_token_decay_from_tables():
+    """chunk_dqk and chunk_dv take a per-token decay from chunk_decays' tables (prefix sums, exp(a),
+    exp(gc)) instead of scanning the chunk's log-decays, so it costs them about what a decay per
+    head does (whose decays are arithmetic, no scan). sm_90, bf16, B = 2, H = 16, T = 16384,
+    D = 128, Triton 3.7.1: dv 1128 SASS instructions (scanned: 1317; per head 1098), no shuffles
+    (25); dqk, which also sums q . dq - k . dk for dG, 1165 (1333; per head 915)."""
+    from linattn_lib.chapters import sass
+
+    def backward(decay):
+        cen = pm.census(2, 16, 16384, 128, normalize=False, decay=decay, target="sm_90", sms=132)
+        return {c.kernel: c for c in cen["backward"] if c.kernel in ("chunk_dqk_kernel", "chunk_dv_kernel")}
+
+    head, token = backward("head"), backward("token")
+    for name, bound in (("chunk_dv_kernel", 1.1), ("chunk_dqk_kernel", 1.35)):
+        call = token[name]
+        assert {"hi_ptr", "lo_ptr", "ka_ptr", "kr_ptr"} <= set(call.args), name
+        ratio = sass.sass_stats_of(call).total / sass.sass_stats_of(head[name]).total
+        assert ratio < bound, (name, ratio)
+    assert "SHFL" not in sass.sass_listing(token["chunk_dv_kernel"], "sm_90")

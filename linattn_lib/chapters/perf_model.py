@@ -189,13 +189,15 @@ def census(B: int, H: int, T: int, D: int, dtype: torch.dtype = torch.bfloat16, 
 # kernel -> {argument: grid axes whose programs all read the same elements of it}; any other tensor argument
 # is touched once (one program per element). Every kernel the census meets should be listed
 # (tests/test_perf_model.py checks), if only to say that it re-reads nothing; fla's come from perf_fla.
+# the backward's parallel kernels read a chunk's decays in every program of its axis 0
+_DECAY_TABLES = dict.fromkeys(("g_ptr", "hi_ptr", "lo_ptr", "ka_ptr", "kr_ptr"), (0,))
 REREAD: dict[str, dict[str, tuple[int, ...]]] = {
     "chunk_state_kernel": {"k_ptr": (1,), "v_ptr": (0,), "ka_ptr": (0, 1), "gl_ptr": (0, 1), "r_ptr": (0, 1),
                            "w_ptr": (0, 1)},
     "chunk_state_merge_kernel": {"e_ptr": (2,), "lg_ptr": (0, 1), "lr_ptr": (0, 1, 2)}, "chunk_decay_kernel": {},
     "chunk_output_kernel": {"q_ptr": (0,), "k_ptr": (0,), "hz_ptr": (0,), "g_ptr": (0,)},
-    "chunk_dqk_kernel": {"v_ptr": (0,), "do_ptr": (0,), "r_ptr": (0,), "e_ptr": (0,), "g_ptr": (0,)},
-    "chunk_dv_kernel": {"q_ptr": (0,), "k_ptr": (0,), "r_ptr": (0,), "g_ptr": (0,)}, "chunk_bwd_prep_kernel": {},
+    "chunk_dqk_kernel": {"v_ptr": (0,), "do_ptr": (0,), "r_ptr": (0,), "e_ptr": (0,), **_DECAY_TABLES},
+    "chunk_dv_kernel": {"q_ptr": (0,), "k_ptr": (0,), "r_ptr": (0,), **_DECAY_TABLES}, "chunk_bwd_prep_kernel": {},
     "decay_grad_kernel": {}, "live_length_kernel": {}, **perf_fla.REREAD,
 }
 # kernel -> {argument: the fraction read} of kernels that stop early (the census has no dead tail: P blocks a row)

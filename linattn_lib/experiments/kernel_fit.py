@@ -19,8 +19,9 @@ from a fit without it. The state walks are not in the fit: they are a chain of 2
 .venv-gpu) and stores the rows in book/results/gpu/kernel_fit.json with `predictions`: the op's
 parallel kernels at B=2 T=16384 H=16 D=128 under the configs as chosen and under the changes the
 GPU check's whole-op sweep times (`gpu_extras.OVERRIDE_SETS`), so the appendix and the tests rerun
-from the file.
-`python -m linattn_lib.experiments.kernel_fit [--collect]`.
+from the file. It compiles the measured launches from the current source too, so once a kernel
+changes, only `predict` (`--predict`) runs: the measured rows keep the instructions of the code
+the GPU ran. `python -m linattn_lib.experiments.kernel_fit [--collect | --predict]`.
 """
 from __future__ import annotations
 
@@ -183,18 +184,27 @@ def op_kernels(variant: str, changes: dict, gpu: pm.GPU) -> list[dict]:
 
 
 def collect(fla_root: str | None = None) -> dict:
-    """Every row and prediction of the stored file, compiled with this environment's Triton."""
+    """Every row and prediction of the stored file, compiled with this environment's Triton. The
+    measured rows are compiled from the kernels' current source: right only while it is the source
+    the GPU ran (a kernel changed since: `predict`)."""
+    gpu = pm.GPUS["H200 SXM"]
+    env = _load(SWEEPS[0][0])["sections"]["environment"]
+    data = {"command": "python -m linattn_lib.experiments.kernel_fit --collect",
+            "measured_triton": env["triton"], "gpu": env["gpu"],
+            "bandwidth": env["ceilings"]["copy_TB_per_s"] * 1e12,
+            "rows": _sweep_rows(gpu) + _profile_rows(gpu) + _fla_rows(gpu, fla_root)}
+    return predict(data)
+
+
+def predict(data: dict) -> dict:
+    """`data` with its predictions compiled from the kernels' current source, its measured rows
+    kept as they were compiled (the kernels the GPU ran)."""
     import triton
 
     from .. import kernels as K
     gpu = pm.GPUS["H200 SXM"]
-    env = _load(SWEEPS[0][0])["sections"]["environment"]
-    data = {"command": "python -m linattn_lib.experiments.kernel_fit --collect", "triton": triton.__version__,
-            "measured_triton": env["triton"], "gpu": env["gpu"],
-            "bandwidth": env["ceilings"]["copy_TB_per_s"] * 1e12,
-            "rows": _sweep_rows(gpu) + _profile_rows(gpu) + _fla_rows(gpu, fla_root)}
-
     sets = gpu_extras.OVERRIDE_SETS
+    data = {**data, "triton": triton.__version__}
     data["predictions"] = {v: {name: op_kernels(v, changes, gpu) for name, changes in sets.items()}
                            for v in VARIANTS}
     data["chosen_round_operands"] = {k: K.rounds_operands(K.select_config(k, 128, "bf16", (9, 0)), "bf16")
@@ -237,6 +247,8 @@ def main(argv: list[str] | None = None) -> None:
 
         data = collect(os.environ.get("LINATTN_FLA_SOURCE"))
         STORED.write_text(json.dumps(data, indent=1) + "\n")
+    elif "--predict" in argv:
+        STORED.write_text(json.dumps(predict(json.loads(STORED.read_text())), indent=1) + "\n")
     print("\n".join(report(json.loads(STORED.read_text()))))
 
 
