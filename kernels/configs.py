@@ -207,6 +207,15 @@ _TWO_PHASE: dict[str, dict[str, tuple[int, int, int, int]]] = {
 }
 for _kernel, _classes in _TWO_PHASE.items():
     _TABLE[_kernel] = {cls: dict.fromkeys(WHOLE_DIMS, entry) for cls, entry in _classes.items()}
+# chunk_dv on sm_90 at Dk = Dv >= 128: one program per chunk, 64 x 128 blocks on 8 warps, so
+# P^T = K Q^T is formed once per chunk, not once per value tile (fla's dv kernel does the same: it
+# took 250 us on the H200 where ours, in two tiles, took 464). sm_90, D = 128, as the JIT
+# compiles it (Triton 3.6.0 / 3.7.1): 96-128 registers, capped at 128 (MAXNREG) for 2 CTAs, no
+# spills, 64-88 KiB of shared memory; the launch issues 14-27% fewer warp instructions, predicted
+# 6-21% faster by the fitted model (kernel_fit.py, whose tiles went up to 64 columns: 32 -> 64
+# measured 15% faster). 4 warps (168-233 registers) spilled 300 instructions where the JIT knows
+# no divisibility. The GPU check's whole-op sweep times the two tiles of before.
+_TABLE["chunk_dv"]["sm90"] = {**_TABLE["chunk_dv"]["mma16"], 128: (64, 64, 128, 8), 256: (64, 64, 128, 8)}
 _TABLE["live_length"] = _TABLE["chunk_bwd_prep"]  # the same blocks of dO, read from the end
 
 # The delta rule (delta_rule.py): class -> (BT, BK, BV, num_warps), all kernels of one class
@@ -270,7 +279,9 @@ for _classes in _TABLE.values():
 # normalised one took 0.76 (book/results/gpu/). Capped at 128 it compiles with no spill and the
 # same instruction count (tests/test_perf_model.py). Other head dims compile without the
 # divisibility the JIT sees at multiples of 16, to 175-230 registers: capped, they would spill.
-MAXNREG = {("chunk_dqk", "sm90"): 128}
+# chunk_dv's one-tile config (8 warps, D >= 128) compiles to 96-128: capped the same way. The cap
+# applies to 8-warp configs only (4-warp ones fit two CTAs at 256).
+MAXNREG = {("chunk_dqk", "sm90"): 128, ("chunk_dv", "sm90"): 128}
 
 # (kernel, class) whose fp32 operands of the in-chunk products are rounded to bf16 before the
 # product, for bf16 inputs (`rounds_operands`; fla does it in all its kernels). On an H200 the
@@ -326,7 +337,7 @@ def _config(kernel: str, cls: str, whole: int) -> dict:
     else:
         BT, tile, num_warps = entry
         cfg = {"BT": BT, w: whole, t: tile, "num_warps": num_warps, "num_stages": NUM_STAGES[cls]}
-    if (kernel, cls) in MAXNREG:
+    if (kernel, cls) in MAXNREG and num_warps == 8:  # two 8-warp CTAs on an SM
         cfg["maxnreg"] = MAXNREG[kernel, cls]
     if (kernel, cls) in ROUNDED:
         cfg["round_operands"] = "bf16"

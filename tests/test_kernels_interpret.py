@@ -576,17 +576,19 @@ def test_sm75_configs(monkeypatch, dtype):
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="fakes the GPU generation on CPU")
 def test_sm90_configs(monkeypatch):
-    """Hopper's wider blocks (dqk 64 x 32, output 32 x 64 on 8 warps) run in the interpreter
-    when told the GPU is an sm_90: head dims that leave a partial block in both, a decay, the
-    normaliser and a resumed state, forward and backward."""
+    """Hopper's wider blocks (dqk 64 x 32, output 32 x 64 on 8 warps, dv 128 value columns) run
+    in the interpreter when told the GPU is an sm_90: head dims that leave a partial block in
+    each (dv: one tile, then two), a decay, the normaliser and a resumed state, forward and
+    backward."""
     from linattn_lib.core.triton_ops import load_kernels
 
     configs = load_kernels().configs
     monkeypatch.setattr(configs, "device_capability", lambda device: (9, 0))
-    for kernel in ("chunk_dqk", "chunk_output"):
+    for kernel in ("chunk_dqk", "chunk_output", "chunk_dv"):
         picked = configs.select_config(kernel, 80, torch.float16, torch.device("cpu"))
         assert picked == configs._config(kernel, "sm90", 128) != configs._config(kernel, "mma16", 128)
     check_against_reference((1, 1, 70, 80, 72, "token", True, True), torch.float16, causal=True)
+    check_against_reference((1, 1, 70, 80, 136, "token", False, False), torch.float16, causal=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -907,7 +909,8 @@ def test_overridden_configs_reach_the_launches_and_go_away(monkeypatch):
 
 
 K_OVERRIDE_NAMES = ("as chosen", "operands not rounded (before the fitted model)", "plain state walks at 2 stages",
-                    "chunk_output in one value tile", "operands rounded to bf16", "chunk_dqk without its register cap")
+                    "chunk_dv in two value tiles (before)", "chunk_output in one value tile", "operands rounded to bf16",
+                    "chunk_dqk without its register cap")
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA run is gpu_check itself")

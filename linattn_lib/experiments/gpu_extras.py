@@ -277,6 +277,8 @@ OVERRIDE_SETS = {
     "operands not rounded (before the fitted model)": {k: {"round_operands": False} for k in TWO_PHASE[1:]},
     # plain walks (no decay: both operands copied asynchronously) at the depth the others keep
     "plain state walks at 2 stages": {"chunk_state": {"plain_stages": 2}},
+    # chunk_dv runs one program per chunk on sm_90 since the fitted model: back to two value tiles
+    "chunk_dv in two value tiles (before)": {"chunk_dv": {"BK": 32, "BV": 64, "num_warps": 4, "maxnreg": None}},
     # the fitted model's next candidate: one program per chunk (the scores formed once, not per
     # value tile), 4 warps for 2 CTAs per SM: 56% fewer instructions, the kernel predicted ~20% faster
     "chunk_output in one value tile": {"chunk_output": {"BK": 64, "BV": 128, "num_warps": 4, "round_operands": True}},
@@ -309,8 +311,9 @@ def run_override_sweep(variants: tuple[str, ...] = ("unnormalised", "normalised"
                        deadline: float | None = None) -> list[dict]:
     """Forward+backward of ours through the op, as the benchmark times it, under each of
     `OVERRIDE_SETS`: the decisions taken without a GPU since the first run (rounded operands in
-    chunk_dqk and chunk_dv, plain walks 3 deep, chunk_dqk capped at 128 registers) undone one at
-    a time, and the next candidate (chunk_output in one value tile)."""
+    chunk_dqk and chunk_dv, plain walks 3 deep, chunk_dv in one value tile, chunk_dqk capped at
+    128 registers) undone one at a time, and the next candidate (chunk_output in one value
+    tile)."""
     import time
 
     from .. import kernels as K

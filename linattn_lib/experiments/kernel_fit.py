@@ -44,8 +44,10 @@ SWEEPS = (("gpu_check.json", "config_sweep"), ("gpu_check_resumed.json", "stage_
 PROFILES = (("gpu_check.json", "per-token decay", (False, "token")), ("gpu_check.json", "normalised", (True, None)),
             ("gpu_check_resumed.json", "unnormalised", (False, None)))
 FLA_PROFILE = ("gpu_check_resumed.json", "unnormalised, fla")
-# the launches as the GPU ran them (da24ccc): chunk_dqk without its register cap, no rounded operands
-AS_MEASURED = {"chunk_dqk": {"maxnreg": None, "round_operands": False}, "chunk_dv": {"round_operands": False}}
+# the launches as the GPU ran them (da24ccc): chunk_dqk without its register cap, no rounded operands,
+# chunk_dv in two value tiles
+AS_MEASURED = {"chunk_dqk": {"maxnreg": None, "round_operands": False},
+               "chunk_dv": {"BK": 32, "BV": 64, "num_warps": 4, "maxnreg": None, "round_operands": False}}
 SMS, CLOCK = 132, 1.755e9
 GRID = (np.arange(0.8, 3.5001, 0.01), np.arange(0.0, 1.5001, 0.05))   # ipc16, alpha
 VARIANTS = {"unnormalised": (False, None), "per-head decay": (False, "head"),
