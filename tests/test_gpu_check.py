@@ -47,8 +47,9 @@ def test_the_whole_op_sweep_is_precompiled_with_its_changes():
 
     calls = list(gpu_extras.override_plan_calls(B=1, T=256, H=2, D=128))
     changed = [n for n, c in gpu_extras.OVERRIDE_SETS.items() if c]
-    assert [label for label, _ in calls] == [f"{v}, {n}" for v in ("unnormalised", "normalised") for n in changed]
-    launches, _ = record_plan(calls[:len(changed)])  # unnormalised
+    variants = ("per-token decay", "unnormalised", "normalised")
+    assert [label for label, _ in calls] == [f"{v}, {n}" for v in variants for n in changed]
+    launches, _ = record_plan(calls[len(changed):2 * len(changed)])  # unnormalised
     by_set = {}
     for launch in launches:
         by_set.setdefault(launch["call"].split(", ", 1)[1], []).append(launch)
@@ -59,6 +60,8 @@ def test_the_whole_op_sweep_is_precompiled_with_its_changes():
     # chunk_dv: one value tile a chunk on sm_90 (D = 128), two as before
     dv = lambda name: {x["grid"][0] for x in by_set[name] if x["kernel"] == "chunk_dv_kernel"}
     assert dv("chunk_dv in two value tiles (before)") == {2} and dv("operands rounded to bf16") == {1}
+    dqk = lambda name: {x["grid"][0] for x in by_set[name] if x["kernel"] == "chunk_dqk_kernel"}
+    assert dqk("chunk_dqk in one key tile") == {1} and dqk("operands rounded to bf16") == {2}
 
 
 def test_every_benchmark_row_of_ours_is_in_the_plan():

@@ -905,12 +905,12 @@ def test_overridden_configs_reach_the_launches_and_go_away(monkeypatch):
     monkeypatch.setattr(gpu_bench, "DTYPE", torch.float16)
     rows = run_override_sweep(B=1, T=40, H=1, D=16, device="cpu", do_bench=lambda fn, **kw: (fn(), 0.5)[1])
     assert [(r["variant"], r["override"], r.get("error")) for r in rows] == [
-        (v, name, None) for v in ("unnormalised", "normalised") for name in K_OVERRIDE_NAMES]
+        (v, name, None) for v in ("per-token decay", "unnormalised", "normalised") for name in K_OVERRIDE_NAMES]
 
 
 K_OVERRIDE_NAMES = ("as chosen", "operands not rounded (before the fitted model)", "plain state walks at 2 stages",
-                    "chunk_dv in two value tiles (before)", "chunk_output in one value tile", "operands rounded to bf16",
-                    "chunk_dqk without its register cap")
+                    "chunk_dv in two value tiles (before)", "chunk_output in one value tile", "chunk_dqk in one key tile",
+                    "operands rounded to bf16", "chunk_dqk without its register cap")
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA run is gpu_check itself")

@@ -282,12 +282,19 @@ OVERRIDE_SETS = {
     # the fitted model's next candidate: one program per chunk (the scores formed once, not per
     # value tile), 4 warps for 2 CTAs per SM: 56% fewer instructions, the kernel predicted ~20% faster
     "chunk_output in one value tile": {"chunk_output": {"BK": 64, "BV": 128, "num_warps": 4, "round_operands": True}},
+    # another: dq, dk in one key tile per chunk (dO v^T and the decays formed once, as fla's dqkwg on
+    # Hopper), capped for 2 CTAs per SM: spills 2-4 registers with a decay; predicted ~17% faster
+    "chunk_dqk in one key tile": {"chunk_dqk": {"BK": 128, "BV": 32}},
     "operands rounded to bf16": _ROUNDED,
     "chunk_dqk without its register cap": {"chunk_dqk": {"maxnreg": None}},
 }
 
 
-def override_plan_calls(variants: tuple[str, ...] = ("unnormalised", "normalised"), B: int = 2,
+# the whole-op sweep's variants, the goal's first (the issue's: a decay per token)
+SWEPT_VARIANTS = ("per-token decay", "unnormalised", "normalised")
+
+
+def override_plan_calls(variants: tuple[str, ...] = SWEPT_VARIANTS, B: int = 2,
                         T: int = 16384, H: int = 16, D: int = 128) -> Iterator[tuple[str, Callable[[], object]]]:
     """(label, call) of `run_override_sweep`'s forward+backward under each changed set, on CPU
     stand-ins (for `gpu_plan.record_plan`): the precompile builds their kernels with the rest, on
@@ -306,14 +313,14 @@ def override_plan_calls(variants: tuple[str, ...] = ("unnormalised", "normalised
                 yield f"{variant}, {name}", call
 
 
-def run_override_sweep(variants: tuple[str, ...] = ("unnormalised", "normalised"), B: int = 2, T: int = 16384,
+def run_override_sweep(variants: tuple[str, ...] = SWEPT_VARIANTS, B: int = 2, T: int = 16384,
                        H: int = 16, D: int = 128, *, do_bench: Callable, device: str = "cuda",
                        deadline: float | None = None) -> list[dict]:
     """Forward+backward of ours through the op, as the benchmark times it, under each of
     `OVERRIDE_SETS`: the decisions taken without a GPU since the first run (rounded operands in
     chunk_dqk and chunk_dv, plain walks 3 deep, chunk_dv in one value tile, chunk_dqk capped at
-    128 registers) undone one at a time, and the next candidate (chunk_output in one value
-    tile)."""
+    128 registers) undone one at a time, and the next candidates (chunk_output in one value
+    tile, chunk_dqk in one key tile)."""
     import time
 
     from .. import kernels as K
