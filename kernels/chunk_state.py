@@ -1,11 +1,9 @@
 """Two-phase causal forward, phase 1: the state on entry to every chunk.
 
-The autograd wrapper is `_CausalLinearAttention` in
-linattn_lib/core/triton_ops.py (it calls `chunk_fwd_two_phase` in
-chunk_output.py, which launches this kernel and then `chunk_output_kernel`); the
-tests are tests/test_kernels_two_phase.py (the stored entry states against a
-float64 recurrence) and tests/test_kernels_interpret.py (the forward through
-it).
+Launched by `chunk_fwd_two_phase` (chunk_output.py; `chunk_output_kernel` next)
+for the causal op of linattn_lib/core/triton_ops.py; tested against a float64
+recurrence by tests/test_kernels_two_phase.py, the forward through it by
+tests/test_kernels_interpret.py.
 
 `chunk_fwd_kernel` (chunk_fwd.py) keeps the state in registers and walks the
 chunks of a head one after another, doing all the work of a chunk
@@ -46,7 +44,7 @@ the chunk exp(g_last) one chunk ahead (a scalar load that the software pipeliner
 leaves alone would stall the chain for its latency). Taking the exp of g_last on
 the chain cost 5 of the per-token walk's 112 SASS instructions per chunk
 (sm_90, bf16), and forming the decayed bf16 keys through fp32 8 more
-(`_decayed_bf16`).
+(`_decayed`).
 
 The state gradient (reversed, keys scaled by r = 1 / den) multiplies in fp32
 (tf32) for fp16 inputs, where dO / den may be below the smallest fp16; bf16 has
@@ -82,7 +80,8 @@ def _keys_transposed(k_ptr, row0, t, m_t, o_k, m_k, Dk):
     num_stages - 1 chunks ahead. Loaded as (BT x BK) and transposed, it went
     through registers one chunk ahead (an LDG in the loop, sm_90): the H200
     timed such walks at 1.2-1.5 us a chunk at any tile or depth, fla's (both
-    operands copied) at 0.73."""
+    operands copied) at 0.73. Decayed walks read them so only as the GPU
+    check's candidate (configs.walk_keys_t)."""
     return tl.load(k_ptr + (row0 + t)[None, :] * Dk + o_k[:, None],
                    mask=m_k[:, None] & m_t[None, :], other=0.0)
 
@@ -130,17 +129,18 @@ def _chunk_decay(gl_ptr, c, i, n_chunks, step, DECAY: tl.constexpr):
 
 
 @triton.jit
-def _decayed_bf16(k, ea):
-    """(k ea).to(bf16) of bf16 keys k (BT x BK) and fp32 decays ea (BT,), in
-    bf16 pairs (HMUL2, HFMA2) rather than through fp32: ea = hi + lo, two bf16,
-    and k hi + (k lo) is rounded once by a fused multiply-add (k lo, ~2^-9 of
-    the product, adds ~2^-18 of error). Unpacking to fp32, scaling and packing
-    again cost 8 more SASS instructions a chunk on the walk's chain
-    (sm_90: 113 against 105; test_decayed_bf16_keys_are_rounded_once checks
-    the rounding)."""
+def _decayed(k, ea):
+    """k ea in k's dtype, for fp32 decays ea broadcast along the keys' tokens
+    (ea[:, None]; ea[None, :] for keys read transposed). bf16 keys in bf16
+    pairs (HMUL2, HFMA2; through fp32: 113 SASS a chunk, not 105): ea = hi + lo
+    and k hi + (k lo) rounded once by a fused multiply-add
+    (test_decayed_bf16_keys_are_rounded_once)."""
+    if k.dtype != tl.bfloat16:
+        # |exp(a_j) k_j| <= |k_j|: fits the input dtype
+        return (k.to(tl.float32) * ea).to(k.dtype)
     hi = ea.to(tl.bfloat16)
     lo = (ea - hi.to(tl.float32)).to(tl.bfloat16)
-    return tl.fma(k, hi[:, None], k * lo[:, None])
+    return tl.fma(k, hi, k * lo)
 
 
 @triton.jit
@@ -160,6 +160,7 @@ def _walk_S(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr,
     HAS_S0: tl.constexpr, STORE_ST: tl.constexpr, REVERSE: tl.constexpr,
     HAS_R: tl.constexpr, IS_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    KEYS_T: tl.constexpr,
 ):
     """The (BK x BV) state tile across chunks n_lo ... n_hi - 1:
     S <- exp(g_last) S + (exp(a) k)^T v, stored on entry to every chunk; it
@@ -170,7 +171,8 @@ def _walk_S(
     Split (IS_SPLIT, with a decay), the `lead` program of the run also stores
     the decay walked before each chunk (lg) and the run's total (row i_st of
     lr), for the merge.
-    Decayed bf16 keys are formed in bf16 pairs (`_decayed_bf16`)."""
+    KEYS_T (no key scales): the keys read transposed (`_keys_transposed`),
+    decayed, if at all, along their columns."""
     m_kv = m_k[:, None] & m_v[None, :]
     kv_off = o_k[:, None] * Dv + o_v[None, :]
     S = tl.zeros([BK, BV], dtype=tl.float32)
@@ -191,27 +193,25 @@ def _walk_S(
         k, v, ea, r, _ = _chunk_inputs(
             k_ptr, v_ptr, ka_ptr, r_ptr, r_ptr, row0, t, t < T_seq, c0 + n,
             o_k, m_k, o_v, m_v, Dk, Dv, BT, DECAY, HAS_R, False, True,
-            (DECAY == 0) & (HAS_R == 0))
-        k_s = k.to(tl.float32)
+            KEYS_T)
         if DECAY > 0:
-            # |exp(a_j) k_j| <= |k_j|: fits the input dtype
-            k_s = k_s * ea[:, None]
             S = S * d_last
         if IS_SPLIT and DECAY > 0:
             tl.store(lg_ptr + c0 + n, walked, mask=lead)
             walked *= d_last
         n += step
-        if HAS_R and k.dtype != tl.bfloat16:
-            S = tl.dot(tl.trans(k_s * r[:, None]), v.to(tl.float32), acc=S,
-                       input_precision=DOT_PREC)
-        elif HAS_R:
-            S = tl.dot(tl.trans((k_s * r[:, None]).to(k.dtype)), v, acc=S,
-                       input_precision=DOT_PREC)
-        elif DECAY > 0 and k.dtype == tl.bfloat16:
-            S = tl.dot(tl.trans(_decayed_bf16(k, ea)), v, acc=S,
-                       input_precision=DOT_PREC)
+        if HAS_R:
+            k_s = k.to(tl.float32) * (ea[:, None] if DECAY > 0 else 1.0)
+            k_s = k_s * r[:, None]
+            if k.dtype != tl.bfloat16:
+                S = tl.dot(tl.trans(k_s), v.to(tl.float32), acc=S,
+                           input_precision=DOT_PREC)
+            else:
+                S = tl.dot(tl.trans(k_s.to(k.dtype)), v, acc=S,
+                           input_precision=DOT_PREC)
         elif DECAY > 0:
-            S = tl.dot(tl.trans(k_s.to(k.dtype)), v, acc=S,
+            kd = _decayed(k, ea[None, :] if KEYS_T else ea[:, None])
+            S = tl.dot(kd if KEYS_T else tl.trans(kd), v, acc=S,
                        input_precision=DOT_PREC)
         else:  # plain keys, read transposed (KEYS_T)
             S = tl.dot(k, v, acc=S, input_precision=DOT_PREC)
@@ -315,7 +315,7 @@ def chunk_state_kernel(
     HAS_Z: tl.constexpr, HAS_S0: tl.constexpr, STORE_ST: tl.constexpr,
     REVERSE: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr,
     HAS_LEN: tl.constexpr, IS_VARLEN: tl.constexpr,
-    IS_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr,
+    IS_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, KEYS_T: tl.constexpr,
 ):
     i_k = tl.program_id(0)
     # value tile; with HAS_Z the last one is z's
@@ -355,7 +355,7 @@ def chunk_state_kernel(
                 lg_ptr, lr_ptr, i_nh, i_st, row0, T_seq, n_lo, n_hi, c0, first,
                 (i_k == 0) & (i_v == 0), o_k, o_v, m_k, m_v, Dk, Dv,
                 BT, BK, BV, DECAY, HAS_S0, STORE_ST,
-                REVERSE, HAS_R, IS_SPLIT, DOT_PREC)
+                REVERSE, HAS_R, IS_SPLIT, DOT_PREC, KEYS_T)
 
 
 @triton.jit
@@ -475,18 +475,17 @@ def chunk_states(
 
     reverse: walk from the last chunk to the first, h[:, :, n] then being the
     state *after* chunk n seen from the end -- with key_scale = 1 / den and
-    z_weights = dL/dden (fp32, (B, H, T)) and (k, v) = (q, dO) this is the state
-    gradient of the backward pass. lengths: (B, H) int32, tokens
-    from lengths[b, h] on read as 0. cu_seqlens: packed sequences
-    (sequences.py): B = 1, NT counts the chunks of all sequences, and the
-    initial and final states have one row per sequence, (N, H, ...). splits:
-    walk the chunks in this many runs in parallel and merge them (split-T,
-    below; batched only); None: as many as `split_count` says the GPU needs,
-    1 off a GPU. decays: `chunk_decays` of log_decay with this pass's chunks and
-    lengths (its kr reversed, else its ka), if already computed.
-    layout: `sequences.packed_layout(cu_seqlens, T, B, H, BT)` with the config's
-    BT, if already computed (packed: NT is then the bound on the chunk count,
-    sequences.py).
+    z_weights = dL/dden (fp32, (B, H, T)) and (k, v) = (q, dO) this is the
+    state gradient of the backward pass. lengths: (B, H) int32, tokens from
+    lengths[b, h] on read as 0. cu_seqlens: packed sequences (sequences.py;
+    B = 1): NT counts the chunks of all sequences, and the initial and final
+    states have one row per sequence, (N, H, ...). splits: walk the chunks in
+    this many runs in parallel and merge them (split-T, below; batched only);
+    None: as many as `split_count` says the GPU needs, 1 off a GPU. decays:
+    `chunk_decays` of log_decay with this pass's chunks and lengths (its kr
+    reversed, else its ka), if already computed. layout: the config's BT's
+    `sequences.packed_layout(cu_seqlens, T, B, H, BT)`, if already computed
+    (packed: NT is then the bound on the chunk count, sequences.py).
     """
     (B, H, T, Dk), Dv = k.shape, v.shape[-1]
     k, v = k.contiguous(), v.contiguous()
@@ -503,8 +502,7 @@ def chunk_states(
         if track_z:
             z0 = (_f32(initial_state[1]) if initial_state[1] is not None
                   else torch.zeros(n_seq, H, Dk, **f32))
-    # one more column of programs for z:
-    # a program walks either a state tile or z
+    # one more column of programs for z: a program walks a state tile or z
     tiles = (cdiv(Dk, cfg["BK"]), cdiv(Dv, cfg["BV"]) + int(track_z))
     NS, splits = _runs(splits, cu is not None,
                        tiles[0] * tiles[1] * n_seq * H, NT, k.device)
@@ -528,6 +526,7 @@ def chunk_states(
               if decay else (None, None))
     ptrs = [*decays, r, w, h, hz, S0, z0, S_T, z_T, *walked,
             cu, offsets, lengths]
+    keys_t = configs.walk_keys_t(cfg, decay, r)
     launchable(chunk_state_kernel, k.device)[(*tiles, n_seq * H * splits)](
         # h stands in for pointers never touched
         k, v, *(p if p is not None else h for p in ptrs),
@@ -536,9 +535,9 @@ def chunk_states(
         HAS_S0=S0 is not None, STORE_ST=ends, REVERSE=reverse,
         HAS_R=r is not None, HAS_W=w is not None,
         HAS_LEN=lengths is not None, IS_VARLEN=cu is not None, IS_SPLIT=split,
-        DOT_PREC=dot_precision(k.dtype),
+        DOT_PREC=dot_precision(k.dtype), KEYS_T=keys_t,
         num_warps=cfg["num_warps"], num_stages=configs.walk_stages(
-            cfg, configs.plain_walk(k.dtype, decay, r, w, track_z)),
+            cfg, configs.plain_walk(k.dtype, decay, r, w, track_z), keys_t),
     )
     if not split:
         return h, hz, S_T, z_T
@@ -678,7 +677,7 @@ def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:
                   "HAS_Z": True, "HAS_S0": True, "STORE_ST": True,
                   "REVERSE": True, "HAS_R": True, "HAS_W": True,
                   "HAS_LEN": False, "IS_VARLEN": False, "IS_SPLIT": True,
-                  "DOT_PREC": dot_precision(dtype)}
+                  "DOT_PREC": dot_precision(dtype), "KEYS_T": False}
     for name in constexprs:
         signature[name] = "constexpr"
     return signature, constexprs

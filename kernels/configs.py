@@ -318,12 +318,17 @@ def plain_walk(dtype: torch.dtype, decay: int, key_scale, z_weights,
     return not track_z or (z_weights is None and dtype == torch.bfloat16)
 
 
-def walk_stages(cfg: dict, plain: bool) -> int:
-    """The walk's pipelining depth: the config's "plain_stages" for a plain
-    walk (`PLAIN_WALK_STAGES`), else its num_stages."""
-    if plain:
-        return cfg.get("plain_stages", cfg["num_stages"])
-    return cfg["num_stages"]
+def walk_keys_t(cfg: dict, decay: int, key_scale) -> bool:
+    """Whether a walk reads its keys transposed (`_keys_transposed`, copied ahead): without key
+    scales, and with a decay only as the GPU check's candidate "decayed_keys_t" (then decayed in
+    the product's operand layout, once per warp: 235 SASS a chunk at 3 stages, not 129; sm_90)."""
+    return key_scale is None and (not decay or cfg.get("decayed_keys_t", False))
+
+
+def walk_stages(cfg: dict, plain: bool, keys_t: bool = False) -> int:
+    """The walk's pipelining depth: the config's "plain_stages" (`PLAIN_WALK_STAGES`) for a plain
+    walk or one reading its keys transposed (`walk_keys_t`), else its num_stages."""
+    return cfg.get("plain_stages", cfg["num_stages"]) if plain or keys_t else cfg["num_stages"]
 
 
 def _config(kernel: str, cls: str, whole: int) -> dict:

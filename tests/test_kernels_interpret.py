@@ -910,7 +910,8 @@ def test_overridden_configs_reach_the_launches_and_go_away(monkeypatch):
 
 K_OVERRIDE_NAMES = ("as chosen", "operands not rounded (before the fitted model)", "plain state walks at 2 stages",
                     "chunk_dv in two value tiles (before)", "chunk_output in one value tile", "chunk_dqk in one key tile",
-                    "operands rounded to bf16", "chunk_dqk without its register cap")
+                    "decayed walks read their keys transposed", "operands rounded to bf16",
+                    "chunk_dqk without its register cap")
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA run is gpu_check itself")

@@ -363,7 +363,7 @@ def test_decay_grad_sums_each_sequence_from_its_end():
 
 
 def test_decayed_bf16_keys_are_rounded_once():
-    """The state walk forms its decayed bf16 keys in bf16 pairs (`_decayed_bf16`: ea = hi + lo,
+    """The state walk forms its decayed bf16 keys in bf16 pairs (`_decayed`: ea = hi + lo,
     then fma(k, hi, (k lo) rounded)), which the interpreter cannot run; emulated here in exact
     arithmetic, it is (k ea) rounded once to bf16 but for a rare tie, within half a bf16 ulp
     and a hair -- where rounding ea to bf16 first (one product, k hi) is off a quarter of the
@@ -599,6 +599,26 @@ def test_wide_state_tiles_equal_the_narrow_ones(reverse, name):
         want = K.chunk_states(d["k"], d["v"], config=dict(narrow, num_stages=1), **kw)
         got = K.chunk_states(d["k"], d["v"], config=dict(wide, num_stages=1), **kw)
         for name, a, b in zip(("h", "hz", "S_T", "z_T"), got, want):
+            assert a.shape == b.shape and a.dtype == b.dtype, name
+            assert rel(a, b) < 1e-6, (dtype, name, rel(a, b))
+
+
+@pytest.mark.parametrize("reverse", [False, True], ids=["forward", "reversed"])
+@pytest.mark.parametrize("decay", ["head", "token-reset"])
+def test_decayed_walks_reading_their_keys_transposed_walk_the_same_states(reverse, decay):
+    """The GPU check's candidate "decayed_keys_t" (configs.walk_keys_t): a decayed walk without key
+    scales reads its keys transposed and decays them along their columns, and walks the same
+    entry and final states, forward and reversed, Dv = 100, fp32 and fp16 in the interpreter."""
+    cfg = dict(K.select_config("chunk_state", 128, torch.bfloat16, K.TARGETS["sm_90"]), num_stages=1)
+    assert not K.configs.walk_keys_t(cfg, 2, None) and K.configs.walk_keys_t(cfg, 0, None)
+    assert K.configs.walk_keys_t(dict(cfg, decayed_keys_t=True), 2, None)
+    assert not K.configs.walk_keys_t(dict(cfg, decayed_keys_t=True), 2, torch.ones(1))
+    for dtype in (torch.float32, torch.float16):
+        d = _on_device(make_inputs(2, 1, 150, 48, 100, decay, False, True, dtype, seed=13))
+        kw = dict(log_decay=d["g"], initial_state=(d["S0"], None), store_final_state=True, reverse=reverse)
+        want = K.chunk_states(d["k"], d["v"], config=cfg, **kw)
+        got = K.chunk_states(d["k"], d["v"], config=dict(cfg, decayed_keys_t=True), **kw)
+        for name, a, b in zip(("h", "S_T"), got[::2], want[::2]):
             assert a.shape == b.shape and a.dtype == b.dtype, name
             assert rel(a, b) < 1e-6, (dtype, name, rel(a, b))
 

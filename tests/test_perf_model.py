@@ -410,6 +410,28 @@ def test_plain_walks_copy_both_operands_ahead(normalize, decay, plain):
 
 
 @needs_compiler
+def test_decayed_walks_can_read_their_keys_transposed():
+    """The whole-op sweep's candidate for the walks (configs.walk_keys_t): a decayed walk that reads
+    its keys transposed copies them ahead with its values, 3 stages deep (the loop's one plain
+    load left: the next chunk's decay, a scalar), and pays for it by decaying them in the
+    product's operand layout, once per warp: sm_90, bf16, per-token decay, Triton 3.7.1, 235 SASS
+    instructions in the loop against 129."""
+    from linattn_lib.chapters import sass
+
+    def forward_walk():
+        cen = pm.census(2, 16, 16384, 128, normalize=False, decay="token", target="sm_90", sms=132)
+        return next(c for c in cen["forward"] if c.kernel == "chunk_state_kernel")
+
+    before = forward_walk()
+    with K.overridden({"chunk_state": {"decayed_keys_t": True}}):
+        after = forward_walk()
+    ops_b, ops_a = (sass.loop_opcodes(sass.sass_listing(c, "sm_90")) for c in (before, after))
+    assert (ops_b.count("LDG"), ops_a.count("LDG")) == (2, 1)
+    assert ops_a.count("LDGSTS") == ops_b.count("LDGSTS") + 1
+    assert (before.num_stages, after.num_stages) == (2, 3) and 1.5 < len(ops_a) / len(ops_b) < 2
+
+
+@needs_compiler
 def test_backward_kernels_read_a_per_token_decay_from_tables():
     """chunk_dqk and chunk_dv take a per-token decay from chunk_decays' tables (prefix sums, exp(a),
     exp(gc)) instead of scanning the chunk's log-decays, so it costs them about what a decay per

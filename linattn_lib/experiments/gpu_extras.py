@@ -285,6 +285,9 @@ OVERRIDE_SETS = {
     # another: dq, dk in one key tile per chunk (dO v^T and the decays formed once, as fla's dqkwg on
     # Hopper), capped for 2 CTAs per SM: spills 2-4 registers with a decay; predicted ~17% faster
     "chunk_dqk in one key tile": {"chunk_dqk": {"BK": 128, "BV": 32}},
+    # and the walks': with a decay, keys read transposed (copied ahead, 3 stages; decayed in the
+    # product's operand layout: 235 SASS a chunk, not 129), as plain walks read them
+    "decayed walks read their keys transposed": {"chunk_state": {"decayed_keys_t": True}},
     "operands rounded to bf16": _ROUNDED,
     "chunk_dqk without its register cap": {"chunk_dqk": {"maxnreg": None}},
 }
@@ -320,7 +323,7 @@ def run_override_sweep(variants: tuple[str, ...] = SWEPT_VARIANTS, B: int = 2, T
     `OVERRIDE_SETS`: the decisions taken without a GPU since the first run (rounded operands in
     chunk_dqk and chunk_dv, plain walks 3 deep, chunk_dv in one value tile, chunk_dqk capped at
     128 registers) undone one at a time, and the next candidates (chunk_output in one value
-    tile, chunk_dqk in one key tile)."""
+    tile, chunk_dqk in one key tile, decayed walks reading their keys transposed)."""
     import time
 
     from .. import kernels as K
