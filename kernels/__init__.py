@@ -10,9 +10,12 @@ wrappers live in `linattn_lib/core/triton_ops.py`.
     chunk_state.py   chunk_state_kernel    causal forward, phase 1: every chunk's entry state;
                      chunk_state_merge_kernel  split-T: runs of chunks walked in parallel, merged
     chunk_output.py  chunk_output_kernel   phase 2: all chunks' outputs in parallel; chunk_fwd_two_phase
-    chunk_grad.py    chunk_bwd_prep_kernel (live_length_kernel), chunk_dqk_kernel, chunk_dv_kernel,
-                     decay_grad_kernel     the two-phase backward (phase 1 is chunk_state reversed),
-                                           the log-decay's gradient; chunk_bwd_two_phase
+    chunk_grad.py    chunk_dqk_kernel, chunk_dv_kernel (chunk_dqkv_kernel: both in one)
+                                           the two-phase backward (phase 1 is chunk_state reversed);
+                                           chunk_bwd_two_phase
+    chunk_grad_prep.py chunk_bwd_prep_kernel (live_length_kernel), decay_grad_kernel
+                                           around it: 1 / den, dL/dden, live lengths from dO; the
+                                           log-decay's gradient
     sequences.py     where a program's tokens and states are: batched or packed (cu_seqlens)
     chunk_fwd.py     chunk_fwd_kernel      causal forward in one pass; run backwards in time it gives dV
     noncausal.py     noncausal_state_kernel, noncausal_output_kernel
@@ -33,13 +36,15 @@ from .chunk_decay import compile_spec as _chunk_decay_spec
 from .chunk_fwd import chunk_fwd, chunk_fwd_kernel
 from .chunk_fwd import compile_spec as _chunk_fwd_spec
 from .chunk_grad import (
-    chunk_bwd_prep,
-    chunk_bwd_prep_kernel,
     chunk_bwd_two_phase,
     chunk_dqk,
     chunk_dqk_kernel,
     chunk_dv,
     chunk_dv_kernel,
+)
+from .chunk_grad_prep import (
+    chunk_bwd_prep,
+    chunk_bwd_prep_kernel,
     decay_grad,
     decay_grad_kernel,
     live_length_kernel,

@@ -35,7 +35,12 @@ gradient is linear attention again:
 and the log-decay's gradient, dL/dG_t = q_t . dq_t - k_t . dk_t, summed over the
 tokens after each (a suffix sum, decay_grad_kernel). The dqk kernel forms the
 row products from its fp32 dq, dk before they are rounded, one partial per Dk
-block.
+block. r, e and the suffix sum are chunk_grad_prep.py's.
+
+One kernel, or two. chunk_dqk_kernel (a program per chunk and Dk block) and
+chunk_dv_kernel (a program per chunk and value tile) both read the chunk's q, k,
+dO and dH_n; chunk_dqkv_kernel does both kernels' work in one program per chunk
+(W once, the second reads from L2): the GPU check's candidate (`fused_dqkv`).
 
 Precision. 1 / den and dL/dden are fp32 and never meet fp16: dO / den underflows
 fp16 for a mean loss over long sequences (where the previous engine needed loss
@@ -66,6 +71,7 @@ from .chunk_decay import (
     launch_config,
 )
 from .chunk_fwd import _gap
+from .chunk_grad_prep import chunk_bwd_prep, decay_grad
 from .chunk_state import chunk_states, state_config
 from .configs import dot_precision, launchable, max_registers, rounds_operands
 from .sequences import (
@@ -74,71 +80,8 @@ from .sequences import (
     first_chunk,
     is_padding_chunk,
     packed_layout,
-    packed_starts,
     sequence_rows,
 )
-
-
-@triton.jit
-def chunk_bwd_prep_kernel(do_ptr, o_ptr, den_ptr, r_ptr, e_ptr, len_ptr, T, Dv,
-                          BT: tl.constexpr, BV: tl.constexpr,
-                          NORMALIZE: tl.constexpr, FIND_LEN: tl.constexpr):
-    """Per row of dO (one program: BT tokens of one (batch, head) row, the
-    whole Dv):
-
-    NORMALIZE  r = 1 / den and e = -(dO . o) / den (fp32), 0 for a row whose dO
-               is all zero: a zero cotangent selects zero, for an output no loss
-               term depends on (padding, one after a NaN) may be inf or NaN, and
-               0 * NaN would carry it into every earlier gradient;
-    FIND_LEN   len[b, h] = 1 + the last token whose dO is not all zero
-               (atomic max; len must start at 0): the tokens after it are the
-               dead tail the other kernels skip.
-    """
-    i_t = tl.program_id(0)
-    i_bh = tl.program_id(1).to(tl.int64)
-    t = i_t * BT + tl.arange(0, BT)
-    m_t = t < T
-    rows = i_bh * T + t
-    cols = tl.arange(0, BV)
-    m = m_t[:, None] & (cols < Dv)[None, :]
-    do = tl.load(do_ptr + rows[:, None] * Dv + cols[None, :], mask=m,
-                 other=0.0).to(tl.float32)
-    used = do != 0
-    row_used = tl.max(used.to(tl.int32), axis=1) > 0
-    if NORMALIZE:
-        o = tl.load(o_ptr + rows[:, None] * Dv + cols[None, :], mask=m,
-                    other=0.0).to(tl.float32)
-        dot = tl.sum(tl.where(used, do * o, 0.0), axis=1)
-        den = tl.load(den_ptr + rows, mask=m_t & row_used, other=1.0)
-        tl.store(r_ptr + rows, tl.where(row_used, 1.0 / den, 0.0), mask=m_t)
-        tl.store(e_ptr + rows, tl.where(dot != 0, -dot / den, 0.0), mask=m_t)
-    if FIND_LEN:
-        tl.atomic_max(len_ptr + i_bh,
-                      tl.max(tl.where(row_used, t + 1, 0), axis=0))
-
-
-@triton.jit
-def live_length_kernel(do_ptr, len_ptr, T, Dv, P,
-                       BT: tl.constexpr, BV: tl.constexpr):
-    """len[b, h] = 1 + the last token whose dO is not all zero (atomic max; len
-    must start at 0), as chunk_bwd_prep_kernel's FIND_LEN finds it but read from
-    the end: program p of a row's P reads its blocks of BT tokens p,
-    p + P, ... counted from the last one, and stops at the first that holds a
-    nonzero row. A row with no dead tail is read P blocks deep, not all of it
-    (where r and e are not needed: the unnormalised backward)."""
-    i_bh = tl.program_id(1).to(tl.int64)
-    cols = tl.arange(0, BV)
-    n = tl.cdiv(T, BT) - 1 - tl.program_id(0)
-    last = -1
-    while (last < 0) & (n >= 0):
-        t = n * BT + tl.arange(0, BT)
-        m = (t < T)[:, None] & (cols < Dv)[None, :]
-        do = tl.load(do_ptr + (i_bh * T + t)[:, None] * Dv + cols[None, :],
-                     mask=m, other=0.0)
-        used = tl.max((do != 0).to(tl.int32), axis=1) > 0
-        last = tl.max(tl.where(used, t, -1), axis=0)
-        n -= P
-    tl.atomic_max(len_ptr + i_bh, last + 1)
 
 
 @triton.jit
@@ -153,10 +96,11 @@ def _dqk_products(
     do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_k, m_k, Dk, Dv,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr, ROUND: tl.constexpr,
+    SCORES: tl.constexpr = True, STATES: tl.constexpr = True,
 ):
-    """Over the blocks of Dv: dO v^T (BT x BT), dO S_n^T (BT x BK) and dH_n v^T
-    (BK x BT: dk's state term, transposed like dk), fp32 (ROUND: the states
-    rounded to the input dtype first)."""
+    """Over the blocks of Dv: dO v^T (BT x BT, SCORES), dO S_n^T (BT x BK) and
+    dH_n v^T (BK x BT: dk's state term, transposed like dk) (STATES), fp32
+    (ROUND: the states rounded to the input dtype first)."""
     A = tl.zeros([BT, BT], dtype=tl.float32)
     dqS = tl.zeros([BT, BK], dtype=tl.float32)
     dkH = tl.zeros([BK, BT], dtype=tl.float32)
@@ -165,24 +109,41 @@ def _dqk_products(
         m_v = o_v < Dv
         do = _load_rows(do_ptr, row0, t, m_t, o_v, m_v, Dv)
         v = _load_rows(v_ptr, row0, t, m_t, o_v, m_v, Dv)
-        s_off = i_s * Dk * Dv + o_k[:, None] * Dv + o_v[None, :]
-        m_kv = m_k[:, None] & m_v[None, :]
-        # fp32 or bf16 (see below)
-        if ROUND:
-            S = tl.load(h_ptr + s_off, mask=m_kv, other=0.0).to(do.dtype)
-        else:
-            S = tl.load(h_ptr + s_off, mask=m_kv, other=0.0).to(tl.float32)
-        dH = tl.load(dh_ptr + s_off, mask=m_kv, other=0.0)
-        A = tl.dot(do, tl.trans(v), acc=A, input_precision=DOT_PREC)
-        if ROUND:
-            dqS = tl.dot(do, tl.trans(S), acc=dqS)
-            dkH = tl.dot(dH.to(v.dtype), tl.trans(v), acc=dkH)
-        else:
-            dqS = tl.dot(do.to(tl.float32), tl.trans(S), acc=dqS,
-                         input_precision=DOT_PREC)
-            dkH = tl.dot(dH.to(tl.float32), tl.trans(v.to(tl.float32)),
-                         acc=dkH, input_precision=DOT_PREC)
+        if STATES:
+            s_off = i_s * Dk * Dv + o_k[:, None] * Dv + o_v[None, :]
+            m_kv = m_k[:, None] & m_v[None, :]
+            # fp32 or bf16 (see below)
+            if ROUND:
+                S = tl.load(h_ptr + s_off, mask=m_kv, other=0.0).to(do.dtype)
+            else:
+                S = tl.load(h_ptr + s_off, mask=m_kv,
+                            other=0.0).to(tl.float32)
+            dH = tl.load(dh_ptr + s_off, mask=m_kv, other=0.0)
+        if SCORES:
+            A = tl.dot(do, tl.trans(v), acc=A, input_precision=DOT_PREC)
+        if STATES:
+            if ROUND:
+                dqS = tl.dot(do, tl.trans(S), acc=dqS)
+                dkH = tl.dot(dH.to(v.dtype), tl.trans(v), acc=dkH)
+            else:
+                dqS = tl.dot(do.to(tl.float32), tl.trans(S), acc=dqS,
+                             input_precision=DOT_PREC)
+                dkH = tl.dot(dH.to(tl.float32), tl.trans(v.to(tl.float32)),
+                             acc=dkH, input_precision=DOT_PREC)
     return A, dqS, dkH
+
+
+@triton.jit
+def _weights(A, M, r_ptr, e_ptr, row0, t, m_t, NORMALIZE: tl.constexpr):
+    """The chunk's gradient weights W = M (r A + e) (NORMALIZE) or M A, from
+    A = dO v^T and the decays M."""
+    if NORMALIZE:
+        r = tl.load(r_ptr + row0 + t, mask=m_t, other=0.0)
+        e = tl.load(e_ptr + row0 + t, mask=m_t, other=0.0)
+        W = M * (r[:, None] * A + e[:, None])
+    else:
+        W = M * A
+    return W
 
 
 @triton.jit
@@ -264,56 +225,38 @@ def _chunk_program(cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT,
 
 
 @triton.jit
-def chunk_dqk_kernel(
-    q_ptr, k_ptr, v_ptr, do_ptr,  # (B, H, T, Dk) x 2, (B, H, T, Dv) x 2;
-                                  # contiguous, one dtype
-    g_ptr,                        # log-decay per head (H,) fp32 (DECAY == 1)
-    hi_ptr, lo_ptr, ka_ptr, kr_ptr,  # DECAY == 2: chunk_decays' tables
-    r_ptr, e_ptr,                 # (B, H, T) fp32 from chunk_bwd_prep_kernel
-                                  # (NORMALIZE)
-    h_ptr, hz_ptr,                # forward entry states (B, H, NT, Dk, Dv),
-                                  # (B, H, NT, Dk) fp32
-    dh_ptr, dhz_ptr,              # state gradients leaving each chunk,
-                                  # same shapes
-    dq_ptr, dk_ptr,               # out, the input dtype
-    dg_ptr,                       # out (NK, B, H, T) fp32: q . dq - k . dk
-                                  # over this Dk block (DG)
-    cu_ptr, co_ptr, ci_ptr, len_ptr,
-    T, H, Dk, Dv, NT, n_rows,
+def _dq_dk(
+    q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, hi_ptr, lo_ptr, ka_ptr, kr_ptr,
+    r_ptr, e_ptr, h_ptr, hz_ptr, dh_ptr, dhz_ptr, dq_ptr, dk_ptr, dg_ptr,
+    row0, i_h, i_s, i_n, t, T_live, T_seq, i_k, Dk, Dv, n_rows,
+    W, q_decay, k_decay,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DECAY: tl.constexpr, DG: tl.constexpr, NORMALIZE: tl.constexpr,
-    HAS_LEN: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-    KEPT: tl.constexpr = False,   # h, hz kept from the forward (not recomputed)
-    ROUND: tl.constexpr = False,  # operands rounded to the input dtype
-                                  # (rounds_operands)
+    HAS_LEN: tl.constexpr, DOT_PREC: tl.constexpr, KEPT: tl.constexpr,
+    ROUND: tl.constexpr, W_GIVEN: tl.constexpr,
 ):
-    i_k = tl.program_id(0)
-    row0, i_h, i_s, i_n, t, T_live, T_seq = _chunk_program(
-        cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT, HAS_LEN, IS_VARLEN)
-    if IS_VARLEN:
-        # a slot past the last chunk (sequences.py)
-        if is_padding_chunk(i_n, T_seq, BT):
-            return
+    """dq and dk of Dk block i_k of a chunk (`_chunk_program`'s), and (DG) its
+    partial of q . dq - k . dk; the gradient weights W and the decays q_decay,
+    k_decay formed here, or given (W_GIVEN)."""
     m_t, m_out = t < T_live, t < T_seq
-    o_t = tl.arange(0, BT)
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < Dk
     A, dqS, dkH = _dqk_products(
         do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_k, m_k, Dk, Dv,
-        BT, BK, BV, DOT_PREC, ROUND)
-    M, q_decay, k_decay = _decays(
-        g_ptr, hi_ptr, lo_ptr, ka_ptr, kr_ptr, i_h, i_s, row0, i_n, t, T_live,
-        o_t, BT, DECAY)
+        BT, BK, BV, DOT_PREC, ROUND, not W_GIVEN)
+    if not W_GIVEN:
+        M, q_decay, k_decay = _decays(
+            g_ptr, hi_ptr, lo_ptr, ka_ptr, kr_ptr, i_h, i_s, row0, i_n, t,
+            T_live, tl.arange(0, BT), BT, DECAY)
+        W = _weights(A, M, r_ptr, e_ptr, row0, t, m_t, NORMALIZE)
     if NORMALIZE:
         r = tl.load(r_ptr + row0 + t, mask=m_t, other=0.0)
         e = tl.load(e_ptr + row0 + t, mask=m_t, other=0.0)
-        W = M * (r[:, None] * A + e[:, None])
         z = tl.load(hz_ptr + i_s * Dk + o_k, mask=m_k, other=0.0)
         dz = tl.load(dhz_ptr + i_s * Dk + o_k, mask=m_k, other=0.0)
         dq_state = r[:, None] * dqS + e[:, None] * z[None, :]
         dk_state = dkH + dz[:, None]
     else:
-        W = M * A
         dq_state = dqS
         dk_state = dkH
     # dk = W^T q as q^T W (BK x BT), q loaded and dk stored transposed: tl.dot
@@ -347,30 +290,13 @@ def chunk_dqk_kernel(
 
 
 @triton.jit
-def chunk_dv_kernel(
-    q_ptr, k_ptr, do_ptr,         # (B, H, T, Dk) x 2, (B, H, T, Dv);
-                                  # contiguous, one dtype
-    g_ptr,                        # log-decay per head (H,) fp32 (DECAY == 1)
-    hi_ptr, lo_ptr, ka_ptr, kr_ptr,  # DECAY == 2: chunk_decays' tables
-    r_ptr,                        # 1 / den (B, H, T) fp32 (NORMALIZE)
-    dh_ptr,                       # state gradients leaving each chunk
-                                  # (B, H, NT, Dk, Dv) fp32 or bf16
-    dv_ptr,                       # out, the input dtype
-    cu_ptr, co_ptr, ci_ptr, len_ptr,
-    T, H, Dk, Dv, NT,
+def _dv(
+    q_ptr, k_ptr, do_ptr, g_ptr, hi_ptr, lo_ptr, ka_ptr, kr_ptr, r_ptr,
+    dh_ptr, dv_ptr, row0, i_h, i_s, i_n, t, T_live, T_seq, i_v, Dk, Dv,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr,
-    NORMALIZE: tl.constexpr, HAS_LEN: tl.constexpr,
-    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-    ROUND: tl.constexpr = False,  # operands rounded to the input dtype
-                                  # (rounds_operands)
+    NORMALIZE: tl.constexpr, DOT_PREC: tl.constexpr, ROUND: tl.constexpr,
 ):
-    i_v = tl.program_id(0)
-    row0, i_h, i_s, i_n, t, T_live, T_seq = _chunk_program(
-        cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT, HAS_LEN, IS_VARLEN)
-    if IS_VARLEN:
-        # a slot past the last chunk (sequences.py)
-        if is_padding_chunk(i_n, T_seq, BT):
-            return
+    """dv of value tile i_v of a chunk (`_chunk_program`'s)."""
     m_t, m_out = t < T_live, t < T_seq
     o_t = tl.arange(0, BT)
     o_v = i_v * BV + tl.arange(0, BV)
@@ -412,98 +338,130 @@ def chunk_dv_kernel(
 
 
 @triton.jit
-def decay_grad_kernel(part_ptr, end_ptr, dg_ptr, cu_ptr, T, H, n_rows, NK,
-                      BT: tl.constexpr, HAS_END: tl.constexpr,
-                      IS_VARLEN: tl.constexpr):
-    """The log-decay's gradient for the tokens of one (sequence, head) (program
-    (sequence, head)): dL/dG_t = the sum over s >= t in the sequence of
-    r_s = q_s . dq_s - k_s . dk_s, the NK key blocks' partials of
-    chunk_dqk_kernel ((NK, rows) fp32) added here, plus the final state's
-    term end[sequence H + head] (HAS_END). Walked from the sequence's end in
-    blocks of BT tokens: each a reversed scan plus the sum of the blocks after
-    it, so that every entry is a sum of exactly its own terms (no difference of
-    larger sums)."""
-    i_seq = tl.program_id(0).to(tl.int64)
-    i_h = tl.program_id(1).to(tl.int64)
-    row0, T_seq = sequence_rows(i_seq, i_h, cu_ptr, T, H, IS_VARLEN)
-    after = 0.0
-    if HAS_END:
-        after = tl.load(end_ptr + i_seq * H + i_h)
-    for i in range(0, tl.cdiv(T_seq, BT)):
-        t = T_seq - (i + 1) * BT + tl.arange(0, BT)
-        r = tl.zeros([BT], dtype=tl.float32)
-        part = part_ptr + row0 + t
-        # the pointer steps by n_rows: 64-bit addresses
-        for _ in range(0, NK):
-            r += tl.load(part, mask=t >= 0, other=0.0)
-            part += n_rows
-        tl.store(dg_ptr + row0 + t,
-                 tl.cumsum(r, axis=0, reverse=True) + after, mask=t >= 0)
-        after += tl.sum(r, axis=0)
+def chunk_dqk_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr,  # (B, H, T, Dk) x 2, (B, H, T, Dv) x 2;
+                                  # contiguous, one dtype
+    g_ptr,                        # log-decay per head (H,) fp32 (DECAY == 1)
+    hi_ptr, lo_ptr, ka_ptr, kr_ptr,  # DECAY == 2: chunk_decays' tables
+    r_ptr, e_ptr,                 # (B, H, T) fp32 from chunk_bwd_prep_kernel
+                                  # (NORMALIZE)
+    h_ptr, hz_ptr,                # forward entry states (B, H, NT, Dk, Dv),
+                                  # (B, H, NT, Dk) fp32
+    dh_ptr, dhz_ptr,              # state gradients leaving each chunk,
+                                  # same shapes
+    dq_ptr, dk_ptr,               # out, the input dtype
+    dg_ptr,                       # out (NK, B, H, T) fp32: q . dq - k . dk
+                                  # over this Dk block (DG)
+    cu_ptr, co_ptr, ci_ptr, len_ptr,
+    T, H, Dk, Dv, NT, n_rows,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    DECAY: tl.constexpr, DG: tl.constexpr, NORMALIZE: tl.constexpr,
+    HAS_LEN: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    KEPT: tl.constexpr = False,   # h, hz kept from the forward (not recomputed)
+    ROUND: tl.constexpr = False,  # operands rounded to the input dtype
+                                  # (rounds_operands)
+):
+    row0, i_h, i_s, i_n, t, T_live, T_seq = _chunk_program(
+        cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT, HAS_LEN, IS_VARLEN)
+    if IS_VARLEN:
+        # a slot past the last chunk (sequences.py)
+        if is_padding_chunk(i_n, T_seq, BT):
+            return
+    _dq_dk(q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, hi_ptr, lo_ptr, ka_ptr, kr_ptr,
+           r_ptr, e_ptr, h_ptr, hz_ptr, dh_ptr, dhz_ptr, dq_ptr, dk_ptr, dg_ptr,
+           row0, i_h, i_s, i_n, t, T_live, T_seq, tl.program_id(0), Dk, Dv,
+           n_rows, None, None, None, BT, BK, BV, DECAY, DG, NORMALIZE, HAS_LEN,
+           DOT_PREC, KEPT, ROUND, False)
 
 
-def decay_grad(parts: torch.Tensor, end: torch.Tensor | None,
-               cu_seqlens: torch.Tensor | None = None,
-               config: dict | None = None) -> torch.Tensor:
-    """Launch `decay_grad_kernel`: dL/dG (B, H, T) fp32 from the per-block
-    partials (NK, B, H, T) of q . dq - k . dk, summed after each token within
-    its sequence; end (sequences, H) fp32 or None: the final state's term, added
-    to every token of its sequence."""
-    NK, B, H, T = parts.shape
-    cfg = config or launch_config("decay_grad", 1, torch.float32, parts.device)
-    dg = torch.empty(B, H, T, dtype=torch.float32, device=parts.device)
-    n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
-    cu = None if cu_seqlens is None else packed_starts(cu_seqlens, T)
-    if dg.numel() and n_seq:
-        launchable(decay_grad_kernel, parts.device)[(n_seq, H)](
-            parts.contiguous(), end.contiguous() if end is not None else dg,
-            dg, cu if cu is not None else dg, T, H, B * H * T, NK,
-            BT=cfg["BT"], HAS_END=end is not None, IS_VARLEN=cu is not None,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    return dg
+@triton.jit
+def chunk_dv_kernel(
+    q_ptr, k_ptr, do_ptr,         # (B, H, T, Dk) x 2, (B, H, T, Dv);
+                                  # contiguous, one dtype
+    g_ptr,                        # log-decay per head (H,) fp32 (DECAY == 1)
+    hi_ptr, lo_ptr, ka_ptr, kr_ptr,  # DECAY == 2: chunk_decays' tables
+    r_ptr,                        # 1 / den (B, H, T) fp32 (NORMALIZE)
+    dh_ptr,                       # state gradients leaving each chunk
+                                  # (B, H, NT, Dk, Dv) fp32 or bf16
+    dv_ptr,                       # out, the input dtype
+    cu_ptr, co_ptr, ci_ptr, len_ptr,
+    T, H, Dk, Dv, NT,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr,
+    NORMALIZE: tl.constexpr, HAS_LEN: tl.constexpr,
+    IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    ROUND: tl.constexpr = False,  # operands rounded to the input dtype
+                                  # (rounds_operands)
+):
+    row0, i_h, i_s, i_n, t, T_live, T_seq = _chunk_program(
+        cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT, HAS_LEN, IS_VARLEN)
+    if IS_VARLEN:
+        # a slot past the last chunk (sequences.py)
+        if is_padding_chunk(i_n, T_seq, BT):
+            return
+    _dv(q_ptr, k_ptr, do_ptr, g_ptr, hi_ptr, lo_ptr, ka_ptr, kr_ptr, r_ptr,
+        dh_ptr, dv_ptr, row0, i_h, i_s, i_n, t, T_live, T_seq,
+        tl.program_id(0), Dk, Dv, BT, BK, BV, DECAY, NORMALIZE, DOT_PREC, ROUND)
 
 
-LIVE_LENGTH_PROGRAMS = 16
+@triton.jit
+def chunk_dqkv_kernel(
+    q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, hi_ptr, lo_ptr, ka_ptr, kr_ptr,
+    r_ptr, e_ptr, h_ptr, hz_ptr, dh_ptr, dhz_ptr,
+    dq_ptr, dk_ptr, dv_ptr, dg_ptr,  # as chunk_dqk_kernel's and chunk_dv's
+    cu_ptr, co_ptr, ci_ptr, len_ptr,
+    T, H, Dk, Dv, NT, n_rows, zero,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,  # chunk_dqk's
+    BKV: tl.constexpr, BVO: tl.constexpr,  # chunk_dv's BK, BV
+    NVO: tl.constexpr,  # value tiles: cdiv(Dv, BVO)
+    DECAY: tl.constexpr, DG: tl.constexpr, NORMALIZE: tl.constexpr,
+    HAS_LEN: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
+    KEPT: tl.constexpr = False, ROUND: tl.constexpr = False,
+):
+    """A chunk's dq, dk and dv in one program (grid (1, chunks, B H)): the
+    gradient weights W (dO v^T over all of Dv, the decays) formed once, then
+    chunk_dqk_kernel's work for every Dk block, then chunk_dv_kernel's for
+    every value tile. Apart, W is formed once per Dk block, and dv's kernel
+    reads q, k, dO and dH_n again from HBM (0.9-1.1 GB more at B = 2,
+    T = 16384, H = 16, d = 128, by the model's count); here they come from L2.
+    The GPU check's candidate (`fused_dqkv`).
 
-
-def chunk_bwd_prep(do: torch.Tensor, o: torch.Tensor | None,
-                   den: torch.Tensor | None, *, find_lengths: bool = False,
-                   config: dict | None = None) -> tuple:
-    """Launch `chunk_bwd_prep_kernel`: (r, e, lengths).
-
-    r, e: 1 / den and dL/dden = -(dO . o) / den, fp32 (B, H, T), when den is
-    given (else None). lengths: (B, H) int32, 1 + the last position whose
-    cotangent is not zero (0 if none), when find_lengths (else None). dO is read
-    once for both; for the lengths alone, from the end of each row
-    (`live_length_kernel`, LIVE_LENGTH_PROGRAMS programs a row)."""
-    B, H, T, Dv = do.shape
-    normalize = den is not None
-    cfg = config or launch_config(
-        "chunk_bwd_prep" if normalize else "live_length",
-        Dv, do.dtype, do.device)
-    r = e = lengths = None
-    if normalize:
-        r = torch.empty(B, H, T, dtype=torch.float32, device=do.device)
-        e = torch.empty_like(r)
-    if find_lengths:
-        lengths = torch.zeros(B, H, dtype=torch.int32, device=do.device)
-    if B * H * T and normalize:
-        dummy = do
-        launchable(chunk_bwd_prep_kernel, do.device)[
-            (cdiv(T, cfg["BT"]), B * H)
-        ](
-            do.contiguous(),
-            *(x.contiguous() if x is not None else dummy
-              for x in (o, den, r, e, lengths)),
-            T, Dv, BT=cfg["BT"], BV=cfg["BV"],
-            NORMALIZE=normalize, FIND_LEN=find_lengths,
-            num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
-    elif B * H * T and find_lengths:
-        P = min(cdiv(T, cfg["BT"]), LIVE_LENGTH_PROGRAMS)
-        launchable(live_length_kernel, do.device)[(P, B * H)](
-            do.contiguous(), lengths, T, Dv, P, BT=cfg["BT"], BV=cfg["BV"],
-            num_warps=cfg["num_warps"], num_stages=1)
-    return r, e, lengths
+    `zero` is 0. The compiler hoists whatever does not change between the
+    trips of the Dk-block loop out of it (the 64 x 64 pointer, mask and decay
+    broadcasts of every block), and reuses the address tables of W's decays
+    for dv's: all live at once, they took 175-235 registers (sm_90, bf16,
+    d = 128), 19-174 spill instructions under the cap of 128. Offset by
+    i_k * zero or zero, which it cannot fold, they are formed where they are
+    used: 112-128 registers, no spills (Triton 3.6.0 and 3.7.1). The value
+    tiles are unrolled (NVO) for the same reason."""
+    row0, i_h, i_s, i_n, t, T_live, T_seq = _chunk_program(
+        cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT, HAS_LEN, IS_VARLEN)
+    if IS_VARLEN:
+        # a slot past the last chunk (sequences.py)
+        if is_padding_chunk(i_n, T_seq, BT):
+            return
+    m_t = t < T_live
+    o_t = tl.arange(0, BT)
+    A, _, _ = _dqk_products(
+        do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_t, m_t, Dk, Dv,
+        BT, BK, BV, DOT_PREC, ROUND, True, False)
+    M, q_decay, k_decay = _decays(
+        g_ptr, hi_ptr, lo_ptr, ka_ptr, kr_ptr, i_h, i_s, row0, i_n, t, T_live,
+        o_t, BT, DECAY)
+    W = _weights(A, M, r_ptr, e_ptr, row0, t, m_t, NORMALIZE)
+    if ROUND:
+        W = W.to(q_ptr.dtype.element_ty)
+    for i_k in range(0, tl.cdiv(Dk, BK)):
+        kz = i_k * zero
+        _dq_dk(q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, hi_ptr, lo_ptr, ka_ptr,
+               kr_ptr, r_ptr, e_ptr, h_ptr, hz_ptr, dh_ptr, dhz_ptr, dq_ptr,
+               dk_ptr, dg_ptr, row0, i_h, i_s, i_n, t + kz, T_live,
+               T_seq, i_k, Dk, Dv, n_rows, W, q_decay + kz, k_decay + kz, BT,
+               BK, BV, DECAY, DG, NORMALIZE, HAS_LEN, DOT_PREC, KEPT, ROUND,
+               True)
+    for i_v in tl.static_range(NVO):
+        _dv(q_ptr, k_ptr, do_ptr, g_ptr, hi_ptr, lo_ptr, ka_ptr, kr_ptr, r_ptr,
+            dh_ptr, dv_ptr, row0, i_h, i_s + zero, i_n, t, T_live, T_seq, i_v,
+            Dk, Dv, BT, BKV, BVO, DECAY, NORMALIZE, DOT_PREC, ROUND)
 
 
 def _decay_tables(g: torch.Tensor | None, decays: ChunkDecays | None,
@@ -526,11 +484,11 @@ def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
               r: torch.Tensor | None, e: torch.Tensor | None,
               states: tuple, grads: tuple, layout: tuple,
               lengths: torch.Tensor | None, cfg: dict, need_dg: bool = True,
-              kept: bool = False, decays: ChunkDecays | None = None
-              ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Launch `chunk_dqk_kernel`: dq, dk (input dtype) and the per-token
-    q . dq - k . dk, one partial per block of Dk ((NK, B, H, T) fp32, for
-    `decay_grad`; None without a decay or unless need_dg).
+              kept: bool = False, decays: ChunkDecays | None = None,
+              dv_config: dict | None = None) -> tuple:
+    """Launch `chunk_dqk_kernel`: (dq, dk, dg), dq and dk in the input dtype, dg
+    the per-token q . dq - k . dk, one partial per block of Dk ((NK, B, H, T)
+    fp32, for `decay_grad`; None without a decay or unless need_dg).
 
     g: fp32 log-decay or None; r, e: from `chunk_bwd_prep` (None unnormalised);
     states (h, hz) and grads (dh, dhz): the forward's entry states and the state
@@ -539,7 +497,8 @@ def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     gives them; lengths: (B, H) int32 or None; kept: the states are the
     forward's, not recomputed with `lengths`; decays: `chunk_decays` of a
     per-token g with these chunks and lengths, its ka, kr and prefix sums
-    (None: launched here)."""
+    (None: launched here). dv_config: chunk_dv's config (`fused_dqkv`): dv
+    too, in the same launch (`chunk_dqkv_kernel`), returned fourth."""
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
     cu, offsets, indices, NT = layout
@@ -547,12 +506,19 @@ def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     NK = cdiv(Dk, cfg["BK"])
     dg = (torch.empty(NK, B, H, T, dtype=torch.float32, device=q.device)
           if g is not None and need_dg else None)
+    outs = [dq, dk, dg]
+    kernel, grid, extra = chunk_dqk_kernel, (NK, NT, B * H), {}
+    if dv_config is not None:
+        outs.insert(2, torch.empty(do.shape, dtype=q.dtype, device=q.device))
+        kernel, grid = chunk_dqkv_kernel, (1, NT, B * H)
+        extra = dict(BKV=dv_config["BK"], BVO=dv_config["BV"], zero=0,
+                     NVO=cdiv(Dv, dv_config["BV"]))
     ptrs = [*_decay_tables(g, decays, cfg["BT"], layout, lengths), r, e,
-            *states, *grads, dq, dk, dg, cu, offsets, indices, lengths]
-    launchable(chunk_dqk_kernel, q.device)[(NK, NT, B * H)](
+            *states, *grads, *outs, cu, offsets, indices, lengths]
+    launchable(kernel, q.device)[grid](
         q, k, v, do, *(p if p is not None else dq for p in ptrs),
         T, H, Dk, Dv, NT, B * H * T,
-        BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"],
+        BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"], **extra,
         DECAY=0 if g is None else (1 if g.dim() == 1 else 2),
         DG=dg is not None, NORMALIZE=r is not None,
         HAS_LEN=lengths is not None, IS_VARLEN=cu is not None,
@@ -560,7 +526,17 @@ def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         ROUND=rounds_operands(cfg, q.dtype),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         maxnreg=max_registers(cfg, Dk, Dv))
-    return dq, dk, dg
+    return (dq, dk, dg) if dv_config is None else (dq, dk, dg, outs[2])
+
+
+def fused_dqkv(cfg_dqk: dict, cfg_dv: dict) -> bool:
+    """Whether the backward runs chunk_dqk's and chunk_dv's programs in one
+    kernel (`chunk_dqkv_kernel`): where chunk_dqk's config says so
+    ("fused_dqkv", the GPU check's candidate) and both configs share their
+    chunk length, warps and rounding (the fused launch takes chunk_dqk's)."""
+    same = ("BT", "num_warps", "round_operands")
+    return bool(cfg_dqk.get("fused_dqkv")) and all(
+        cfg_dqk.get(key) == cfg_dv.get(key) for key in same)
 
 
 def chunk_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor,
@@ -673,12 +649,13 @@ def chunk_bwd_two_phase(
         q, do, initial_state=final_state_grad, reverse=True, key_scale=r,
         z_weights=e, store_final_state=need_initial_state_grad,
         state_dtype=torch.float32 if need_dg else state_dtype, **kw)
-    dq, dk, dg = chunk_dqk(q, k, v, do, g, r, e, (h, hz), (dh, dhz),
-                           layout, lengths, cfg_dqk, need_dg,
-                           kept=entry_states is not None,
-                           decays=kw.get("decays"))
-    dv = chunk_dv(q, k, do, g, r, dh, layout, lengths, cfg_dv,
-                  decays=kw.get("decays"))
+    fused = fused_dqkv(cfg_dqk, cfg_dv)
+    dq, dk, dg, *dv = chunk_dqk(
+        q, k, v, do, g, r, e, (h, hz), (dh, dhz), layout, lengths, cfg_dqk,
+        need_dg, kept=entry_states is not None, decays=kw.get("decays"),
+        dv_config=cfg_dv if fused else None)
+    dv = dv[0] if fused else chunk_dv(q, k, do, g, r, dh, layout, lengths,
+                                      cfg_dv, decays=kw.get("decays"))
     dG = decay_grad(dg, log_decay_end, cu_seqlens) if dg is not None else None
     return {"dq": dq, "dk": dk, "dv": dv, "dG": dG, "dS0": dS0, "dz0": dz0}
 

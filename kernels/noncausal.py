@@ -13,7 +13,7 @@ parallel over T). The backward pass uses the same two kernels with other argumen
 
 where dnum = dO / den and dden = -(dO . o) / den come from the normaliser, and S^T is read
 through swapped strides rather than copied. dnum is never formed: 1 / den (r) and dden are
-fp32 (`chunk_bwd_prep` of chunk_grad.py), the state kernel scales the keys by r in fp32
+fp32 (`chunk_bwd_prep` of chunk_grad_prep.py), the state kernel scales the keys by r in fp32
 (dS = sum_t (r_t q_t) dO_t^T) and the output kernel its product's rows (dq = r (dO S^T) +
 dden z^T): dO / den, below fp16's range for a mean loss over a long sequence, never meets a
 16-bit number, so no loss scaling is needed.

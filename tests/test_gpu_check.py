@@ -41,7 +41,7 @@ def test_the_whole_op_sweep_is_precompiled_with_its_changes():
     """The precompile plan (`gpu_plan.planned_calls`) ends with the whole-op sweep's calls, one per
     variant and changed set, recorded under their changes: the plain walks at 2 stages where
     the op runs them 3 deep, chunk_output in one value tile, chunk_dv in two, chunk_dqk in one
-    key tile, decayed walks 3 deep (small stand-in shape)."""
+    key tile, decayed walks 3 deep, dq, dk, dv in one kernel (small stand-in shape)."""
     from linattn_lib.experiments import gpu_extras
     from linattn_lib.experiments.gpu_plan import record_plan
 
@@ -62,6 +62,12 @@ def test_the_whole_op_sweep_is_precompiled_with_its_changes():
     assert dv("chunk_dv in two value tiles (before)") == {2} and dv("operands rounded to bf16") == {1}
     dqk = lambda name: {x["grid"][0] for x in by_set[name] if x["kernel"] == "chunk_dqk_kernel"}
     assert dqk("chunk_dqk in one key tile") == {1} and dqk("operands rounded to bf16") == {2}
+    # dq, dk, dv in one kernel: one program per chunk, in place of both kernels
+    kernels = lambda name: {x["kernel"] for x in by_set[name]}
+    assert "chunk_dqkv_kernel" in kernels("dq, dk, dv in one kernel")
+    assert not {"chunk_dqk_kernel", "chunk_dv_kernel"} & kernels("dq, dk, dv in one kernel")
+    assert {x["grid"][0] for x in by_set["dq, dk, dv in one kernel"] if x["kernel"] == "chunk_dqkv_kernel"} == {1}
+    assert "chunk_dqkv_kernel" not in kernels("operands rounded to bf16")
     # with a per-token decay, the walks reading their keys transposed run as deep as plain ones
     token, _ = record_plan(calls[:len(changed)])
     deep = lambda name: {x["num_stages"] for x in token

@@ -21,7 +21,8 @@ def test_the_fit_explains_our_measured_launches_within_its_band(data):
     30%. The issue rate is well below the raw model's 4 warp instructions a cycle (why every
     launch took 2.3-2.8x the raw model), and fewer resident warps issue less."""
     rows = pk.fitted(data)
-    assert len(rows) == 38 and {r["kernel"] for r in rows} == set(pk.PARALLEL)
+    # every parallel kernel but the one-kernel backward, a candidate no GPU has run yet
+    assert len(rows) == 38 and {r["kernel"] for r in rows} == set(pk.PARALLEL) - {"chunk_dqkv_kernel"}
     ipc16, alpha = pk.fit(rows, data["bandwidth"])
     assert 1.5 < ipc16 < 2.5 and 0.3 < alpha < 1.0
     band = pk.error_band(pk.leave_one_out(data))

@@ -579,7 +579,7 @@ def test_sm90_configs(monkeypatch):
     """Hopper's wider blocks (dqk 64 x 32, output 32 x 64 on 8 warps, dv 128 value columns) run
     in the interpreter when told the GPU is an sm_90: head dims that leave a partial block in
     each (dv: one tile, then two), a decay, the normaliser and a resumed state, forward and
-    backward."""
+    backward; and dq, dk, dv in one kernel (the GPU check's candidate) with those blocks."""
     from linattn_lib.core.triton_ops import load_kernels
 
     configs = load_kernels().configs
@@ -589,6 +589,8 @@ def test_sm90_configs(monkeypatch):
         assert picked == configs._config(kernel, "sm90", 128) != configs._config(kernel, "mma16", 128)
     check_against_reference((1, 1, 70, 80, 72, "token", True, True), torch.float16, causal=True)
     check_against_reference((1, 1, 70, 80, 136, "token", False, False), torch.float16, causal=True)
+    with load_kernels().overridden({"chunk_dqk": {"fused_dqkv": True}}):  # the GPU check's candidate
+        check_against_reference((1, 1, 70, 80, 136, "token", True, True), torch.float16, causal=True)
 
 
 # --------------------------------------------------------------------------------------
@@ -910,7 +912,7 @@ def test_overridden_configs_reach_the_launches_and_go_away(monkeypatch):
 
 K_OVERRIDE_NAMES = ("as chosen", "operands not rounded (before the fitted model)", "plain state walks at 2 stages",
                     "chunk_dv in two value tiles (before)", "chunk_output in one value tile", "chunk_dqk in one key tile",
-                    "decayed walks read their keys transposed", "operands rounded to bf16",
+                    "decayed walks read their keys transposed", "dq, dk, dv in one kernel", "operands rounded to bf16",
                     "chunk_dqk without its register cap")
 
 

@@ -297,6 +297,69 @@ def test_two_phase_backward_against_float64(case):
         assert err < _tol(name, dtype), f"d{name}: rel {err:.2e}"
 
 
+FUSED = {"chunk_dqk": {"fused_dqkv": True}}
+
+
+@pytest.mark.parametrize("case", BACKWARD_CASES + [CASES[5]], ids=_id)
+def test_one_backward_kernel_gives_the_two_kernels_gradients_bit_for_bit(case):
+    """The GPU check's candidate "dq, dk, dv in one kernel" (`chunk_dqkv_kernel`: chunk_dqk's
+    programs of a chunk, then chunk_dv's, in one program): the very gradients of the two kernels
+    launched apart, bit for bit (the same code per block, in the same order), with a decay per
+    head or per token, normalised or not, resumed, fp32 and fp16."""
+    B, H, T, Dk, Dv, decay, normalize, resume, dtype = case
+    x = make_inputs(B, H, T, Dk, Dv, decay, normalize, resume, dtype, seed=1)
+    w, wS, wz = _cotangents(x, B, normalize)
+    _, _, apart = _kernel_grads(x, normalize, w, wS, wz)
+    with K.overridden(FUSED):
+        _, _, fused = _kernel_grads(x, normalize, w, wS, wz)
+    assert sorted(fused) == sorted(apart)
+    for name in apart:
+        assert torch.equal(fused[name], apart[name]), name
+
+
+def test_one_backward_kernel_on_packed_sequences_and_a_dead_tail():
+    """The fused candidate on packed sequences (boundaries inside chunks, an empty one) and on a
+    dead tail (the cotangent zero from some token on): the two kernels' gradients, bit for bit."""
+    x, cu = _packed((17, 0, 64, 40), 48, 100, "token", True, torch.float32)
+    w, wS, wz = _cotangents(x, 4, True)
+    runs = [_kernel_grads(x, True, w, wS, wz, cu_seqlens=cu.to(DEVICE))[2]]
+    with K.overridden(FUSED):
+        runs.append(_kernel_grads(x, True, w, wS, wz, cu_seqlens=cu.to(DEVICE))[2])
+    assert all(torch.equal(runs[0][n], runs[1][n]) for n in runs[0])
+    d = _on_device(make_inputs(2, 1, 150, 40, 72, "head", True, False, torch.float32, seed=3))
+    o, den, _, _ = K.chunk_fwd_two_phase(d["q"], d["k"], d["v"], log_decay=d["g"], normalize=True)
+    do = torch.randn_like(o)
+    do[0, :, 90:] = 0
+    run = lambda: K.chunk_bwd_two_phase(d["q"], d["k"], d["v"], do, o=o, den=den, log_decay=d["g"],
+                                        skip_dead_tail=True)
+    apart = run()
+    with K.overridden(FUSED):
+        fused = run()
+    for name in ("dq", "dk", "dv", "dG"):
+        assert torch.equal(fused[name], apart[name]), name
+
+
+def test_one_backward_kernel_replaces_both_launches_where_the_configs_agree():
+    """Under the candidate the backward launches chunk_dqkv_kernel once per chunk (grid (1, chunks,
+    B H)) instead of chunk_dqk_kernel and chunk_dv_kernel, with chunk_dqk's blocks and chunk_dv's as
+    BKV x BVO; configs that differ in chunk length, warps or rounding keep the two kernels."""
+    from linattn_lib.chapters import perf_model as pm
+
+    def backward(changes):
+        with K.overridden(changes):
+            return {c.kernel: c for c in pm.census(2, 4, 1024, 128, decay="token", sms=132)["backward"]}
+
+    apart, fused = backward({}), backward(FUSED)
+    assert {"chunk_dqk_kernel", "chunk_dv_kernel"} <= set(apart) and "chunk_dqkv_kernel" not in apart
+    assert "chunk_dqkv_kernel" in fused and not {"chunk_dqk_kernel", "chunk_dv_kernel"} & set(fused)
+    one, dqk, dv = fused["chunk_dqkv_kernel"], apart["chunk_dqk_kernel"], apart["chunk_dv_kernel"]
+    assert one.grid == (1, *dqk.grid[1:]) and one.num_warps == dqk.num_warps
+    assert (one.args["BK"], one.args["BV"], one.args["BKV"], one.args["BVO"]) == (
+        dqk.args["BK"], dqk.args["BV"], dv.args["BK"], dv.args["BV"])
+    other = dict(FUSED, chunk_dv={"num_warps": 2 * dqk.num_warps})
+    assert "chunk_dqkv_kernel" not in backward(other)
+
+
 def test_state_gradients_stored_in_16_bits_without_a_decay_gradient():
     """chunk_bwd_two_phase with 16-bit storage (fp16 here, the interpreter has no bf16): asked
     for the log-decay's gradient it keeps the state gradients in fp32 -- dk and dv, which
@@ -325,7 +388,7 @@ def test_dead_tail_lengths_read_from_the_end_equal_the_full_scan(monkeypatch, pr
     the end (unnormalised, live_length_kernel, with fewer programs a row than blocks and more)
     as the full scan beside r and e (normalised) finds them -- rows with no dead tail, a tail
     across blocks of 16, one nonzero element at token 0, a NaN (not zero), no live token."""
-    monkeypatch.setattr(K.chunk_grad, "LIVE_LENGTH_PROGRAMS", programs)
+    monkeypatch.setattr(K.chunk_grad_prep, "LIVE_LENGTH_PROGRAMS", programs)
     gen = torch.Generator().manual_seed(6)
     last = [99, 40, 0, 63, -1, 16]
     do = torch.randn(1, len(last), 100, 24, generator=gen)

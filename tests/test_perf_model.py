@@ -451,3 +451,48 @@ def test_backward_kernels_read_a_per_token_decay_from_tables():
         ratio = sass.sass_stats_of(call).total / sass.sass_stats_of(head[name]).total
         assert ratio < bound, (name, ratio)
     assert "SHFL" not in sass.sass_listing(token["chunk_dv_kernel"], "sm_90")
+
+
+@needs_compiler
+@pytest.mark.parametrize("normalize,decay", [(False, "token"), (True, None)], ids=["per-token", "normalised"])
+def test_one_backward_kernel_fits_two_ctas_and_moves_less(normalize, decay):
+    """The GPU check's candidate "dq, dk, dv in one kernel" as sm_90 compiles it (bf16, B = 2,
+    H = 16, T = 16384, D = 128): at most the cap's 128 registers (2 CTAs per SM, as the two kernels
+    run), no spills, within 10% of the warp instructions of chunk_dqk's programs and chunk_dv's
+    together (counted loop by loop, `LOOP_TRIPS`: dO v^T and the decays are formed once a chunk,
+    each block's addresses in its block; Triton 3.7.1: per-token 3.5% fewer, normalised 6% more),
+    and 0.6 GB less HBM traffic or more (q, k, dO and the state gradients read once: 0.67 GB
+    normalised, 0.95 per-token, whose state gradients are fp32)."""
+    from linattn_lib.chapters import sass
+
+    gpu = pm.GPUS["H200 SXM"]
+
+    def backward(changes):
+        with K.overridden(changes):
+            cen = pm.census(2, 16, 16384, 128, normalize=normalize, decay=decay, target="sm_90", sms=132)
+        return {c.kernel: c for c in cen["backward"]}
+
+    apart, fused = backward({}), backward({"chunk_dqk": {"fused_dqkv": True}})["chunk_dqkv_kernel"]
+    listing = sass.sass_listing(fused, "sm_90")
+    assert "STL" not in listing and "LDL" not in listing
+    one = pm.launch_of(fused, gpu)
+    two = [pm.launch_of(apart[name], gpu) for name in ("chunk_dqk_kernel", "chunk_dv_kernel")]
+    assert one.ctas_per_sm == 2 and sass.sass_stats_of(fused).registers <= 128
+    warp_instructions = lambda launch: launch.programs * launch.num_warps * launch.instr_per_warp
+    assert warp_instructions(one) < 1.1 * sum(map(warp_instructions, two))
+    assert sum(x.bytes_hbm for x in two) - one.bytes_hbm > 0.6e9
+
+
+def test_weighted_counts_multiply_the_trips_of_nested_loops():
+    """sass.weighted_counts: an instruction counts once per trip of every loop around it (a nested
+    loop's trips are per trip of the loop outside), and the trips must name every loop."""
+    from linattn_lib.chapters import sass
+
+    lines = ["MOV R0, R1", "IADD R2, R2, 1", "IADD R3, R3, 1", "BRA 0x20", "FADD R4, R4, R4",
+             "BRA 0x10", "IADD R5, R5, 1", "BRA 0x60", "EXIT", "BRA 0x90"]  # the last: the end's trap
+    listing = "\n".join(f"        /*{16 * i:04x}*/                   {op} ;" for i, op in enumerate(lines))
+    assert sass.loop_spans(listing) == [(0x10, 0x50), (0x20, 0x30), (0x60, 0x70)]
+    # 1 + 2 (outer) + 2 x 3 x 2 (inner) + 2 x 2 (outer) + 2 x 4 (last) + 2
+    assert sass.weighted_counts(listing, [2, 3, 4]) == (1 + 2 + 12 + 4 + 8 + 2, 0)
+    with pytest.raises(ValueError):
+        sass.weighted_counts(listing, [2, 3])

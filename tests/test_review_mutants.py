@@ -145,7 +145,7 @@ def test_live_length_kernel_bytes_are_what_it_reads_and_writes(B, H, T, D):
     """Catches: the performance model's byte count of `live_length_kernel` halved (e.g. its
     `PART_READ` fraction of dO, or dO's bytes, divided by two).
 
-    The kernel (kernels/chunk_grad.py) runs P = min(ceil(T / BT), 16) programs per (b, h) row;
+    The kernel (kernels/chunk_grad_prep.py) runs P = min(ceil(T / BT), 16) programs per (b, h) row;
     when no dO row is zero each reads P blocks of BT tokens x Dv of dO from the row's end, i.e.
     min(T, P BT) tokens, and atomically updates one int32 length per row. So its HBM bytes are
     B H min(T, P BT) Dv itemsize(dO) + 4 B H, nothing re-read. The launch is taken from the

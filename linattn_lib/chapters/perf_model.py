@@ -43,7 +43,14 @@ from ..core import triton_ops
 from ..flops import io_bytes
 from . import kernel_anatomy as ka
 from . import perf_fla
-from .sass import SassStats, compiled_kernel, loop_of, parse_sass, sass_stats_of  # noqa: F401 (the model's API)
+from .sass import (  # noqa: F401 (the model's API)
+    SassStats,
+    compiled_kernel,
+    loop_of,
+    parse_sass,
+    sass_stats_of,
+    sass_weighted,
+)
 
 
 @dataclass(frozen=True)
@@ -198,6 +205,7 @@ REREAD: dict[str, dict[str, tuple[int, ...]]] = {
     "chunk_output_kernel": {"q_ptr": (0,), "k_ptr": (0,), "hz_ptr": (0,), "g_ptr": (0,)},
     "chunk_dqk_kernel": {"v_ptr": (0,), "do_ptr": (0,), "r_ptr": (0,), "e_ptr": (0,), **_DECAY_TABLES},
     "chunk_dv_kernel": {"q_ptr": (0,), "k_ptr": (0,), "r_ptr": (0,), **_DECAY_TABLES}, "chunk_bwd_prep_kernel": {},
+    "chunk_dqkv_kernel": {},  # one program per chunk: each chunk's tensors read by one program
     "decay_grad_kernel": {}, "live_length_kernel": {}, **perf_fla.REREAD,
 }
 # kernel -> {argument: the fraction read} of kernels that stop early (the census has no dead tail: P blocks a row)
@@ -209,6 +217,12 @@ STEPS: dict[str, Callable[[dict], int]] = {
     "chunk_output_kernel": lambda a: _cdiv(a["Dk"], a["BK"]), "chunk_dqk_kernel": lambda a: _cdiv(a["Dv"], a["BV"]),
     "chunk_dv_kernel": lambda a: _cdiv(a["Dk"], a["BK"]), "decay_grad_kernel": lambda a: _cdiv(a["T"], a["BT"]),
     "live_length_kernel": lambda a: 1, **perf_fla.STEPS,
+}
+# kernel -> the trips of each loop of its SASS (`sass.loop_spans`, address order), for kernels of
+# several loops: the instructions of a warp are then counted loop by loop (`sass.weighted_counts`)
+LOOP_TRIPS: dict[str, Callable[[dict], list[int]]] = {
+    "chunk_dqkv_kernel": lambda a: [_cdiv(a["Dv"], a["BV"]), _cdiv(a["Dk"], a["BK"]), _cdiv(a["Dv"], a["BV"]),
+                                    *[_cdiv(a["Dk"], a["BKV"])] * a["NVO"]],
 }
 
 
@@ -284,6 +298,10 @@ def launch_of(call: Call, gpu: GPU, stats: Stats | None = None) -> Launch:
         call, gpu.target)
     ctas = ka.ctas_per_sm(s.registers, call.num_warps, s.shared_bytes, gpu.target).ctas
     hbm, requested = traffic(call, gpu.sms * max(ctas, 1))
+    if call.kernel in LOOP_TRIPS:  # loop by loop: one step of all of them
+        instr, flops = sass_weighted(call, LOOP_TRIPS[call.kernel](call.args), gpu.target)
+        return Launch(call.kernel, call.grid, call.num_warps, hbm, requested, 1, instr - (s.total - s.body),
+                      s.total - s.body, ctas, call.num_warps * flops * math.prod(call.grid))
     steps = STEPS.get(call.kernel, lambda a: 1)(call.args) if s.body else 0  # no rule: the loop runs once
     flops = call.num_warps * (steps * s.flops_body + s.flops_rest) * math.prod(call.grid)
     return Launch(call.kernel, call.grid, call.num_warps, hbm, requested, steps, s.body, s.total - s.body, ctas, flops)

@@ -58,6 +58,29 @@ def loop_of(sass: str) -> tuple[list[tuple[int, str, str]], list[bool]]:
     return ins, [lo <= addr <= hi for addr, _, _ in ins]
 
 
+def loop_spans(sass: str) -> list[tuple[int, int]]:
+    """Every loop of a listing, (first, last address) of its body, in address order: a backward
+    branch's target..branch, branches to one target merged into the widest."""
+    ins, _ = loop_of(sass)
+    spans: dict[int, int] = {}
+    for addr, op, rest in ins:
+        t = re.search(r"0x([0-9a-f]+)", rest) if op.startswith("BRA") else None
+        if t and int(t.group(1), 16) < addr:
+            spans[int(t.group(1), 16)] = max(addr, spans.get(int(t.group(1), 16), 0))
+    return sorted(spans.items())
+
+
+def weighted_counts(sass: str, trips: list[int]) -> tuple[int, int]:
+    """(instructions, MMA FLOPs) one warp issues when the listing's loops (`loop_spans`) run
+    trips[i] times each time they are entered (a nested loop: per trip of the loop around it)."""
+    ins, _ = loop_of(sass)
+    spans = loop_spans(sass)
+    if len(spans) != len(trips):
+        raise ValueError(f"weighted_counts: {len(spans)} loops in the listing, {len(trips)} trip counts")
+    weight = lambda addr: math.prod(n for (lo, hi), n in zip(spans, trips) if lo <= addr <= hi)
+    return (sum(weight(a) for a, _, _ in ins), sum(weight(a) * _mma_flops(op) for a, op, _ in ins))
+
+
 def parse_sass(sass: str) -> tuple[int, int, int, int]:
     """(total, loop body, MMA FLOPs in the body, outside it) of a `cuobjdump -sass` listing (`loop_of`)."""
     ins, in_body = loop_of(sass)
@@ -139,6 +162,11 @@ def sass_listing(call: Call, target: str = "sm_90") -> str:
         path.write_bytes(compiled_kernel(call, target)[0].asm["cubin"])
         return subprocess.run([ka._nvidia_tool("cuobjdump"), "-sass", str(path)], capture_output=True,
                               text=True).stdout
+
+
+def sass_weighted(call: Call, trips: list[int], target: str = "sm_90") -> tuple[int, int]:
+    """`weighted_counts` of `call`'s kernel compiled as `compiled_kernel` compiles it."""
+    return weighted_counts(sass_listing(call, target), trips)
 
 
 def loop_opcodes(sass: str) -> list[str]:

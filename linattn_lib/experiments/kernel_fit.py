@@ -38,7 +38,7 @@ from . import gpu_extras
 
 RESULTS = Path(__file__).resolve().parents[2] / "book" / "results" / "gpu"
 STORED = RESULTS / "kernel_fit.json"
-PARALLEL = ("chunk_output_kernel", "chunk_dqk_kernel", "chunk_dv_kernel")
+PARALLEL = ("chunk_output_kernel", "chunk_dqk_kernel", "chunk_dv_kernel", "chunk_dqkv_kernel")
 # the measured launches: (file, section of "extras" or "profile" name); da24ccc, Triton 3.6.0, no cap
 SWEEPS = (("gpu_check.json", "config_sweep"), ("gpu_check_resumed.json", "stage_sweep"))
 PROFILES = (("gpu_check.json", "per-token decay", (False, "token")), ("gpu_check.json", "normalised", (True, None)),
