@@ -161,9 +161,6 @@ NUM_STAGES = {"mma16": 2, "sm90": 2, "fp32": 1, "sm75": 1}
 #   (`test_gate_parallel_kernels_fit_two_ctas_per_sm`) fails: 64 x 32 blocks (140 registers
 #   aligned) do not fit 8 warps either, so the way back is 4 warps.
 #   The same blocks on sm_80 spill 56-86 instructions even aligned: Ampere keeps mma16.
-#   Output with 64-wide Dk blocks would issue less (bf16: 1,219 instructions for 1,315, 98
-#   registers) but spills 68 in fp16 (fp32 states) on sm_90; BV = 128 (one value tile) needs
-#   159-165 registers on 8 warps: 1 CTA, 1,589.
 #   chunk_state_wide (sm90): 32 x 64 state tiles, for launches of many programs
 #   (`chunk_state.state_config`). At B * H = 64 (H200, D = 128, bf16, per-token decay) the
 #   32 x 32 tiles give 1,024 programs of 70 registers: 7 CTAs per SM, so 2 waves, each warp
@@ -211,11 +208,14 @@ for _kernel, _classes in _TWO_PHASE.items():
 # P^T = K Q^T is formed once per chunk, not once per value tile (fla's dv kernel does the same: it
 # took 250 us on the H200 where ours, in two tiles, took 464). sm_90, D = 128, as the JIT
 # compiles it (Triton 3.6.0 / 3.7.1): 96-128 registers, capped at 128 (MAXNREG) for 2 CTAs, no
-# spills, 64-88 KiB of shared memory; the launch issues 14-27% fewer warp instructions, predicted
-# 6-21% faster by the fitted model (kernel_fit.py, whose tiles went up to 64 columns: 32 -> 64
-# measured 15% faster). 4 warps (168-233 registers) spilled 300 instructions where the JIT knows
-# no divisibility. The GPU check's whole-op sweep times the two tiles of before.
+# spills; 14-27% fewer warp instructions, by the fitted model (kernel_fit.py; its tiles went up to
+# 64 columns) 6-21% faster. 4 warps (168-233 registers) spilled 300 where the JIT knows no
+# divisibility. chunk_output likewise (fla's, one program of 128 x 128 blocks a chunk, took 224 us
+# there, ours in two tiles 514): 64 x 128 blocks on 8 warps, the scores formed once a chunk; 118-128
+# registers capped (159-165 uncapped), no spills in bf16 (fp16 with a per-token decay: 2-4), 37-48%
+# fewer warp instructions, by the fit 22-30% faster. The whole-op sweep times the two tiles of both.
 _TABLE["chunk_dv"]["sm90"] = {**_TABLE["chunk_dv"]["mma16"], 128: (64, 64, 128, 8), 256: (64, 64, 128, 8)}
+_TABLE["chunk_output"]["sm90"] = {**_TABLE["chunk_output"]["sm90"], 128: (64, 64, 128, 8), 256: (64, 64, 128, 8)}
 _TABLE["live_length"] = _TABLE["chunk_bwd_prep"]  # the same blocks of dO, read from the end
 
 # The delta rule (delta_rule.py): class -> (BT, BK, BV, num_warps), all kernels of one class
@@ -279,9 +279,9 @@ for _classes in _TABLE.values():
 # normalised one took 0.76 (book/results/gpu/). Capped at 128 it compiles with no spill and the
 # same instruction count (tests/test_perf_model.py). Other head dims compile without the
 # divisibility the JIT sees at multiples of 16, to 175-230 registers: capped, they would spill.
-# chunk_dv's one-tile config (8 warps, D >= 128) compiles to 96-128: capped the same way. The cap
+# chunk_dv's and chunk_output's one-tile configs (8 warps, D >= 128): capped the same way. The cap
 # applies to 8-warp configs only (4-warp ones fit two CTAs at 256).
-MAXNREG = {("chunk_dqk", "sm90"): 128, ("chunk_dv", "sm90"): 128}
+MAXNREG = {("chunk_dqk", "sm90"): 128, ("chunk_dv", "sm90"): 128, ("chunk_output", "sm90"): 128}
 
 # (kernel, class) whose fp32 operands of the in-chunk products are rounded to bf16 before the
 # product, for bf16 inputs (`rounds_operands`; fla does it in all its kernels). On an H200 the

@@ -40,7 +40,7 @@ def _small_cases():
 def test_the_whole_op_sweep_is_precompiled_with_its_changes():
     """The precompile plan (`gpu_plan.planned_calls`) ends with the whole-op sweep's calls, one per
     variant and changed set, recorded under their changes: the plain walks at 2 stages where
-    the op runs them 3 deep, chunk_output in one value tile, chunk_dv in two, chunk_dqk in one
+    the op runs them 3 deep, chunk_output and chunk_dv in two value tiles, chunk_dqk in one
     key tile, decayed walks 3 deep, dq, dk, dv in one kernel (small stand-in shape)."""
     from linattn_lib.experiments import gpu_extras
     from linattn_lib.experiments.gpu_plan import record_plan
@@ -54,10 +54,10 @@ def test_the_whole_op_sweep_is_precompiled_with_its_changes():
     for launch in launches:
         by_set.setdefault(launch["call"].split(", ", 1)[1], []).append(launch)
     walks = lambda name: {x["num_stages"] for x in by_set[name] if x["kernel"] == "chunk_state_kernel"}
-    assert walks("plain state walks at 2 stages") == {2} and walks("chunk_output in one value tile") == {3}
+    assert walks("plain state walks at 2 stages") == {2} and walks("chunk_dqk in one key tile") == {3}
     tiles = lambda name: {x["grid"][0] for x in by_set[name] if x["kernel"] == "chunk_output_kernel"}
-    assert tiles("chunk_output in one value tile") == {1} and tiles("operands rounded to bf16") == {2}
-    # chunk_dv: one value tile a chunk on sm_90 (D = 128), two as before
+    # chunk_output and chunk_dv: one value tile a chunk on sm_90 (D = 128), two as before
+    assert tiles("chunk_output in two value tiles (before)") == {2} and tiles("operands rounded to bf16") == {1}
     dv = lambda name: {x["grid"][0] for x in by_set[name] if x["kernel"] == "chunk_dv_kernel"}
     assert dv("chunk_dv in two value tiles (before)") == {2} and dv("operands rounded to bf16") == {1}
     dqk = lambda name: {x["grid"][0] for x in by_set[name] if x["kernel"] == "chunk_dqk_kernel"}

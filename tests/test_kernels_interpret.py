@@ -576,9 +576,9 @@ def test_sm75_configs(monkeypatch, dtype):
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="fakes the GPU generation on CPU")
 def test_sm90_configs(monkeypatch):
-    """Hopper's wider blocks (dqk 64 x 32, output 32 x 64 on 8 warps, dv 128 value columns) run
+    """Hopper's wider blocks (dqk 64 x 32 on 8 warps, output and dv 128 value columns) run
     in the interpreter when told the GPU is an sm_90: head dims that leave a partial block in
-    each (dv: one tile, then two), a decay, the normaliser and a resumed state, forward and
+    each (output and dv: one tile, then two), a decay, the normaliser and a resumed state, forward and
     backward; and dq, dk, dv in one kernel (the GPU check's candidate) with those blocks."""
     from linattn_lib.core.triton_ops import load_kernels
 
@@ -911,7 +911,8 @@ def test_overridden_configs_reach_the_launches_and_go_away(monkeypatch):
 
 
 K_OVERRIDE_NAMES = ("as chosen", "operands not rounded (before the fitted model)", "plain state walks at 2 stages",
-                    "chunk_dv in two value tiles (before)", "chunk_output in one value tile", "chunk_dqk in one key tile",
+                    "chunk_dv in two value tiles (before)", "chunk_output in two value tiles (before)",
+                    "chunk_dqk in one key tile",
                     "decayed walks read their keys transposed", "dq, dk, dv in one kernel", "operands rounded to bf16",
                     "chunk_dqk without its register cap")
 

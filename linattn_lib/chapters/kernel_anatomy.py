@@ -296,7 +296,8 @@ def compile_report(kernel: str, target: str, dtype: str, d_whole: int, *, config
     (instructions, from cuobjdump), registers and stack (spill) bytes per thread, the number of
     tensor-core MMA instructions, the cubin size, the shared-memory limit of the target, and
     the loads of each loop (`loop_loads` of the TTGIR). aligned: compile with the alignment the
-    JIT sees at head dims that are multiples of 16 (`jit_alignment`), as it would specialise.
+    JIT sees at head dims that are multiples of 16 (`jit_alignment`), as it would specialise, and
+    the config's register cap (`configs.MAXNREG`), as the launcher passes it there.
     """
     import torch
     import triton
@@ -315,7 +316,9 @@ def compile_report(kernel: str, target: str, dtype: str, d_whole: int, *, config
     compiled = triton.compile(
         ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
         target=GPUTarget("cuda", cap[0] * 10 + cap[1], 32),
-        options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"]},
+        options={"num_warps": cfg["num_warps"], "num_stages": cfg["num_stages"],
+                 # the config's register cap, as the launcher passes it where the JIT sees alignment
+                 **({"maxnreg": cfg["maxnreg"]} if aligned and cfg.get("maxnreg") else {})},
     )
     report = {
         "kernel": kernel, "target": target, "dtype": dtype, "config": dict(cfg),

@@ -277,11 +277,10 @@ OVERRIDE_SETS = {
     "operands not rounded (before the fitted model)": {k: {"round_operands": False} for k in TWO_PHASE[1:]},
     # plain walks (no decay: both operands copied asynchronously) at the depth the others keep
     "plain state walks at 2 stages": {"chunk_state": {"plain_stages": 2}},
-    # chunk_dv runs one program per chunk on sm_90 since the fitted model: back to two value tiles
+    # chunk_dv and chunk_output run one program per chunk on sm_90 since the fitted model (8 warps
+    # capped at 128 registers): back to two value tiles
     "chunk_dv in two value tiles (before)": {"chunk_dv": {"BK": 32, "BV": 64, "num_warps": 4, "maxnreg": None}},
-    # the fitted model's next candidate: one program per chunk (the scores formed once, not per
-    # value tile), 4 warps for 2 CTAs per SM: 56% fewer instructions, the kernel predicted ~20% faster
-    "chunk_output in one value tile": {"chunk_output": {"BK": 64, "BV": 128, "num_warps": 4, "round_operands": True}},
+    "chunk_output in two value tiles (before)": {"chunk_output": {"BK": 32, "BV": 64, "maxnreg": None}},
     # another: dq, dk in one key tile per chunk (dO v^T and the decays formed once, as fla's dqkwg on
     # Hopper), capped for 2 CTAs per SM: spills 2-4 registers with a decay; predicted ~17% faster
     "chunk_dqk in one key tile": {"chunk_dqk": {"BK": 128, "BV": 32}},
@@ -324,9 +323,9 @@ def run_override_sweep(variants: tuple[str, ...] = SWEPT_VARIANTS, B: int = 2, T
                        deadline: float | None = None) -> list[dict]:
     """Forward+backward of ours through the op, as the benchmark times it, under each of
     `OVERRIDE_SETS`: the decisions taken without a GPU since the first run (rounded operands in
-    chunk_dqk and chunk_dv, plain walks 3 deep, chunk_dv in one value tile, chunk_dqk capped at
-    128 registers) undone one at a time, and the next candidates (chunk_output in one value
-    tile, chunk_dqk in one key tile, decayed walks reading their keys transposed)."""
+    chunk_dqk and chunk_dv, plain walks 3 deep, chunk_dv and chunk_output in one value tile,
+    chunk_dqk capped at 128 registers) undone one at a time, and the next candidates (chunk_dqk in
+    one key tile, decayed walks reading their keys transposed, dq, dk and dv in one kernel)."""
     import time
 
     from .. import kernels as K
