@@ -212,7 +212,7 @@ for _kernel, _classes in _TWO_PHASE.items():
 # 64 columns) 6-21% faster. 4 warps (168-233 registers) spilled 300 where the JIT knows no
 # divisibility. chunk_output likewise (fla's, one program of 128 x 128 blocks a chunk, took 224 us
 # there, ours in two tiles 514): 64 x 128 blocks on 8 warps, the scores formed once a chunk; 118-128
-# registers capped (159-165 uncapped), no spills in bf16 (fp16 with a per-token decay: 2-4), 37-48%
+# registers capped (155-165 uncapped), no spills in bf16 (fp16 with a per-token decay: 2-4), 37-48%
 # fewer warp instructions, by the fit 22-30% faster. The whole-op sweep times the two tiles of both.
 _TABLE["chunk_dv"]["sm90"] = {**_TABLE["chunk_dv"]["mma16"], 128: (64, 64, 128, 8), 256: (64, 64, 128, 8)}
 _TABLE["chunk_output"]["sm90"] = {**_TABLE["chunk_output"]["sm90"], 128: (64, 64, 128, 8), 256: (64, 64, 128, 8)}

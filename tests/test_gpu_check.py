@@ -360,3 +360,28 @@ def test_the_resume_flag_is_parsed():
 
     args = gpu_check._parser().parse_args(["--resume", "x.json"])
     assert args.resume == "x.json" and gpu_check._parser().parse_args([]).resume is None
+
+
+def test_the_profile_also_profiles_the_candidate_under_its_changes(monkeypatch):
+    """gpu_check's profile section: the profiled variants as chosen, then the first of them under
+    the whole-op sweep's PROFILED_CANDIDATE (its changes active during that call only), each
+    stored under its own key as soon as it is measured."""
+    import argparse
+
+    from linattn_lib import kernels as K
+    from linattn_lib.experiments import gpu_check, gpu_sections
+    from linattn_lib.experiments.gpu_bench import PROFILED
+
+    seen = []
+
+    def fake(variant, B, T, H, D, deadline, provider="ours: op"):
+        seen.append((variant, provider, dict(K.configs.OVERRIDES)))
+        return {"variant": variant}
+
+    monkeypatch.setattr(gpu_sections, "profile_fwd_bwd", fake)
+    stored = []
+    result = gpu_check._profile(argparse.Namespace(resume=None))(float("inf"), lambda r: stored.append(dict(r)))
+    candidate = gpu_check.PROFILED_CANDIDATE
+    assert list(result) == [*PROFILED, f"{PROFILED[0]}, {candidate}"] and len(stored) == len(result)
+    assert [s[2] for s in seen] == [{}] * len(PROFILED) + [gpu_check.OVERRIDE_SETS[candidate]]
+    assert K.configs.OVERRIDES == {}

@@ -15,7 +15,8 @@ within --budget-s (a section that reaches its cap or the budget is cut, and says
                   autotuning candidates compile in worker processes (gpu_fla_warm)         60 s
     benchmark     ours (public API and op), fla, SDPA: gpu_bench, row by row               150 s
     profile       torch.profiler per kernel of one fwd+bwd beside the model's per-launch
-                  predictions (normalised; unnormalised with a per-token decay)             40 s
+                  predictions (normalised; unnormalised with a per-token decay, then under
+                  the whole-op sweep's PROFILED_CANDIDATE too)                               40 s
     extras        the parallel kernels with rounded operands, alone and in the whole op (and
                   chunk_dqk without its register cap); decoding step, FAVOR+ map,
                   launch-config sweep (gpu_extras)                                          60 s
@@ -43,6 +44,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .gpu_extras import (  # noqa: F401  (their home was this module; tests import them from here)
+    OVERRIDE_SETS,
     PREDICTED_AS,
     attach_predictions,
     candidate_configs,
@@ -200,19 +202,27 @@ def _has_fla() -> bool:
     return importlib.util.find_spec("fla") is not None
 
 
+# the whole-op sweep's candidate also profiled kernel by kernel (ours, the first profiled variant):
+# its own time, beside the model's, for kernel_fit to fit on
+PROFILED_CANDIDATE = "dq, dk, dv in one kernel"
+
+
 def _profile(args) -> Callable:
     def section(end: float, put: Callable[[dict], None]) -> dict:
+        from .. import kernels as K
         from .gpu_bench import MAIN_D, MAIN_H, MAIN_T, PROFILED
         from .gpu_sections import profile_fwd_bwd
 
         result: dict = {}
         # resumed: where we trail fla most, ours and fla's kernels side by side
-        todo = ([(v, "ours: op") for v in PROFILED] if not args.resume else
-                [("unnormalised", "ours: op"), ("unnormalised", "fla")])
-        for variant, provider in todo:
+        todo = ([(v, "ours: op", None) for v in PROFILED] + [(PROFILED[0], "ours: op", PROFILED_CANDIDATE)]
+                if not args.resume else [("unnormalised", "ours: op", None), ("unnormalised", "fla", None)])
+        for variant, provider, candidate in todo:
             share = (end - time.monotonic()) / (len(todo) - len(result))
             key = variant if provider == "ours: op" else f"{variant}, {provider}"
-            result[key] = profile_fwd_bwd(variant, 2, MAIN_T, MAIN_H, MAIN_D, time.monotonic() + share, provider)
+            with K.overridden(OVERRIDE_SETS[candidate] if candidate else {}):
+                result[key if candidate is None else f"{key}, {candidate}"] = profile_fwd_bwd(
+                    variant, 2, MAIN_T, MAIN_H, MAIN_D, time.monotonic() + share, provider)
             put(result)
         return result
 
