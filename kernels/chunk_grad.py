@@ -431,8 +431,9 @@ def chunk_dqkv_kernel(
     for dv's: all live at once, they took 175-235 registers (sm_90, bf16,
     d = 128), 19-174 spill instructions under the cap of 128. Offset by
     i_k * zero or zero, which it cannot fold, they are formed where they are
-    used: 112-128 registers, no spills (Triton 3.6.0 and 3.7.1). The value
-    tiles are unrolled (NVO) for the same reason."""
+    used: 112-128 registers, no spills in bf16 (Triton 3.6.0 and 3.7.1; fp16,
+    whose products are tf32, spills 6-47). The value tiles are unrolled (NVO)
+    for the same reason."""
     row0, i_h, i_s, i_n, t, T_live, T_seq = _chunk_program(
         cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT, HAS_LEN, IS_VARLEN)
     if IS_VARLEN:
