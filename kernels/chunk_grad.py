@@ -209,9 +209,10 @@ def _chunk_program(cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT,
                    IS_VARLEN: tl.constexpr):
     """Where a parallel program's chunk is: (row of its sequence's first token,
     head, index of its per-chunk states, its index i_n in the sequence, its
-    tokens t, the bound below which they are read (T_live) and stored (T_seq)).
-    With HAS_LEN the tokens from len on are read as 0, and their gradients
-    stored as 0."""
+    tokens t, the bound below which they are read (T_live) and stored (T_seq),
+    whether the program has no chunk and returns: a slot past the last chunk
+    of packed sequences, sequences.py). With HAS_LEN the tokens from len on
+    are read as 0, and their gradients stored as 0."""
     i_hb = tl.program_id(2).to(tl.int64)
     i_seq, i_h, i_n = chunk_of_program(
         tl.program_id(1), i_hb, ci_ptr, H, IS_VARLEN)
@@ -221,7 +222,10 @@ def _chunk_program(cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT,
         T_live = tl.minimum(T_seq, tl.load(len_ptr + i_hb))
     i_s = first_chunk(i_seq, i_h, co_ptr, NT, H, IS_VARLEN) + i_n
     t = i_n * BT + tl.arange(0, BT)
-    return row0, i_h, i_s, i_n, t, T_live, T_seq
+    skip = False
+    if IS_VARLEN:
+        skip = is_padding_chunk(i_n, T_seq, BT)
+    return row0, i_h, i_s, i_n, t, T_live, T_seq, skip
 
 
 @triton.jit
@@ -361,12 +365,10 @@ def chunk_dqk_kernel(
     ROUND: tl.constexpr = False,  # operands rounded to the input dtype
                                   # (rounds_operands)
 ):
-    row0, i_h, i_s, i_n, t, T_live, T_seq = _chunk_program(
+    row0, i_h, i_s, i_n, t, T_live, T_seq, skip = _chunk_program(
         cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT, HAS_LEN, IS_VARLEN)
-    if IS_VARLEN:
-        # a slot past the last chunk (sequences.py)
-        if is_padding_chunk(i_n, T_seq, BT):
-            return
+    if skip:
+        return
     _dq_dk(q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, hi_ptr, lo_ptr, ka_ptr, kr_ptr,
            r_ptr, e_ptr, h_ptr, hz_ptr, dh_ptr, dhz_ptr, dq_ptr, dk_ptr, dg_ptr,
            row0, i_h, i_s, i_n, t, T_live, T_seq, tl.program_id(0), Dk, Dv,
@@ -389,15 +391,12 @@ def chunk_dv_kernel(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr,
     NORMALIZE: tl.constexpr, HAS_LEN: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
-    ROUND: tl.constexpr = False,  # operands rounded to the input dtype
-                                  # (rounds_operands)
+    ROUND: tl.constexpr = False,  # as chunk_dqk_kernel's
 ):
-    row0, i_h, i_s, i_n, t, T_live, T_seq = _chunk_program(
+    row0, i_h, i_s, i_n, t, T_live, T_seq, skip = _chunk_program(
         cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT, HAS_LEN, IS_VARLEN)
-    if IS_VARLEN:
-        # a slot past the last chunk (sequences.py)
-        if is_padding_chunk(i_n, T_seq, BT):
-            return
+    if skip:
+        return
     _dv(q_ptr, k_ptr, do_ptr, g_ptr, hi_ptr, lo_ptr, ka_ptr, kr_ptr, r_ptr,
         dh_ptr, dv_ptr, row0, i_h, i_s, i_n, t, T_live, T_seq,
         tl.program_id(0), Dk, Dv, BT, BK, BV, DECAY, NORMALIZE, DOT_PREC, ROUND)
@@ -434,12 +433,10 @@ def chunk_dqkv_kernel(
     used: 112-128 registers, no spills in bf16 (Triton 3.6.0 and 3.7.1; fp16,
     whose products are tf32, spills 6-47). The value tiles are unrolled (NVO)
     for the same reason."""
-    row0, i_h, i_s, i_n, t, T_live, T_seq = _chunk_program(
+    row0, i_h, i_s, i_n, t, T_live, T_seq, skip = _chunk_program(
         cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT, HAS_LEN, IS_VARLEN)
-    if IS_VARLEN:
-        # a slot past the last chunk (sequences.py)
-        if is_padding_chunk(i_n, T_seq, BT):
-            return
+    if skip:
+        return
     m_t = t < T_live
     o_t = tl.arange(0, BT)
     A, _, _ = _dqk_products(
