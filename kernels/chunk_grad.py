@@ -85,15 +85,18 @@ from .sequences import (
 
 
 @triton.jit
-def _load_rows(ptr, row0, t, m_t, o_c, m_c, D):
-    """A (BT x block) tile of a (rows x D) tensor; 0 outside the masks."""
-    return tl.load(ptr + (row0 + t)[:, None] * D + o_c[None, :],
+def _load_rows(ptr, c_row, o_r, m_t, o_c, m_c, D):
+    """A (BT x block) tile of a (rows x D) tensor, rows c_row + o_r; 0 outside
+    the masks. c_row, the chunk's first row, is 64-bit and the tile's offsets
+    from it 32-bit: 64-bit offsets for every element cost ~6% of the
+    instructions (chunk_output_kernel, sm_90)."""
+    return tl.load(ptr + c_row * D + (o_r[:, None] * D + o_c[None, :]),
                    mask=m_t[:, None] & m_c[None, :], other=0.0)
 
 
 @triton.jit
 def _dqk_products(
-    do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_k, m_k, Dk, Dv,
+    do_ptr, v_ptr, h_ptr, dh_ptr, c_row, o_r, i_s, m_t, o_k, m_k, Dk, Dv,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DOT_PREC: tl.constexpr, ROUND: tl.constexpr,
     SCORES: tl.constexpr = True, STATES: tl.constexpr = True,
@@ -107,8 +110,8 @@ def _dqk_products(
     for i_v in range(0, tl.cdiv(Dv, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
         m_v = o_v < Dv
-        do = _load_rows(do_ptr, row0, t, m_t, o_v, m_v, Dv)
-        v = _load_rows(v_ptr, row0, t, m_t, o_v, m_v, Dv)
+        do = _load_rows(do_ptr, c_row, o_r, m_t, o_v, m_v, Dv)
+        v = _load_rows(v_ptr, c_row, o_r, m_t, o_v, m_v, Dv)
         if STATES:
             s_off = i_s * Dk * Dv + o_k[:, None] * Dv + o_v[None, :]
             m_kv = m_k[:, None] & m_v[None, :]
@@ -134,12 +137,12 @@ def _dqk_products(
 
 
 @triton.jit
-def _weights(A, M, r_ptr, e_ptr, row0, t, m_t, NORMALIZE: tl.constexpr):
+def _weights(A, M, r_ptr, e_ptr, c_row, o_r, m_t, NORMALIZE: tl.constexpr):
     """The chunk's gradient weights W = M (r A + e) (NORMALIZE) or M A, from
     A = dO v^T and the decays M."""
     if NORMALIZE:
-        r = tl.load(r_ptr + row0 + t, mask=m_t, other=0.0)
-        e = tl.load(e_ptr + row0 + t, mask=m_t, other=0.0)
+        r = tl.load(r_ptr + c_row + o_r, mask=m_t, other=0.0)
+        e = tl.load(e_ptr + c_row + o_r, mask=m_t, other=0.0)
         W = M * (r[:, None] * A + e[:, None])
     else:
         W = M * A
@@ -243,19 +246,21 @@ def _dq_dk(
     partial of q . dq - k . dk; the gradient weights W and the decays q_decay,
     k_decay formed here, or given (W_GIVEN)."""
     m_t, m_out = t < T_live, t < T_seq
+    # the chunk's first row and the tokens' rows from it (`_load_rows`)
+    c_row, o_r = row0 + i_n * BT, t - i_n * BT
     o_k = i_k * BK + tl.arange(0, BK)
     m_k = o_k < Dk
     A, dqS, dkH = _dqk_products(
-        do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_k, m_k, Dk, Dv,
+        do_ptr, v_ptr, h_ptr, dh_ptr, c_row, o_r, i_s, m_t, o_k, m_k, Dk, Dv,
         BT, BK, BV, DOT_PREC, ROUND, not W_GIVEN)
     if not W_GIVEN:
         M, q_decay, k_decay = _decays(
             g_ptr, hi_ptr, lo_ptr, ka_ptr, kr_ptr, i_h, i_s, row0, i_n, t,
             T_live, tl.arange(0, BT), BT, DECAY)
-        W = _weights(A, M, r_ptr, e_ptr, row0, t, m_t, NORMALIZE)
+        W = _weights(A, M, r_ptr, e_ptr, c_row, o_r, m_t, NORMALIZE)
     if NORMALIZE:
-        r = tl.load(r_ptr + row0 + t, mask=m_t, other=0.0)
-        e = tl.load(e_ptr + row0 + t, mask=m_t, other=0.0)
+        r = tl.load(r_ptr + c_row + o_r, mask=m_t, other=0.0)
+        e = tl.load(e_ptr + c_row + o_r, mask=m_t, other=0.0)
         z = tl.load(hz_ptr + i_s * Dk + o_k, mask=m_k, other=0.0)
         dz = tl.load(dhz_ptr + i_s * Dk + o_k, mask=m_k, other=0.0)
         dq_state = r[:, None] * dqS + e[:, None] * z[None, :]
@@ -266,31 +271,32 @@ def _dq_dk(
     # dk = W^T q as q^T W (BK x BT), q loaded and dk stored transposed: tl.dot
     # of tl.trans(W), W a dot result, is miscompiled on Hopper by Triton 3.4 <=
     # v < 3.7.1 (fla #640; tests/test_kernels_dot_transpose.py).
-    rows = (row0 + t) * Dk
+    base, rows = c_row * Dk, o_r * Dk
     m_kt = m_k[:, None] & m_t[None, :]
-    qT = tl.load(q_ptr + rows[None, :] + o_k[:, None], mask=m_kt, other=0.0)
+    qT = tl.load(q_ptr + base + (rows[None, :] + o_k[:, None]), mask=m_kt,
+                 other=0.0)
     dkT = _w_product(qT, W, k_decay[None, :] * dk_state, False, ROUND, DOT_PREC)
-    tl.store(dk_ptr + rows[None, :] + o_k[:, None],
+    tl.store(dk_ptr + base + (rows[None, :] + o_k[:, None]),
              dkT.to(dk_ptr.dtype.element_ty),
              mask=m_k[:, None] & m_out[None, :])
     if DG:
-        kT = tl.load(k_ptr + rows[None, :] + o_k[:, None], mask=m_kt,
-                     other=0.0).to(tl.float32)
+        kT = tl.load(k_ptr + base + (rows[None, :] + o_k[:, None]),
+                     mask=m_kt, other=0.0).to(tl.float32)
         # padded keys: 0 (kT), selected out
         kdk = tl.where(m_t, tl.sum(kT * dkT, axis=0), 0.0)
-    k = _load_rows(k_ptr, row0, t, m_t, o_k, m_k, Dk)
+    k = _load_rows(k_ptr, c_row, o_r, m_t, o_k, m_k, Dk)
     dq = _w_product(k, W, q_decay[:, None] * dq_state, True, ROUND, DOT_PREC)
     if HAS_LEN and KEPT:
         # past the live length dO is 0, but entry states kept from the forward
         # may hold what the tail held (NaN padding): its gradients are 0
         dq = tl.where(m_t[:, None], dq, 0.0)
-    tl.store(dq_ptr + rows[:, None] + o_k[None, :],
+    tl.store(dq_ptr + base + (rows[:, None] + o_k[None, :]),
              dq.to(dq_ptr.dtype.element_ty),
              mask=m_out[:, None] & m_k[None, :])
     if DG:
-        q = _load_rows(q_ptr, row0, t, m_t, o_k, m_k, Dk).to(tl.float32)
+        q = _load_rows(q_ptr, c_row, o_r, m_t, o_k, m_k, Dk).to(tl.float32)
         qdq = tl.where(m_t, tl.sum(q * dq, axis=1), 0.0)
-        tl.store(dg_ptr + i_k * n_rows + row0 + t, qdq - kdk, mask=m_out)
+        tl.store(dg_ptr + i_k * n_rows + c_row + o_r, qdq - kdk, mask=m_out)
 
 
 @triton.jit
@@ -303,6 +309,7 @@ def _dv(
     """dv of value tile i_v of a chunk (`_chunk_program`'s)."""
     m_t, m_out = t < T_live, t < T_seq
     o_t = tl.arange(0, BT)
+    c_row, o_r = row0 + i_n * BT, t - i_n * BT  # as in _dq_dk
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < Dv
     # P^T (row j, column i: k_j . q_i), computed as K Q^T from the loaded
@@ -313,8 +320,8 @@ def _dv(
     for i_k in range(0, tl.cdiv(Dk, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < Dk
-        q = _load_rows(q_ptr, row0, t, m_t, o_k, m_k, Dk)
-        k = _load_rows(k_ptr, row0, t, m_t, o_k, m_k, Dk)
+        q = _load_rows(q_ptr, c_row, o_r, m_t, o_k, m_k, Dk)
+        k = _load_rows(k_ptr, c_row, o_r, m_t, o_k, m_k, Dk)
         dH = tl.load(dh_ptr + i_s * Dk * Dv + o_k[:, None] * Dv + o_v[None, :],
                      mask=m_k[:, None] & m_v[None, :], other=0.0)
         Pt = tl.dot(k, tl.trans(q), acc=Pt, input_precision=DOT_PREC)
@@ -328,15 +335,15 @@ def _dv(
         o_t, BT, DECAY, True)
     Pt = Mt * Pt
     if NORMALIZE:
-        Pt = Pt * tl.load(r_ptr + row0 + t, mask=m_t, other=0.0)[None, :]
+        Pt = Pt * tl.load(r_ptr + c_row + o_r, mask=m_t, other=0.0)[None, :]
     if ROUND:
-        do = _load_rows(do_ptr, row0, t, m_t, o_v, m_v, Dv)
+        do = _load_rows(do_ptr, c_row, o_r, m_t, o_v, m_v, Dv)
         dv = tl.dot(Pt.to(do.dtype), do, acc=k_decay[:, None] * kH)
     else:
-        do = _load_rows(do_ptr, row0, t, m_t, o_v, m_v, Dv).to(tl.float32)
+        do = _load_rows(do_ptr, c_row, o_r, m_t, o_v, m_v, Dv).to(tl.float32)
         dv = tl.dot(Pt, do, acc=k_decay[:, None] * kH,
                     input_precision=DOT_PREC)
-    tl.store(dv_ptr + (row0 + t)[:, None] * Dv + o_v[None, :],
+    tl.store(dv_ptr + c_row * Dv + (o_r[:, None] * Dv + o_v[None, :]),
              dv.to(dv_ptr.dtype.element_ty),
              mask=m_out[:, None] & m_v[None, :])
 
@@ -429,30 +436,32 @@ def chunk_dqkv_kernel(
     broadcasts of every block), and reuses the address tables of W's decays
     for dv's: all live at once, they took 175-235 registers (sm_90, bf16,
     d = 128), 19-174 spill instructions under the cap of 128. Offset by
-    i_k * zero or zero, which it cannot fold, they are formed where they are
-    used: 112-128 registers, no spills in bf16 (Triton 3.6.0 and 3.7.1; fp16,
-    whose products are tf32, spills 6-47). The value tiles are unrolled (NVO)
-    for the same reason."""
+    i_k * zero (the block's tokens and first row) or zero (dv's chunk), which
+    it cannot fold, they are formed where they are used: 100-128 registers,
+    no spills in bf16 (Triton 3.6.0 and 3.7.1; fp16, whose products are tf32,
+    spills 10-20 with a decay). The value tiles are unrolled (NVO) for the
+    same reason."""
     row0, i_h, i_s, i_n, t, T_live, T_seq, skip = _chunk_program(
         cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT, HAS_LEN, IS_VARLEN)
     if skip:
         return
     m_t = t < T_live
     o_t = tl.arange(0, BT)
+    c_row = row0 + i_n * BT
     A, _, _ = _dqk_products(
-        do_ptr, v_ptr, h_ptr, dh_ptr, row0, i_s, t, m_t, o_t, m_t, Dk, Dv,
+        do_ptr, v_ptr, h_ptr, dh_ptr, c_row, o_t, i_s, m_t, o_t, m_t, Dk, Dv,
         BT, BK, BV, DOT_PREC, ROUND, True, False)
     M, q_decay, k_decay = _decays(
         g_ptr, hi_ptr, lo_ptr, ka_ptr, kr_ptr, i_h, i_s, row0, i_n, t, T_live,
         o_t, BT, DECAY)
-    W = _weights(A, M, r_ptr, e_ptr, row0, t, m_t, NORMALIZE)
+    W = _weights(A, M, r_ptr, e_ptr, c_row, o_t, m_t, NORMALIZE)
     if ROUND:
         W = W.to(q_ptr.dtype.element_ty)
     for i_k in range(0, tl.cdiv(Dk, BK)):
         kz = i_k * zero
         _dq_dk(q_ptr, k_ptr, v_ptr, do_ptr, g_ptr, hi_ptr, lo_ptr, ka_ptr,
                kr_ptr, r_ptr, e_ptr, h_ptr, hz_ptr, dh_ptr, dhz_ptr, dq_ptr,
-               dk_ptr, dg_ptr, row0, i_h, i_s, i_n, t + kz, T_live,
+               dk_ptr, dg_ptr, row0 + kz, i_h, i_s, i_n, t + kz, T_live,
                T_seq, i_k, Dk, Dv, n_rows, W, q_decay + kz, k_decay + kz, BT,
                BK, BV, DECAY, DG, NORMALIZE, HAS_LEN, DOT_PREC, KEPT, ROUND,
                True)

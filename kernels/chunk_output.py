@@ -64,24 +64,25 @@ from .sequences import (
 
 @triton.jit
 def _scores_and_state(
-    q_ptr, k_ptr, h_ptr, hz_ptr, row0, i_s, t, m_t, o_v, m_v, Dk, Dv,
+    q_ptr, k_ptr, h_ptr, hz_ptr, i_s, m_t, o_v, m_v, Dk, Dv,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PREC: tl.constexpr,
 ):
     """Over the blocks of Dk: the raw scores q k^T (BT x BT), q S_n (BT x BV)
-    and q . z_n (BT,); i_s is the index of chunk n's entry state."""
+    and q . z_n (BT,); q_ptr and k_ptr point at the chunk's first row, i_s is
+    the index of chunk n's entry state."""
     A = tl.zeros([BT, BT], dtype=tl.float32)
     o = tl.zeros([BT, BV], dtype=tl.float32)
     d = tl.zeros([BT], dtype=tl.float32)
     h_base = h_ptr + i_s * Dk * Dv
+    o_t = tl.arange(0, BT)
     for i_k in range(0, tl.cdiv(Dk, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
         m_k = o_k < Dk
         m_tk = m_t[:, None] & m_k[None, :]
-        q = tl.load(q_ptr + (row0 + t)[:, None] * Dk + o_k[None, :],
-                    mask=m_tk, other=0.0)
-        k = tl.load(k_ptr + (row0 + t)[:, None] * Dk + o_k[None, :],
-                    mask=m_tk, other=0.0)
+        qk_off = o_t[:, None] * Dk + o_k[None, :]
+        q = tl.load(q_ptr + qk_off, mask=m_tk, other=0.0)
+        k = tl.load(k_ptr + qk_off, mask=m_tk, other=0.0)
         S = tl.load(h_base + o_k[:, None] * Dv + o_v[None, :],
                     mask=m_k[:, None] & m_v[None, :], other=0.0)
         A = tl.dot(q, tl.trans(k), acc=A, input_precision=DOT_PREC)
@@ -146,11 +147,15 @@ def chunk_output_kernel(
     m_t = t < T_seq
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < Dv
+    # the chunk's first row, 64-bit, once: the tiles' offsets from it are
+    # 32-bit (int64 offsets of every element cost ~6% of the instructions)
+    c_row = row0 + i_n * BT
     A, o, d = _scores_and_state(
-        q_ptr, k_ptr, h_ptr, hz_ptr, row0, i_s, t, m_t, o_v, m_v, Dk, Dv,
-        BT, BK, BV, NORMALIZE, DOT_PREC)
-    v = tl.load(v_ptr + (row0 + t)[:, None] * Dv + o_v[None, :],
-                mask=m_t[:, None] & m_v[None, :], other=0.0)
+        q_ptr + c_row * Dk, k_ptr + c_row * Dk, h_ptr, hz_ptr, i_s, m_t,
+        o_v, m_v, Dk, Dv, BT, BK, BV, NORMALIZE, DOT_PREC)
+    tv_off = o_t[:, None] * Dv + o_v[None, :]
+    m_tv = m_t[:, None] & m_v[None, :]
+    v = tl.load(v_ptr + c_row * Dv + tv_off, mask=m_tv, other=0.0)
     if DECAY == 1:
         L, q_log, _, _ = chunk_decays_at(
             g_ptr, i_h, row0, i_n, t, T_seq, BT, False, DECAY)
@@ -178,9 +183,9 @@ def chunk_output_kernel(
         # padded keys were read as 0: their scores are 0
         d = tl.sum(A, axis=1) + d + eps
         o = o / d[:, None]
-        tl.store(den_ptr + row0 + t, d, mask=m_t & (i_v == 0))
-    tl.store(o_ptr + (row0 + t)[:, None] * Dv + o_v[None, :],
-             o.to(o_ptr.dtype.element_ty), mask=m_t[:, None] & m_v[None, :])
+        tl.store(den_ptr + c_row + o_t, d, mask=m_t & (i_v == 0))
+    tl.store(o_ptr + c_row * Dv + tv_off, o.to(o_ptr.dtype.element_ty),
+             mask=m_tv)
 
 
 def chunk_output(
