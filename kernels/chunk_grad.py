@@ -77,6 +77,8 @@ from .configs import dot_precision, launchable, max_registers, rounds_operands
 from .sequences import (
     cdiv,
     chunk_of_program,
+    dim_mask,
+    even_dims,
     first_chunk,
     is_padding_chunk,
     packed_layout,
@@ -98,7 +100,7 @@ def _load_rows(ptr, c_row, o_r, m_t, o_c, m_c, D):
 def _dqk_products(
     do_ptr, v_ptr, h_ptr, dh_ptr, c_row, o_r, i_s, m_t, o_k, m_k, Dk, Dv,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    DOT_PREC: tl.constexpr, ROUND: tl.constexpr,
+    DOT_PREC: tl.constexpr, ROUND: tl.constexpr, EVEN_D: tl.constexpr,
     SCORES: tl.constexpr = True, STATES: tl.constexpr = True,
 ):
     """Over the blocks of Dv: dO v^T (BT x BT, SCORES), dO S_n^T (BT x BK) and
@@ -109,7 +111,7 @@ def _dqk_products(
     dkH = tl.zeros([BK, BT], dtype=tl.float32)
     for i_v in range(0, tl.cdiv(Dv, BV)):
         o_v = i_v * BV + tl.arange(0, BV)
-        m_v = o_v < Dv
+        m_v = dim_mask(o_v, Dv, BV, EVEN_D)
         do = _load_rows(do_ptr, c_row, o_r, m_t, o_v, m_v, Dv)
         v = _load_rows(v_ptr, c_row, o_r, m_t, o_v, m_v, Dv)
         if STATES:
@@ -240,7 +242,7 @@ def _dq_dk(
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     DECAY: tl.constexpr, DG: tl.constexpr, NORMALIZE: tl.constexpr,
     HAS_LEN: tl.constexpr, DOT_PREC: tl.constexpr, KEPT: tl.constexpr,
-    ROUND: tl.constexpr, W_GIVEN: tl.constexpr,
+    ROUND: tl.constexpr, W_GIVEN: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     """dq and dk of Dk block i_k of a chunk (`_chunk_program`'s), and (DG) its
     partial of q . dq - k . dk; the gradient weights W and the decays q_decay,
@@ -249,10 +251,10 @@ def _dq_dk(
     # the chunk's first row and the tokens' rows from it (`_load_rows`)
     c_row, o_r = row0 + i_n * BT, t - i_n * BT
     o_k = i_k * BK + tl.arange(0, BK)
-    m_k = o_k < Dk
+    m_k = dim_mask(o_k, Dk, BK, EVEN_D)
     A, dqS, dkH = _dqk_products(
         do_ptr, v_ptr, h_ptr, dh_ptr, c_row, o_r, i_s, m_t, o_k, m_k, Dk, Dv,
-        BT, BK, BV, DOT_PREC, ROUND, not W_GIVEN)
+        BT, BK, BV, DOT_PREC, ROUND, EVEN_D, not W_GIVEN)
     if not W_GIVEN:
         M, q_decay, k_decay = _decays(
             g_ptr, hi_ptr, lo_ptr, ka_ptr, kr_ptr, i_h, i_s, row0, i_n, t,
@@ -305,13 +307,14 @@ def _dv(
     dh_ptr, dv_ptr, row0, i_h, i_s, i_n, t, T_live, T_seq, i_v, Dk, Dv,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr, DECAY: tl.constexpr,
     NORMALIZE: tl.constexpr, DOT_PREC: tl.constexpr, ROUND: tl.constexpr,
+    EVEN_D: tl.constexpr,
 ):
     """dv of value tile i_v of a chunk (`_chunk_program`'s)."""
     m_t, m_out = t < T_live, t < T_seq
     o_t = tl.arange(0, BT)
     c_row, o_r = row0 + i_n * BT, t - i_n * BT  # as in _dq_dk
     o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < Dv
+    m_v = dim_mask(o_v, Dv, BV, EVEN_D)
     # P^T (row j, column i: k_j . q_i), computed as K Q^T from the loaded
     # tiles: dv = P^T dO then takes no transpose of a dot result (fla #640,
     # see chunk_dqk_kernel)
@@ -319,7 +322,7 @@ def _dv(
     kH = tl.zeros([BT, BV], dtype=tl.float32)     # k_j dH_n
     for i_k in range(0, tl.cdiv(Dk, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < Dk
+        m_k = dim_mask(o_k, Dk, BK, EVEN_D)
         q = _load_rows(q_ptr, c_row, o_r, m_t, o_k, m_k, Dk)
         k = _load_rows(k_ptr, c_row, o_r, m_t, o_k, m_k, Dk)
         dH = tl.load(dh_ptr + i_s * Dk * Dv + o_k[:, None] * Dv + o_v[None, :],
@@ -371,6 +374,7 @@ def chunk_dqk_kernel(
     KEPT: tl.constexpr = False,   # h, hz kept from the forward (not recomputed)
     ROUND: tl.constexpr = False,  # operands rounded to the input dtype
                                   # (rounds_operands)
+    EVEN_D: tl.constexpr = False,  # Dk, Dv multiples of BK, BV (dim_mask)
 ):
     row0, i_h, i_s, i_n, t, T_live, T_seq, skip = _chunk_program(
         cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT, HAS_LEN, IS_VARLEN)
@@ -380,7 +384,7 @@ def chunk_dqk_kernel(
            r_ptr, e_ptr, h_ptr, hz_ptr, dh_ptr, dhz_ptr, dq_ptr, dk_ptr, dg_ptr,
            row0, i_h, i_s, i_n, t, T_live, T_seq, tl.program_id(0), Dk, Dv,
            n_rows, None, None, None, BT, BK, BV, DECAY, DG, NORMALIZE, HAS_LEN,
-           DOT_PREC, KEPT, ROUND, False)
+           DOT_PREC, KEPT, ROUND, False, EVEN_D)
 
 
 @triton.jit
@@ -399,6 +403,7 @@ def chunk_dv_kernel(
     NORMALIZE: tl.constexpr, HAS_LEN: tl.constexpr,
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
     ROUND: tl.constexpr = False,  # as chunk_dqk_kernel's
+    EVEN_D: tl.constexpr = False,  # as chunk_dqk_kernel's
 ):
     row0, i_h, i_s, i_n, t, T_live, T_seq, skip = _chunk_program(
         cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT, HAS_LEN, IS_VARLEN)
@@ -406,7 +411,8 @@ def chunk_dv_kernel(
         return
     _dv(q_ptr, k_ptr, do_ptr, g_ptr, hi_ptr, lo_ptr, ka_ptr, kr_ptr, r_ptr,
         dh_ptr, dv_ptr, row0, i_h, i_s, i_n, t, T_live, T_seq,
-        tl.program_id(0), Dk, Dv, BT, BK, BV, DECAY, NORMALIZE, DOT_PREC, ROUND)
+        tl.program_id(0), Dk, Dv, BT, BK, BV, DECAY, NORMALIZE, DOT_PREC, ROUND,
+        EVEN_D)
 
 
 @triton.jit
@@ -422,6 +428,7 @@ def chunk_dqkv_kernel(
     DECAY: tl.constexpr, DG: tl.constexpr, NORMALIZE: tl.constexpr,
     HAS_LEN: tl.constexpr, IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
     KEPT: tl.constexpr = False, ROUND: tl.constexpr = False,
+    EVEN_D: tl.constexpr = False,  # Dk, Dv multiples of all four widths
 ):
     """A chunk's dq, dk and dv in one program (grid (1, chunks, B H)): the
     gradient weights W (dO v^T over all of Dv, the decays) formed once, then
@@ -437,10 +444,10 @@ def chunk_dqkv_kernel(
     for dv's: all live at once, they took 175-235 registers (sm_90, bf16,
     d = 128), 19-174 spill instructions under the cap of 128. Offset by
     i_k * zero (the block's tokens and first row) or zero (dv's chunk), which
-    it cannot fold, they are formed where they are used: 100-128 registers,
+    it cannot fold, they are formed where they are used: 108-128 registers,
     no spills in bf16 (Triton 3.6.0 and 3.7.1; fp16, whose products are tf32,
-    spills 10-20 with a decay). The value tiles are unrolled (NVO) for the
-    same reason."""
+    spills up to 12 with a per-head decay). The value tiles are unrolled (NVO)
+    for the same reason."""
     row0, i_h, i_s, i_n, t, T_live, T_seq, skip = _chunk_program(
         cu_ptr, co_ptr, ci_ptr, len_ptr, T, H, NT, BT, HAS_LEN, IS_VARLEN)
     if skip:
@@ -450,7 +457,7 @@ def chunk_dqkv_kernel(
     c_row = row0 + i_n * BT
     A, _, _ = _dqk_products(
         do_ptr, v_ptr, h_ptr, dh_ptr, c_row, o_t, i_s, m_t, o_t, m_t, Dk, Dv,
-        BT, BK, BV, DOT_PREC, ROUND, True, False)
+        BT, BK, BV, DOT_PREC, ROUND, EVEN_D, True, False)
     M, q_decay, k_decay = _decays(
         g_ptr, hi_ptr, lo_ptr, ka_ptr, kr_ptr, i_h, i_s, row0, i_n, t, T_live,
         o_t, BT, DECAY)
@@ -464,11 +471,11 @@ def chunk_dqkv_kernel(
                dk_ptr, dg_ptr, row0 + kz, i_h, i_s, i_n, t + kz, T_live,
                T_seq, i_k, Dk, Dv, n_rows, W, q_decay + kz, k_decay + kz, BT,
                BK, BV, DECAY, DG, NORMALIZE, HAS_LEN, DOT_PREC, KEPT, ROUND,
-               True)
+               True, EVEN_D)
     for i_v in tl.static_range(NVO):
         _dv(q_ptr, k_ptr, do_ptr, g_ptr, hi_ptr, lo_ptr, ka_ptr, kr_ptr, r_ptr,
             dh_ptr, dv_ptr, row0, i_h, i_s + zero, i_n, t, T_live, T_seq, i_v,
-            Dk, Dv, BT, BKV, BVO, DECAY, NORMALIZE, DOT_PREC, ROUND)
+            Dk, Dv, BT, BKV, BVO, DECAY, NORMALIZE, DOT_PREC, ROUND, EVEN_D)
 
 
 def _decay_tables(g: torch.Tensor | None, decays: ChunkDecays | None,
@@ -515,11 +522,13 @@ def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
           if g is not None and need_dg else None)
     outs = [dq, dk, dg]
     kernel, grid, extra = chunk_dqk_kernel, (NK, NT, B * H), {}
+    widths = [(Dk, cfg["BK"]), (Dv, cfg["BV"])]
     if dv_config is not None:
         outs.insert(2, torch.empty(do.shape, dtype=q.dtype, device=q.device))
         kernel, grid = chunk_dqkv_kernel, (1, NT, B * H)
         extra = dict(BKV=dv_config["BK"], BVO=dv_config["BV"], zero=0,
                      NVO=cdiv(Dv, dv_config["BV"]))
+        widths += [(Dk, dv_config["BK"]), (Dv, dv_config["BV"])]
     ptrs = [*_decay_tables(g, decays, cfg["BT"], layout, lengths), r, e,
             *states, *grads, *outs, cu, offsets, indices, lengths]
     launchable(kernel, q.device)[grid](
@@ -531,6 +540,9 @@ def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         HAS_LEN=lengths is not None, IS_VARLEN=cu is not None,
         DOT_PREC=dot_precision(q.dtype), KEPT=kept,
         ROUND=rounds_operands(cfg, q.dtype),
+        # the 4-warp (A100) configs keep their masks: without, sm_80 compiles
+        # chunk_dqk to 158 registers, not 128 (3 CTAs per SM, not 4)
+        EVEN_D=cfg["num_warps"] == 8 and even_dims(*widths),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         maxnreg=max_registers(cfg, Dk, Dv))
     return (dq, dk, dg) if dv_config is None else (dq, dk, dg, outs[2])
@@ -565,6 +577,7 @@ def chunk_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor,
         NORMALIZE=r is not None,
         HAS_LEN=lengths is not None, IS_VARLEN=cu is not None,
         DOT_PREC=dot_precision(q.dtype), ROUND=rounds_operands(cfg, q.dtype),
+        EVEN_D=even_dims((Dk, cfg["BK"]), (Dv, cfg["BV"])),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         maxnreg=max_registers(cfg, Dk, Dv))
     return dv

@@ -32,7 +32,7 @@ def _spec(names: list[str], dtype: str, cfg: dict,
     constexprs = {"BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2,
                   "NORMALIZE": True, "HAS_LEN": True, "IS_VARLEN": False,
                   "DOT_PREC": dot_precision(dtype),
-                  "ROUND": rounds_operands(cfg, dtype)}
+                  "ROUND": rounds_operands(cfg, dtype), "EVEN_D": False}
     signature.update(dict.fromkeys(constexprs, "constexpr"))
     return signature, constexprs
 

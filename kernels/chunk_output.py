@@ -55,6 +55,8 @@ from .configs import dot_precision, launchable, max_registers, rounds_operands
 from .sequences import (
     cdiv,
     chunk_of_program,
+    dim_mask,
+    even_dims,
     first_chunk,
     is_padding_chunk,
     packed_layout,
@@ -66,7 +68,7 @@ from .sequences import (
 def _scores_and_state(
     q_ptr, k_ptr, h_ptr, hz_ptr, i_s, m_t, o_v, m_v, Dk, Dv,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    NORMALIZE: tl.constexpr, DOT_PREC: tl.constexpr,
+    NORMALIZE: tl.constexpr, DOT_PREC: tl.constexpr, EVEN_D: tl.constexpr,
 ):
     """Over the blocks of Dk: the raw scores q k^T (BT x BT), q S_n (BT x BV)
     and q . z_n (BT,); q_ptr and k_ptr point at the chunk's first row, i_s is
@@ -78,7 +80,7 @@ def _scores_and_state(
     o_t = tl.arange(0, BT)
     for i_k in range(0, tl.cdiv(Dk, BK)):
         o_k = i_k * BK + tl.arange(0, BK)
-        m_k = o_k < Dk
+        m_k = dim_mask(o_k, Dk, BK, EVEN_D)
         m_tk = m_t[:, None] & m_k[None, :]
         qk_off = o_t[:, None] * Dk + o_k[None, :]
         q = tl.load(q_ptr + qk_off, mask=m_tk, other=0.0)
@@ -132,6 +134,7 @@ def chunk_output_kernel(
     IS_VARLEN: tl.constexpr, DOT_PREC: tl.constexpr,
     ROUND: tl.constexpr = False,  # scores rounded to v's dtype
                                   # (rounds_operands)
+    EVEN_D: tl.constexpr = False,  # Dk, Dv multiples of BK, BV (dim_mask)
 ):
     i_v = tl.program_id(0)
     i_seq, i_h, i_n = chunk_of_program(
@@ -146,13 +149,13 @@ def chunk_output_kernel(
     t = i_n * BT + o_t
     m_t = t < T_seq
     o_v = i_v * BV + tl.arange(0, BV)
-    m_v = o_v < Dv
+    m_v = dim_mask(o_v, Dv, BV, EVEN_D)
     # the chunk's first row, 64-bit, once: the tiles' offsets from it are
     # 32-bit (int64 offsets of every element cost ~6% of the instructions)
     c_row = row0 + i_n * BT
     A, o, d = _scores_and_state(
         q_ptr + c_row * Dk, k_ptr + c_row * Dk, h_ptr, hz_ptr, i_s, m_t,
-        o_v, m_v, Dk, Dv, BT, BK, BV, NORMALIZE, DOT_PREC)
+        o_v, m_v, Dk, Dv, BT, BK, BV, NORMALIZE, DOT_PREC, EVEN_D)
     tv_off = o_t[:, None] * Dv + o_v[None, :]
     m_tv = m_t[:, None] & m_v[None, :]
     v = tl.load(v_ptr + c_row * Dv + tv_off, mask=m_tv, other=0.0)
@@ -162,9 +165,10 @@ def chunk_output_kernel(
     elif DECAY == 2:  # as chunk_log_decays forms them from the same prefix sums
         hi = tl.load(hi_ptr + i_s * BT + o_t)
         lo = tl.load(lo_ptr + i_s * BT + o_t)
-        L = tl.where(o_t[None, :] < o_t[:, None],
-                     _gap(hi[:, None], lo[:, None], hi[None, :], lo[None, :]),
-                     0.0)
+        # (above the diagonal L > 0: cut to 0 here, the scores there are
+        # selected out below; a minimum costs half a compare and a select)
+        L = tl.minimum(
+            _gap(hi[:, None], lo[:, None], hi[None, :], lo[None, :]), 0.0)
         q_log = hi
     if DECAY > 0:
         # L <= 0 (0 outside the causal triangle)
@@ -252,6 +256,7 @@ def chunk_output(
         DECAY=0 if log_decay is None else (1 if log_decay.dim() == 1 else 2),
         NORMALIZE=normalize, IS_VARLEN=cu is not None,
         DOT_PREC=dot_precision(q.dtype), ROUND=rounds_operands(cfg, q.dtype),
+        EVEN_D=even_dims((Dk, cfg["BK"]), (Dv, cfg["BV"])),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
         maxnreg=max_registers(cfg, Dk, Dv),
     )
@@ -344,7 +349,7 @@ def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:
     constexprs = {"BT": cfg["BT"], "BK": cfg["BK"], "BV": cfg["BV"], "DECAY": 2,
                   "NORMALIZE": True, "IS_VARLEN": False,
                   "DOT_PREC": dot_precision(dtype),
-                  "ROUND": rounds_operands(cfg, dtype)}
+                  "ROUND": rounds_operands(cfg, dtype), "EVEN_D": False}
     for name in constexprs:
         signature[name] = "constexpr"
     return signature, constexprs

@@ -316,10 +316,10 @@ def chunk_state_kernel(
     REVERSE: tl.constexpr, HAS_R: tl.constexpr, HAS_W: tl.constexpr,
     HAS_LEN: tl.constexpr, IS_VARLEN: tl.constexpr,
     IS_SPLIT: tl.constexpr, DOT_PREC: tl.constexpr, KEYS_T: tl.constexpr,
+    EVEN_D: tl.constexpr = False,  # Dk, Dv multiples of BK, BV (dim_mask)
 ):
     i_k = tl.program_id(0)
-    # value tile; with HAS_Z the last one is z's
-    i_v = tl.program_id(1)
+    i_v = tl.program_id(1)  # value tile; with HAS_Z the last one is z's
     # int64: the offsets into h pass 2^31 quickly
     i_st = tl.program_id(2).to(tl.int64)
     i_nh = i_st
@@ -330,8 +330,7 @@ def chunk_state_kernel(
     c0 = first_chunk(i_seq, i_h, co_ptr, NT, H, IS_VARLEN)
     n_lo = 0
     n_hi = tl.cdiv(T_seq, BT)
-    # the walk starts from the initial state
-    first = True
+    first = True  # the walk starts from the initial state
     if IS_SPLIT:
         i_s = (i_st % n_splits).to(tl.int32)
         n_lo = tl.minimum(i_s * NS, n_hi)
@@ -344,8 +343,8 @@ def chunk_state_kernel(
         T_seq = tl.minimum(T_seq, tl.load(len_ptr + i_nh))
     o_k = i_k * BK + tl.arange(0, BK)
     o_v = i_v * BV + tl.arange(0, BV)
-    m_k = o_k < Dk
-    m_v = o_v < Dv
+    m_k = (o_k < Dk) | EVEN_D  # all true when EVEN_D (sequences.dim_mask)
+    m_v = (o_v < Dv) | EVEN_D
     if HAS_Z and i_v == tl.cdiv(Dv, BV):
         _walk_z(k_ptr, ka_ptr, gl_ptr, w_ptr, hz_ptr, z0_ptr, zt_ptr,
                 i_nh, i_st, row0, T_seq, n_lo, n_hi, c0, first, o_k, m_k, Dk,
@@ -507,8 +506,7 @@ def chunk_states(
     NS, splits = _runs(splits, cu is not None,
                        tiles[0] * tiles[1] * n_seq * H, NT, k.device)
     split = splits > 1
-    # each run's end goes where the final state would
-    ends = store_final_state or split
+    ends = store_final_state or split  # each run's end goes where S_T would
     S_T = torch.empty(n_seq * splits, H, Dk, Dv, **f32) if ends else None
     z_T = (torch.empty(n_seq * splits, H, Dk, **f32)
            if (ends and track_z) else None)
@@ -536,6 +534,7 @@ def chunk_states(
         HAS_R=r is not None, HAS_W=w is not None,
         HAS_LEN=lengths is not None, IS_VARLEN=cu is not None, IS_SPLIT=split,
         DOT_PREC=dot_precision(k.dtype), KEYS_T=keys_t,
+        EVEN_D=Dk % cfg["BK"] == 0 and Dv % cfg["BV"] == 0,
         num_warps=cfg["num_warps"], num_stages=configs.walk_stages(
             cfg, configs.plain_walk(k.dtype, decay, r, w, track_z), keys_t),
     )
@@ -677,7 +676,8 @@ def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:
                   "HAS_Z": True, "HAS_S0": True, "STORE_ST": True,
                   "REVERSE": True, "HAS_R": True, "HAS_W": True,
                   "HAS_LEN": False, "IS_VARLEN": False, "IS_SPLIT": True,
-                  "DOT_PREC": dot_precision(dtype), "KEYS_T": False}
+                  "KEYS_T": False, "EVEN_D": False,
+                  "DOT_PREC": dot_precision(dtype)}
     for name in constexprs:
         signature[name] = "constexpr"
     return signature, constexprs

@@ -339,6 +339,49 @@ def test_one_backward_kernel_on_packed_sequences_and_a_dead_tail():
         assert torch.equal(fused[name], apart[name]), name
 
 
+@pytest.mark.parametrize("fused", [False, True], ids=["apart", "fused"])
+@pytest.mark.parametrize("decay,normalize,dtype", [("token", True, torch.float32), ("head", False, torch.float16)])
+def test_head_dims_that_fill_the_tiles_drop_their_masks_bit_for_bit(monkeypatch, decay, normalize, dtype, fused):
+    """Where the head dims are multiples of the tiles the launchers tell the kernels (EVEN_D), which
+    then mask tiles by token only (`sequences.dim_mask`): the outputs, final states and every
+    gradient are those of the same launches with EVEN_D=False, bit for bit. D = 64 in blocks of 32,
+    chunk_dqk on 8 warps (the sm_90 configs: 4-warp ones keep their masks); T = 100 ends inside a
+    chunk."""
+    x = make_inputs(2, 2, 100, 64, 64, decay, normalize, True, dtype, seed=4)
+    w, wS, wz = _cotangents(x, 2, normalize)
+    blocks = {"BK": 32, "BV": 32}
+    changes = {"chunk_dqk": {**blocks, "num_warps": 8, **({"fused_dqkv": True} if fused else {})},
+               "chunk_dv": {**blocks, "num_warps": 8}, "chunk_output": blocks, "chunk_state": blocks}
+    real = K.configs.launchable
+    even = []
+
+    def launchable(masked: bool):
+        def wrap(kernel, device):
+            launch = real(kernel, device)
+
+            def at(grid):
+                def call(*args, **kw):
+                    if "EVEN_D" in kw:
+                        even.append(kw["EVEN_D"])
+                        kw["EVEN_D"] = kw["EVEN_D"] and not masked
+                    return launch[grid](*args, **kw)
+                return call
+            return type("Launch", (), {"__getitem__": lambda self, grid: at(grid)})()
+        return wrap
+
+    runs = []
+    for masked in (False, True):
+        for module in (K.chunk_output, K.chunk_dqk, K.chunk_states):
+            monkeypatch.setitem(module.__globals__, "launchable", launchable(masked))
+        with K.overridden(changes):
+            runs.append(_kernel_grads(x, normalize, w, wS, wz))
+    # every walk, the outputs and the backward's parallel kernels were told so
+    assert all(even) and len(even) == 2 * (5 if fused else 6)  # 3 walks, 2 or 3 parallel kernels
+    (o1, st1, g1), (o0, st0, g0) = runs
+    assert torch.equal(o1, o0) and all(torch.equal(a, b) for a, b in zip(st1, st0) if a is not None)
+    assert sorted(g1) == sorted(g0) and all(torch.equal(g1[n], g0[n]) for n in g0), decay
+
+
 def test_one_backward_kernel_replaces_both_launches_where_the_configs_agree():
     """Under the candidate the backward launches chunk_dqkv_kernel once per chunk (grid (1, chunks,
     B H)) instead of chunk_dqk_kernel and chunk_dv_kernel, with chunk_dqk's blocks and chunk_dv's as

@@ -296,8 +296,9 @@ def compile_report(kernel: str, target: str, dtype: str, d_whole: int, *, config
     (instructions, from cuobjdump), registers and stack (spill) bytes per thread, the number of
     tensor-core MMA instructions, the cubin size, the shared-memory limit of the target, and
     the loads of each loop (`loop_loads` of the TTGIR). aligned: compile with the alignment the
-    JIT sees at head dims that are multiples of 16 (`jit_alignment`), as it would specialise, and
-    the config's register cap (`configs.MAXNREG`), as the launcher passes it there.
+    JIT sees at head dims that are multiples of 16 (`jit_alignment`), as it would specialise, the
+    config's register cap (`configs.MAXNREG`), as the launcher passes it there, and without the
+    head-dim masks where the tiles divide `d_whole` (EVEN_D, `sequences.even_dims`).
     """
     import torch
     import triton
@@ -313,6 +314,10 @@ def compile_report(kernel: str, target: str, dtype: str, d_whole: int, *, config
     cfg = config or K.select_config(kernel, d_whole, getattr(torch, _TORCH_DTYPES[dtype]), cap)
     signature, constexprs = spec(cfg, dtype)
     attrs = jit_alignment(fn.arg_names, signature) if aligned else None
+    if (aligned and "EVEN_D" in fn.arg_names and all(d_whole % cfg[w] == 0 for w in ("BK", "BV"))
+            and not (kernel == "chunk_dqk" and cfg["num_warps"] != 8)):  # as chunk_grad.chunk_dqk decides
+        # head dims that are multiples of the tiles: the launcher drops the head-dim masks
+        signature["EVEN_D"], constexprs["EVEN_D"] = "constexpr", True
     compiled = triton.compile(
         ASTSource(fn=fn, signature=signature, constexprs=constexprs, attrs=attrs),
         target=GPUTarget("cuda", cap[0] * 10 + cap[1], 32),
