@@ -460,7 +460,7 @@ def test_one_backward_kernel_fits_two_ctas_and_moves_less(normalize, decay):
     H = 16, T = 16384, D = 128): at most the cap's 128 registers (2 CTAs per SM, as the two kernels
     run), no spills, within 10% of the warp instructions of chunk_dqk's programs and chunk_dv's
     together (counted loop by loop, `LOOP_TRIPS`: dO v^T and the decays are formed once a chunk,
-    each block's addresses in its block; Triton 3.7.1: per-token 4.6% fewer, normalised 5.5% more),
+    each block's addresses in its block; Triton 3.7.1: per-token 6.2% fewer, normalised 5.3% more),
     and 0.6 GB less HBM traffic or more (q, k, dO and the state gradients read once: 0.67 GB
     normalised, 0.95 per-token, whose state gradients are fp32)."""
     from linattn_lib.chapters import sass
