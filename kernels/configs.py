@@ -296,7 +296,7 @@ ROUNDED = {("chunk_dqk", "sm90"), ("chunk_dv", "sm90")}
 # loop goes through registers): 3 keeps two chunks in flight. The H200 timed every walk at 1.2-1.5
 # us a chunk whatever its tiles and no faster at 3 or 4 stages than at 2 (1.9 at 1), its keys then
 # read through registers one chunk ahead; fla's walk, both operands copied, at 0.73. Measured next
-# GPU run (the GPU check's whole-op sweep times the walks at 2 stages too).
+# GPU run (the GPU check's whole-op sweep times the walks at 2 and 4 stages too).
 PLAIN_WALK_STAGES = {"sm90": 3}
 _STATE_WALKS = ("chunk_state", "chunk_state_wide", "chunk_state_few", "chunk_state_few_wide")
 

@@ -39,8 +39,8 @@ def _small_cases():
 @needs_triton
 def test_the_whole_op_sweep_is_precompiled_with_its_changes():
     """The precompile plan (`gpu_plan.planned_calls`) ends with the whole-op sweep's calls, one per
-    variant and changed set, recorded under their changes: the plain walks at 2 stages where
-    the op runs them 3 deep, chunk_output and chunk_dv in two value tiles, chunk_dqk in one
+    variant and changed set, recorded under their changes: the plain walks at 2 and 4 stages
+    where the op runs them 3 deep, chunk_output and chunk_dv in two value tiles, chunk_dqk in one
     key tile, decayed walks 3 deep, dq, dk, dv in one kernel (small stand-in shape)."""
     from linattn_lib.experiments import gpu_extras
     from linattn_lib.experiments.gpu_plan import record_plan
@@ -55,6 +55,7 @@ def test_the_whole_op_sweep_is_precompiled_with_its_changes():
         by_set.setdefault(launch["call"].split(", ", 1)[1], []).append(launch)
     walks = lambda name: {x["num_stages"] for x in by_set[name] if x["kernel"] == "chunk_state_kernel"}
     assert walks("plain state walks at 2 stages") == {2} and walks("chunk_dqk in one key tile") == {3}
+    assert walks("plain state walks at 4 stages") == {4}
     tiles = lambda name: {x["grid"][0] for x in by_set[name] if x["kernel"] == "chunk_output_kernel"}
     # chunk_output and chunk_dv: one value tile a chunk on sm_90 (D = 128), two as before
     assert tiles("chunk_output in two value tiles (before)") == {2} and tiles("operands rounded to bf16") == {1}
@@ -224,6 +225,44 @@ def test_launches_pair_by_name_and_occurrence():
                  {"kernel": "torch:aten.sum", "predicted_us": 1.0}, {"kernel": "b", "predicted_us": 0.5},
                  {"kernel": "b", "predicted_us": 0.5}]
     assert [r["measured_us"] for r in pair_launches(measured, predicted)] == [1.0, 3.0, None, 2.0, None]
+
+
+@needs_triton
+def test_fla_autotuned_configs_are_recorded(monkeypatch):
+    """The benchmark keeps what fla's autotuners chose (found in fla's loaded modules, through
+    the heuristics around them) and how the last tuning timed every candidate: the configs fla's
+    walks ran at, which no profile shows. The report lists them."""
+    import types
+
+    import triton
+    import triton.language as tl
+
+    from linattn_lib.experiments.gpu_fla_warm import autotuned
+    from linattn_lib.experiments.gpu_report import fla_autotuned_lines
+
+    configs = [triton.Config({"BV": bv}, num_warps=w, num_stages=2) for bv in (32, 64) for w in (4, 8)]
+
+    @triton.heuristics({"USE_G": lambda args: args["g"] is not None})
+    @triton.autotune(configs=configs, key=["K", "BT"])
+    @triton.jit
+    def walk_kernel(x, g, K: tl.constexpr, BT: tl.constexpr, BV: tl.constexpr, USE_G: tl.constexpr):
+        pass
+
+    module = types.ModuleType("fla.ops.fake")
+    module.walk_kernel = walk_kernel
+    monkeypatch.setitem(sys.modules, "fla.ops.fake", module)
+    assert autotuned() == {"chosen": [], "timings": {}}
+    tuner = walk_kernel.fn  # as Triton's autotuner fills them after timing at the real shape
+    tuner.cache[(128, 64, "torch.bfloat16")] = configs[3]
+    tuner.configs_timings = {c: [0.5 - 0.1 * i, 0.4, 0.6] for i, c in enumerate(configs)}
+    got = autotuned()
+    assert got["chosen"] == [{"kernel": "walk_kernel", "config": {"BV": 64, "num_warps": 8, "num_stages": 2},
+                              "key": {"K": "128", "BT": "64", "dtypes": ["torch.bfloat16"]}}]
+    assert [r["ms"] for r in got["timings"]["walk_kernel"]] == [0.2, 0.3, 0.4, 0.5]
+    assert got["timings"]["walk_kernel"][0]["config"] == got["chosen"][0]["config"]
+    json.dumps(got)
+    lines = fla_autotuned_lines(got, fastest=2)
+    assert "| walk_kernel |" in lines[5] and "0.200 ms" in lines[-1] and "0.400 ms" not in lines[-1]
 
 
 # ------------------------------------------------------------------------- the wheels

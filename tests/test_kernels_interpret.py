@@ -911,7 +911,7 @@ def test_overridden_configs_reach_the_launches_and_go_away(monkeypatch):
 
 
 K_OVERRIDE_NAMES = ("as chosen", "operands not rounded (before the fitted model)", "plain state walks at 2 stages",
-                    "chunk_dv in two value tiles (before)", "chunk_output in two value tiles (before)",
+                    "plain state walks at 4 stages", "chunk_dv in two value tiles (before)", "chunk_output in two value tiles (before)",
                     "chunk_dqk in one key tile",
                     "decayed walks read their keys transposed", "dq, dk, dv in one kernel", "operands rounded to bf16",
                     "chunk_dqk without its register cap")

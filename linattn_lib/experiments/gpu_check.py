@@ -13,7 +13,8 @@ within --budget-s (a section that reaches its cap or the budget is cut, and says
     precompile    every kernel launch of ours the benchmark and profile make, compiled on all
                   cores into Triton's cache (gpu_plan: the dry run's plan), while fla's
                   autotuning candidates compile in worker processes (gpu_fla_warm)         60 s
-    benchmark     ours (public API and op), fla, SDPA: gpu_bench, row by row               150 s
+    benchmark     ours (public API and op), fla, SDPA: gpu_bench, row by row; then the configs
+                  fla's autotuners chose and their timings of every candidate               150 s
     profile       torch.profiler per kernel of one fwd+bwd beside the model's per-launch
                   predictions (normalised; unnormalised with a per-token decay, then under
                   the whole-op sweep's PROFILED_CANDIDATE too)                               40 s
@@ -175,6 +176,10 @@ def _benchmark(args, do_bench) -> Callable:
         ours = [r for r in result["rows"] if r["provider"].startswith("ours")]
         bad = [r for r in ours if "error" in r and "timed out" not in r["error"] or "backward_error" in r]
         result["plan_misses"] = gpu_plan.plan_misses(before, gpu_plan.our_kernel_names())
+        if "fla" in sys.modules:  # the configs fla ran at, and how its autotuner timed the others
+            from .gpu_fla_warm import autotuned
+
+            result["fla_autotuned"] = autotuned()
         result["status"] = FAILED if bad else CUT if "cut" in result else PASSED
         return result
 

@@ -277,6 +277,9 @@ OVERRIDE_SETS = {
     "operands not rounded (before the fitted model)": {k: {"round_operands": False} for k in TWO_PHASE[1:]},
     # plain walks (no decay: both operands copied asynchronously) at the depth the others keep
     "plain state walks at 2 stages": {"chunk_state": {"plain_stages": 2}},
+    # and one chunk deeper: a walk step took 1.2-1.5 us, fla's 0.73 with the same loop (SASS): is
+    # the chain waiting on loads issued too few chunks ahead?
+    "plain state walks at 4 stages": {"chunk_state": {"plain_stages": 4}},
     # chunk_dv and chunk_output run one program per chunk on sm_90 since the fitted model (8 warps
     # capped at 128 registers): back to two value tiles
     "chunk_dv in two value tiles (before)": {"chunk_dv": {"BK": 32, "BV": 64, "num_warps": 4, "maxnreg": None}},
@@ -324,8 +327,9 @@ def run_override_sweep(variants: tuple[str, ...] = SWEPT_VARIANTS, B: int = 2, T
     """Forward+backward of ours through the op, as the benchmark times it, under each of
     `OVERRIDE_SETS`: the decisions taken without a GPU since the first run (rounded operands in
     chunk_dqk and chunk_dv, plain walks 3 deep, chunk_dv and chunk_output in one value tile,
-    chunk_dqk capped at 128 registers) undone one at a time, and the next candidates (chunk_dqk in
-    one key tile, decayed walks reading their keys transposed, dq, dk and dv in one kernel)."""
+    chunk_dqk capped at 128 registers) undone one at a time, and the next candidates (plain walks
+    4 deep, chunk_dqk in one key tile, decayed walks reading their keys transposed, dq, dk and dv
+    in one kernel)."""
     import time
 
     from .. import kernels as K

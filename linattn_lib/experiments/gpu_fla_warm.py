@@ -32,22 +32,55 @@ def warm_cases() -> list[tuple[int, int, int, str]]:
     return list(dict.fromkeys((c.B, c.H, c.D, c.variant) for c in benchmark_cases(("fla",))))
 
 
-def slice_autotuners(index: int, slices: int) -> int:
-    """Restrict every Triton autotuner in the loaded fla modules to its slice of configs (the first
-    config where the slice is empty); returns how many autotuners were restricted."""
+def fla_autotuners() -> list:
+    """Every Triton autotuner in the loaded fla modules (each once, found through the heuristics
+    that wrap some of them)."""
     from triton.runtime.autotuner import Autotuner
 
-    done: set[int] = set()
+    found: dict[int, Autotuner] = {}
     for name, module in list(sys.modules.items()):
         if not name.startswith("fla.") or module is None:
             continue
         for obj in list(vars(module).values()):
-            while obj is not None and id(obj) not in done:
+            while obj is not None and id(obj) not in found:
                 if isinstance(obj, Autotuner):
-                    done.add(id(obj))
-                    obj.configs = obj.configs[index::slices] or obj.configs[:1]
+                    found[id(obj)] = obj
                 obj = getattr(obj, "fn", None) if hasattr(obj, "run") else None
-    return len(done)
+    return list(found.values())
+
+
+def slice_autotuners(index: int, slices: int) -> int:
+    """Restrict every fla autotuner (`fla_autotuners`) to its slice of configs (the first config
+    where the slice is empty); returns how many autotuners were restricted."""
+    tuners = fla_autotuners()
+    for tuner in tuners:
+        tuner.configs = tuner.configs[index::slices] or tuner.configs[:1]
+    return len(tuners)
+
+
+def _config(cfg) -> dict:
+    return dict(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+
+
+def autotuned() -> dict:
+    """What fla's autotuners chose in this process: {"chosen": one row per kernel and key,
+    {"kernel", "key" (the key's values by name, then its tensors' dtypes, as Triton's autotuner
+    forms it), "config" (constexprs, num_warps, num_stages)}, "timings": kernel -> every
+    candidate's ms as its last tuning timed them at its shape, fastest first}. Empty before fla
+    has run."""
+    chosen, timings = [], {}
+    ms = lambda t: round(float(t[0] if isinstance(t, (list, tuple)) else t), 4)
+    for tuner in fla_autotuners():
+        name = getattr(getattr(tuner, "base_fn", None), "__name__", "?")
+        names = [k for k in tuner.keys if k in tuner.arg_names]
+        for key, cfg in getattr(tuner, "cache", {}).items():
+            keys = key if isinstance(key, tuple) else (key,)
+            chosen.append({"kernel": name, "config": _config(cfg), "key": {
+                **dict(zip(names, map(str, keys))), "dtypes": [str(k) for k in keys[len(names):]]}})
+        if getattr(tuner, "configs_timings", None):
+            timings[name] = sorted(({"config": _config(c), "ms": ms(t)} for c, t in tuner.configs_timings.items()),
+                                   key=lambda r: r["ms"])
+    return {"chosen": sorted(chosen, key=lambda r: r["kernel"]), "timings": timings}
 
 
 def warm(index: int, slices: int, hopper_refuses_gated_backward: bool) -> Iterator[str]:

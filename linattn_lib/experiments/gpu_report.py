@@ -43,6 +43,19 @@ def profile_table(name: str, prof: dict) -> list[str]:
     return lines + [""]
 
 
+def fla_autotuned_lines(tuned: dict, fastest: int = 4) -> list[str]:
+    """fla's autotuned configs (gpu_fla_warm.autotuned): each kernel's choices, then the fastest
+    candidates of its last tuning."""
+    if not tuned.get("chosen"):
+        return []
+    lines = ["", "## fla's autotuned configs", "", "| kernel | key | config |", "| --- | --- | --- |"]
+    lines += [f"| {r['kernel']} | {r['key']} | {r['config']} |" for r in tuned["chosen"]]
+    for kernel, rows in tuned.get("timings", {}).items():
+        lines += ["", f"{kernel}, last tuning, fastest of {len(rows)}: "
+                  + "; ".join(f"{r['config']} {r['ms']:.3f} ms" for r in rows[:fastest])]
+    return lines
+
+
 def markdown(data: dict) -> str:
     """The whole report: sections and their status, environment, benchmark, profiles, checks."""
     sections = data.get("sections", {})
@@ -63,6 +76,7 @@ def markdown(data: dict) -> str:
         lines += benchmark_table(bench["rows"])
         if bench.get("plan_misses"):
             lines += ["", f"Compiled by the JIT outside the precompiled plan: {', '.join(bench['plan_misses'])}"]
+    lines += fla_autotuned_lines(bench.get("fla_autotuned", {}))
     for name, prof in sections.get("profile", {}).items():
         if isinstance(prof, dict) and "by_name" in prof:
             lines += [""] + profile_table(name, prof)
