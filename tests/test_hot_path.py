@@ -6,7 +6,8 @@ that a training step runs on CUDA -- `linear_attention`, its checks, the custom 
 launchers, forward and backward -- runs here as it would there. With every way of reading a
 tensor's value on the host (`.item()`, `bool()`, `.tolist()`, `int()`, `float()`,
 `__index__`, `.cpu()`, `.numpy()`) made to raise, that Python must still run to the end: on
-a GPU each of those is a device-to-host synchronisation.
+a GPU each of those is a device-to-host synchronisation. So must it with `torch.tensor`,
+`as_tensor` and `from_numpy` raising: copies from the host, which a CUDA graph cannot capture.
 """
 from __future__ import annotations
 
@@ -29,8 +30,19 @@ SYNCS = ("item", "__bool__", "tolist", "__int__", "__float__", "__index__", "cpu
 SIZED_BY_DATA = ("nonzero", "repeat_interleave")
 
 
+# tensors made from host data: on CUDA a copy from pageable host memory, which a CUDA graph
+# cannot capture (the GPU check replays the op from one: gpu_extras.run_graph_benchmark)
+FROM_HOST = ("tensor", "as_tensor", "from_numpy")
+
+
 class HostSync(AssertionError):
     pass
+
+
+def _from_host(name):
+    def op(*args, **kwargs):
+        raise HostSync(f"torch.{name} on the hot path (a host-to-device copy on CUDA: not capturable)")
+    return op
 
 
 def _sized_by_data(name, original):
@@ -57,6 +69,8 @@ def no_host_syncs(monkeypatch: pytest.MonkeyPatch):
         for name in SIZED_BY_DATA:
             m.setattr(torch, name, _sized_by_data(name, getattr(torch, name)))
             m.setattr(torch.Tensor, name, _sized_by_data(name, getattr(torch.Tensor, name)))
+        for name in FROM_HOST:
+            m.setattr(torch, name, _from_host(name))
         yield
 
 
@@ -114,15 +128,17 @@ def test_record_launches_device_parameters():
 
 def test_the_sync_guard_catches_a_sync(monkeypatch):
     """The guard is live: a value check of the kind the hot path must not do is caught."""
-    x = torch.ones(3)
+    x, counts = torch.ones(3), torch.tensor([1, 0, 2])
     with no_host_syncs(monkeypatch), pytest.raises(HostSync):
         bool(torch.isfinite(x).all())
     with no_host_syncs(monkeypatch), pytest.raises(HostSync):
         x.sum().item()
     with no_host_syncs(monkeypatch), pytest.raises(HostSync):
-        torch.repeat_interleave(torch.arange(3), torch.tensor([1, 0, 2]))
+        torch.repeat_interleave(torch.arange(3), counts)
     with no_host_syncs(monkeypatch):
-        assert torch.repeat_interleave(torch.arange(3), torch.tensor([1, 0, 2]), output_size=3).shape == (3,)
+        assert torch.repeat_interleave(torch.arange(3), counts, output_size=3).shape == (3,)
+    with no_host_syncs(monkeypatch), pytest.raises(HostSync):
+        x + torch.tensor([1.0, 2.0, 3.0])
 
 
 CASES = [(decay, normalize) for decay in (None, "head", "token") for normalize in (True, False)]

@@ -910,6 +910,34 @@ def test_overridden_configs_reach_the_launches_and_go_away(monkeypatch):
         (v, name, None) for v in ("per-token decay", "unnormalised", "normalised") for name in K_OVERRIDE_NAMES]
 
 
+@pytest.mark.skipif(DEVICE.type != "cpu", reason="the CUDA run is gpu_check itself")
+def test_gpu_check_graph_benchmark_compares_the_replay_with_the_call(monkeypatch):
+    """The GPU check's CUDA-graph row times linear_attention's forward+backward as called and as
+    replayed from the captured graphs (here a stand-in capture that hands the function back:
+    interpreter, fp16 for bf16, stand-in timer), compares their gradients, and records a capture
+    that fails instead of raising."""
+    from linattn_lib.experiments import gpu_bench
+    from linattn_lib.experiments.gpu_extras import run_graph_benchmark
+
+    monkeypatch.setattr(gpu_bench, "DTYPE", torch.float16)
+    bench = lambda fn, **kw: (fn(), 0.5)[1]
+    captured = []
+
+    def capture(fn, args):
+        captured.append(args)
+        return fn
+
+    row = run_graph_benchmark(shape=(1, 40, 2, 16), do_bench=bench, device="cpu", capture=capture)
+    assert "error" not in row and row["eager_ms"] == row["graphed_ms"] == 0.5
+    assert row["max_rel_diff"] == 0.0 and [tuple(a.shape) for a in captured[0]] == [(1, 2, 40, 16)] * 3 + [(1, 2, 40)]
+
+    def refuse(fn, args):
+        raise RuntimeError("operation not permitted when stream is capturing")
+
+    row = run_graph_benchmark(shape=(1, 40, 2, 16), do_bench=bench, device="cpu", capture=refuse)
+    assert row["error"].startswith("capture: RuntimeError: operation not permitted") and "graphed_ms" not in row
+
+
 K_OVERRIDE_NAMES = ("as chosen", "operands not rounded (before the fitted model)", "plain state walks at 2 stages",
                     "plain state walks at 4 stages", "chunk_dv in two value tiles (before)", "chunk_output in two value tiles (before)",
                     "chunk_dqk in one key tile",

@@ -19,8 +19,8 @@ within --budget-s (a section that reaches its cap or the budget is cut, and says
                   predictions (normalised; unnormalised with a per-token decay, then under
                   the whole-op sweep's PROFILED_CANDIDATE too)                               40 s
     extras        the parallel kernels with rounded operands, alone and in the whole op (and
-                  chunk_dqk without its register cap); decoding step, FAVOR+ map,
-                  launch-config sweep (gpu_extras)                                          60 s
+                  chunk_dqk without its register cap); the op replayed from a CUDA graph;
+                  decoding step, FAVOR+ map, launch-config sweep (gpu_extras)               60 s
     selftest      the kernel self-test (kernel_selftest), quick subset first               60 s
     kernel tests  the checkout's kernel test files with CUDA tensors (pytest)        what is left
 
@@ -53,6 +53,7 @@ from .gpu_extras import (  # noqa: F401  (their home was this module; tests impo
     run_config_sweep,
     run_decode_benchmark,
     run_favor_benchmark,
+    run_graph_benchmark,
     run_operand_sweep,
     run_override_sweep,
     run_split_sweep,
@@ -245,6 +246,9 @@ def _extras(args, do_bench) -> Callable:
         put(result)
         result["override_sweep"] = run_override_sweep(do_bench=do_bench, deadline=end - 3)
         put(result)
+        if time.monotonic() < end - 10:  # what CUDA graphs remove (host_overhead could not say)
+            result["cuda_graph"] = run_graph_benchmark(do_bench=do_bench)
+            put(result)
         if args.resume:  # what the first run's numbers asked: pipelining depth, split-T
             result["stage_sweep"] = run_stage_sweep(do_bench=do_bench, deadline=end - 3)
             put(result)

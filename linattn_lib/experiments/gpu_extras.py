@@ -4,6 +4,7 @@ committed model's predictions beside benchmark rows.
 
 * `run_decode_benchmark`: one decoding step at a batch whose fp32 states dwarf the caches;
 * `run_favor_benchmark`: the FAVOR+ feature map in torch against the fused kernel;
+* `run_graph_benchmark`: the op's forward+backward as called and replayed from a CUDA graph;
 * `run_config_sweep`: each kernel of the two-phase engine alone under every candidate config
   (`candidate_configs`) at the benchmark shape, and the state pass split-T (`run_split_sweep`):
   the configs in kernels/configs.py were chosen without a GPU; these numbers choose them;
@@ -129,6 +130,51 @@ def run_decode_benchmark(B: int = 64, H: int = 16, D: int = 128, *, do_bench: Ca
     moved = 2 * (S.numel() + z.numel()) * 4
     return {"name": "decode step (state read + write)", "shape": f"B={B} H={H} D={D}", "ms": round(ms, 4),
             "state_bytes": moved, "GB_per_s": round(moved / (ms * 1e-3) / 1e9, 1)}
+
+
+# the CUDA-graph row (`run_graph_benchmark`): the main shape's B and H (its configs, its compiled
+# kernels) at an eighth of its length, where the kernels take about as long as the host's Python
+GRAPH_SHAPE = (2, 2048, 16, 128)  # B, T, H, D
+
+
+def run_graph_benchmark(variant: str = "per-token decay", shape: tuple[int, int, int, int] = GRAPH_SHAPE, *,
+                        do_bench: Callable, device: str = "cuda", capture: Callable | None = None) -> dict:
+    """What a CUDA graph removes: `linear_attention` forward+backward timed as called (its Python,
+    checks and launches every time: ~0.2 ms of host time, `host_overhead`) and replayed from the
+    graphs `torch.cuda.make_graphed_callables` captures of its forward and backward. Capture fails
+    if the hot path synchronises or copies from the host; the replay's gradients must equal the
+    eager ones (`max_rel_diff`). capture: stands in for make_graphed_callables (CPU tests)."""
+    import torch
+
+    from ..core.linear import linear_attention
+    from . import gpu_bench as gb
+
+    B, T, H, D = shape
+    var = gb.VARIANTS[variant]
+    x = gb.make_inputs(B, T, H, D, var, device)
+    names = [n for n in ("q", "k", "v", "g") if n in x and x[n].requires_grad]
+    leaves = [x[n] for n in names]
+
+    def attend(*xs):
+        a = {**x, **dict(zip(names, xs))}
+        return linear_attention(a["q"], a["k"], a["v"], normalize=var.normalize, log_decay=a.get("g"),
+                                backend="triton")
+
+    row = {"name": "linear_attention fwd+bwd, eager and from a CUDA graph", "variant": variant,
+           "shape": f"B={B} T={T} H={H} D={D}"}
+    try:
+        eager = gb.fwd_bwd(lambda: attend(*leaves), leaves, x["do"])
+        row["eager_ms"] = round(float(do_bench(eager, warmup=10, rep=50)), 4)
+        try:
+            graphed = (capture or torch.cuda.make_graphed_callables)(attend, tuple(leaves))
+        except Exception as e:  # what made capture fail is the finding
+            return dict(row, error=f"capture: {type(e).__name__}: {e}"[:300])
+        replay = gb.fwd_bwd(lambda: graphed(*leaves), leaves, x["do"])
+        row["graphed_ms"] = round(float(do_bench(replay, warmup=10, rep=50)), 4)
+        row["max_rel_diff"] = max(gb._rel(a, b) for a, b in zip(replay(), eager()))
+    except Exception as e:  # recorded; the next extras still run
+        row["error"] = f"{type(e).__name__}: {e}"[:300]
+    return row
 
 
 def candidate_configs(kernel: str, d_whole: int, dtype: torch.dtype, capability: tuple[int, int] | None) -> list[dict]:

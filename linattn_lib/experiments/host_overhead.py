@@ -27,15 +27,17 @@ operating system; CUDA's caching allocator hands back a cached block in about a
 microsecond), and a Triton launch's own cost -- binding the arguments, the driver call,
 about 3 to 6 us each on recent Triton -- is not in the stubbed time: add it per launch.
 
-What torch.compile and CUDA graphs would remove (not measured here: that needs a GPU).
+What torch.compile and CUDA graphs would remove (not measured here: that needs a GPU; the GPU
+check times the op as called and replayed from a CUDA graph, `gpu_extras.run_graph_benchmark`).
 `torch.compile(fullgraph=True)` traces through the custom ops (`torch.ops.linattn.*` have
 fake implementations), so the compiled graph drops the Python of `linear_attention`, its
 checks and the autograd.Function plumbing, but not the launchers: a custom op's body runs
 eagerly, its config lookups, allocations and launches included. Captured in a CUDA graph
 (`torch.cuda.graphs`, or compile's mode="reduce-overhead"), a replay costs one launch of the
 whole graph: all of the host time below and every per-launch cost go, leaving the kernels'
-own time; the hot path has no host syncs and no data-dependent shapes (outside packed
-sequences, whose chunk count sizes the state buffers), which is what capture needs.
+own time; the hot path has no host syncs, makes no tensor from host data and has no
+data-dependent shapes (outside packed sequences, whose chunk count sizes the state buffers),
+which is what capture needs (tests/test_hot_path.py holds it to the first two).
 """
 from __future__ import annotations
 
