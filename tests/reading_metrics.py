@@ -7,6 +7,9 @@
   a box that scrolls sideways still counts: nothing on the page shows that it does;
 * ``code_share``: the height of code cells (their source, or the bar of a folded one) and of
   their text output (prints, tables), as a fraction of the article's height;
+* ``inline_math_clipped``: inline formulas of the text (not in tables, which scroll sideways
+  as a whole) cut off the same way, measured with every fold (solutions included) opened;
+* ``folded_math_clipped``: display equations inside folds (solutions) cut off, folds opened;
 * ``fact_checks``: admonitions titled "Fact check";
 * ``code_scrolling``: code blocks (cell sources, outputs, literal blocks) wider than their box,
   measured with every fold opened, so a folded cell that scrolls counts too;
@@ -37,6 +40,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The goals of issue 31 (and DESIGN.md, Reading); test_browser.py asserts them.
 MAX_CLIPPED_WIDE = 0          # display equations cut at 1280 px, whole book
 MAX_CLIPPED_NARROW = 5        # display equations cut at 390 px, whole book
+MAX_CLIPPED_FORMULAS = 0      # inline formulas, and display ones in folds, cut at 1280 or 390 px
 MAX_CODE_SHARE = 0.30         # code + text output per chapter page, at 1280 px
 MAX_FACT_CHECKS = 3           # fact-check notes per page
 MAX_SCROLLING_CODE = 10       # code blocks that scroll sideways at 1280 px, whole book
@@ -95,6 +99,18 @@ READING_SCRIPT = """() => {
     .filter(p => p.scrollWidth > p.clientWidth + 1)
     .map(p => p.textContent.split('\\n').reduce((a, b) => (b.length > a.length ? b : a), '')
                 .slice(0, 90));
+  // formulas cut off with solutions and other folds opened: inline ones of the text (a table
+  // scrolls sideways as a whole, so formulas in tables are left out), and display ones that
+  // only an opened fold shows
+  const cut = m => {
+    const r = (m.querySelector('mjx-math') || m).getBoundingClientRect();
+    const [left, right] = seen(m);
+    return r.width > 0 && (r.right > right + 1 || r.left < left - 1);
+  };
+  const inlineClipped = [...article.querySelectorAll('mjx-container:not([display="true"])')]
+    .filter(shown).filter(m => !m.closest('table')).filter(cut).map(label);
+  const foldedClipped = [...article.querySelectorAll('details mjx-container[display="true"]')]
+    .filter(shown).filter(cut).map(label);
   closed.forEach(d => { d.open = false; });
   const imgs = [...article.querySelectorAll('.cell_output img, img')].filter(shown);
   const tops = imgs.map(i => i.getBoundingClientRect().top + window.scrollY);
@@ -110,6 +126,8 @@ READING_SCRIPT = """() => {
     code_share: height(article) > 0 ? code / height(article) : 0,
     math_display: article.querySelectorAll('mjx-container[display="true"]').length,
     math_clipped: mathClipped,
+    inline_math_clipped: inlineClipped,
+    folded_math_clipped: foldedClipped,
     fact_checks: facts,
     code_scrolling: scrolling,
   };
@@ -117,9 +135,10 @@ READING_SCRIPT = """() => {
 
 
 def table(reports: dict[str, dict]) -> str:
-    """One row per page: code share, clipped equations at both widths, fact checks,
+    """One row per page: code share, clipped equations at both widths and inline ones at 390 px, fact checks,
     scrolling code blocks, page overflow at 390 px."""
-    head = f"{'page':34} {'code':>5} {'cut1280':>7} {'cut390':>6} {'facts':>5} {'scroll':>6} {'wide390':>7}"
+    head = (f"{'page':34} {'code':>5} {'cut1280':>7} {'cut390':>6} {'inl390':>6} {'facts':>5} {'scroll':>6} "
+            f"{'wide390':>7}")
     rows = [head]
     for name, rep in reports.items():
         wide, narrow = rep.get("reading"), rep.get("reading_390")
@@ -127,7 +146,8 @@ def table(reports: dict[str, dict]) -> str:
             continue
         rows.append(
             f"{name:34} {wide['code_share']:5.0%} {len(wide['math_clipped']):7d} "
-            f"{len(narrow['math_clipped']):6d} {len(wide['fact_checks']):5d} "
+            f"{len(narrow['math_clipped']):6d} {len(narrow.get('inline_math_clipped', ())):6d} "
+            f"{len(wide['fact_checks']):5d} "
             f"{len(wide['code_scrolling']):6d} {narrow['page_overflow_px']:7d}"
         )
     return "\n".join(rows)
@@ -170,6 +190,9 @@ def _details(reports: dict) -> str:
     for name, rep in reports.items():
         wide, narrow = rep["reading"], rep["reading_390"]
         for label, items in (("cut at 1280", wide["math_clipped"]), ("cut at 390", narrow["math_clipped"]),
+                             ("inline cut at 1280", wide.get("inline_math_clipped", ())),
+                             ("inline cut at 390", narrow.get("inline_math_clipped", ())),
+                             ("folded cut at 390", narrow.get("folded_math_clipped", ())),
                              ("scrolls at 1280", wide["code_scrolling"]), ("fact check", wide["fact_checks"])):
             lines += [f"{name}: {label}: {item}" for item in items]
     return "\n".join(lines)
