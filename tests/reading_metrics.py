@@ -93,8 +93,11 @@ READING_SCRIPT = """() => {
     return t && /^\\s*Fact check/.test(t.textContent);
   }).map(a => a.querySelector('.admonition-title').textContent.trim().slice(0, 70));
   // open every fold to find code blocks that scroll sideways, then restore
+  // (solutions are sphinx-togglebutton dropdowns: shown by dropping their toggle-hidden class)
   const closed = [...document.querySelectorAll('details')].filter(d => !d.open);
+  const toggled = [...document.querySelectorAll('.toggle-hidden')];
   closed.forEach(d => { d.open = true; });
+  toggled.forEach(e => e.classList.remove('toggle-hidden'));
   const scrolling = [...article.querySelectorAll('pre')].filter(shown)
     .filter(p => p.scrollWidth > p.clientWidth + 1)
     .map(p => p.textContent.split('\\n').reduce((a, b) => (b.length > a.length ? b : a), '')
@@ -109,9 +112,11 @@ READING_SCRIPT = """() => {
   };
   const inlineClipped = [...article.querySelectorAll('mjx-container:not([display="true"])')]
     .filter(shown).filter(m => !m.closest('table')).filter(cut).map(label);
-  const foldedClipped = [...article.querySelectorAll('details mjx-container[display="true"]')]
+  const foldedClipped = [...article.querySelectorAll(
+    'details mjx-container[display="true"], .toggle mjx-container[display="true"]')]
     .filter(shown).filter(cut).map(label);
   closed.forEach(d => { d.open = false; });
+  toggled.forEach(e => e.classList.add('toggle-hidden'));
   const imgs = [...article.querySelectorAll('.cell_output img, img')].filter(shown);
   const tops = imgs.map(i => i.getBoundingClientRect().top + window.scrollY);
   const figures = [...article.querySelectorAll('.cell_output img')].filter(shown)

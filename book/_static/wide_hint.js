@@ -12,7 +12,8 @@
     var boxes = document.querySelectorAll(
       ".bd-article .cell_output, .bd-article .pst-scrollable-table-container");
     boxes.forEach(function (box) {
-      var inner = box.querySelectorAll("pre, table");
+      // (an HTML table printed by a cell scrolls in its .output box, not in the table)
+      var inner = box.querySelectorAll("pre, table, .output");
       var wide = wider(box) || Array.prototype.some.call(inner, wider);
       box.classList.toggle(WIDE, wide && !box.querySelector("img"));
     });
