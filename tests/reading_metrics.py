@@ -15,8 +15,11 @@
   measured with every fold opened, so a folded cell that scrolls counts too;
 * ``page_overflow_px``: how far the page itself is wider than the window;
 * ``first_figure_px``: where the page's first figure starts, from the top of the page;
-* ``figure_scales``: each figure's shown width over its natural width (the book's figures
-  are drawn at 100 dpi with text of at least 10 pt, 13.9 px at scale 1).
+* ``figure_scales``: each figure's shown width over its width at the book's layout dpi (100;
+  text of at least 10 pt is 13.9 px at scale 1): the PNG's width, or the width its `<img>`
+  (or its inline style) gives, half of it for the retina PNGs the book draws at 200 dpi;
+* ``figure_density``: each figure's PNG pixels per CSS pixel shown (2 or more is sharp on a
+  phone's or a laptop's high-density screen).
 
 `python tests/reading_metrics.py [report.json]` prints the per-page table from the browser
 test's report (`_build/screenshots/report.json` under `make test`).
@@ -46,6 +49,7 @@ MAX_FACT_CHECKS = 3           # fact-check notes per page
 MAX_SCROLLING_CODE = 10       # code blocks that scroll sideways at 1280 px, whole book
 FIRST_FIGURE_PX = 1800        # a chapter's key figure within its first two screens (900 px each)
 MIN_TEXT_PX = 10              # figure text as rendered at 1280 px
+MIN_FIGURE_DENSITY = 1.95     # PNG pixels per CSS pixel of every figure, at 1280 and 390 px
 
 READING_SCRIPT = """() => {
   const vw = document.documentElement.clientWidth;
@@ -121,9 +125,14 @@ READING_SCRIPT = """() => {
   const tops = imgs.map(i => i.getBoundingClientRect().top + window.scrollY);
   const figures = [...article.querySelectorAll('.cell_output img')].filter(shown)
     .filter(i => i.naturalWidth > 0);
+  // a figure's width at its layout dpi (100): a retina PNG's <img> says it (myst-nb's inline
+  // style, or a width attribute: static sliders' frames); another PNG is that wide itself
+  const layoutWidth = i => parseFloat(i.style.width) || Number(i.getAttribute('width'))
+    || i.naturalWidth;
   return {
     first_figure_px: tops.length ? Math.round(Math.min(...tops)) : null,
-    figure_scales: figures.map(i => i.getBoundingClientRect().width / i.naturalWidth),
+    figure_scales: figures.map(i => i.getBoundingClientRect().width / layoutWidth(i)),
+    figure_density: figures.map(i => i.naturalWidth / i.getBoundingClientRect().width),
     viewport: vw,
     page_overflow_px: Math.max(0, document.documentElement.scrollWidth - vw),
     article_px: Math.round(height(article)),
@@ -200,6 +209,10 @@ def _details(reports: dict) -> str:
                              ("folded cut at 390", narrow.get("folded_math_clipped", ())),
                              ("scrolls at 1280", wide["code_scrolling"]), ("fact check", wide["fact_checks"])):
             lines += [f"{name}: {label}: {item}" for item in items]
+        for width, where in (("1280", wide), ("390", narrow)):
+            blurry = [round(d, 2) for d in where.get("figure_density", ()) if d < MIN_FIGURE_DENSITY]
+            if blurry:
+                lines.append(f"{name}: figures blurry at {width} (PNG px per px shown): {blurry}")
     return "\n".join(lines)
 
 

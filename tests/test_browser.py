@@ -56,6 +56,7 @@ from reading_metrics import (
     MAX_CODE_SHARE,
     MAX_FACT_CHECKS,
     MAX_SCROLLING_CODE,
+    MIN_FIGURE_DENSITY,
     MIN_TEXT_PX,
     READING_SCRIPT,
     table,
@@ -610,10 +611,20 @@ def test_chapter_shows_its_key_figure_early(reports, name):
 
 @pytest.mark.parametrize("name", [p for p in PAGES if re.match(r"book/\d\d_", p)])
 def test_figure_text_is_readable_on_the_page(reports, name):
-    """The book's figures are drawn at savefig.dpi with text of at least MIN_FONT_PT; shown at
-    1280 px, each one's scale keeps that text at MIN_TEXT_PX or more."""
+    """The book's figures are laid out at figure.dpi with text of at least MIN_FONT_PT; shown
+    at 1280 px, each one's scale keeps that text at MIN_TEXT_PX or more."""
     from linattn_lib.chapters.plots import BOOK_RC, MIN_FONT_PT
 
-    natural_px = MIN_FONT_PT * BOOK_RC["savefig.dpi"] / 72
+    natural_px = MIN_FONT_PT * BOOK_RC["figure.dpi"] / 72
     small = [round(s, 2) for s in reports[name]["reading"]["figure_scales"] if natural_px * s < MIN_TEXT_PX - 0.05]
     assert not small, f"{name}: figures shown at scales {small}: their smallest text is below {MIN_TEXT_PX} px"
+
+
+@pytest.mark.parametrize("name", [p for p in PAGES if re.match(r"book/\d\d_", p)])
+def test_figures_are_sharp_on_a_high_density_screen(reports, name):
+    """Every figure has at least MIN_FIGURE_DENSITY PNG pixels per CSS pixel shown, at 1280 and
+    at 390 px (where it scrolls at up to twice the column): a reviewer found the 100-dpi figures
+    blurry on a phone, whose screen has 2 to 3 pixels per CSS pixel."""
+    blurry = [(width, round(d, 2)) for width in ("reading", "reading_390")
+              for d in reports[name][width]["figure_density"] if d < MIN_FIGURE_DENSITY]
+    assert not blurry, f"{name}: figures with fewer than {MIN_FIGURE_DENSITY} PNG pixels per pixel shown: {blurry}"

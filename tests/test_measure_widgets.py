@@ -46,6 +46,44 @@ def test_static_slider_html_has_every_frame():
         StaticSlider(["a"], ["1", "2"], name="x")
 
 
+def test_static_slider_frames_are_drawn_at_twice_their_shown_size():
+    """Frames are PNGs at PNG_DPI shown at the figure's layout dpi (sharp on a phone's screen):
+    each <img> says half its PNG's width."""
+    from linattn_lib.chapters.plots import BOOK_RC, PNG_DPI
+    from linattn_lib.chapters.widgets import png_width
+
+    def draw(a):
+        fig, ax = plt.subplots(figsize=(2, 1.5))
+        ax.plot([0, a])
+        return fig
+
+    s = static_slider(draw, [1, 2], name="x")
+    html = s._repr_html_()
+    assert PNG_DPI == 2 * BOOK_RC["figure.dpi"]
+    for frame in s.frames:
+        # a 2-inch figure (its tight box about as wide): about 400 px, not 200
+        assert 300 < png_width(frame) < 600
+        assert html.count(f'width="{round(png_width(frame) / 2)}"') >= 1
+    with pytest.raises(ValueError, match="not a PNG"):
+        png_width("aGVsbG8gd29ybGQsIHRoaXMgaXMgbm90IGEgUE5H")
+
+
+def test_book_style_shows_inline_figures_as_retina_pngs():
+    """In a notebook, importing the plots module makes inline figures retina PNGs (a later
+    `%matplotlib inline` reads the formats from the same InlineBackend)."""
+    from IPython.core.interactiveshell import InteractiveShell
+    from matplotlib_inline.backend_inline import InlineBackend
+
+    from linattn_lib.chapters import plots
+
+    InteractiveShell.instance()  # a notebook's shell
+    try:
+        plots.use_book_style()
+        assert InlineBackend.instance().figure_formats == {"retina"}
+    finally:
+        InteractiveShell.clear_instance()
+
+
 def test_measure_helpers_reject_degenerate_input():
     from linattn_lib.measure import fit_loglog_slope, time_fn
 

@@ -6,7 +6,7 @@ error) against the exact kernels and against the closed forms of Performer's Lem
 collects the small exact calculations the chapters lean on:
 
 * `per_direction_samples`, `estimates`, `mse`, `lemma2_mse`: the statistics of one estimator;
-* `clipped_g`, `clipped_kernel`: the kernel that the source texts' clipped max(0, sin/cos)
+* `clipped_g`, `clipped_kernel`: the kernel that text A's clipped max(0, sin/cos)
   map really estimates;
 * `taylor_features`, `taylor_feature_dim`: exact features of exp(x . y) truncated at an order;
 * `attention_flops`, `flop_crossover`: (phi_Q phi_K^T) V versus phi_Q (phi_K^T V) (defined in

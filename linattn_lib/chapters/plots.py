@@ -33,10 +33,15 @@ _ALIASES = {"exact": "softmax", "mamba2": "ssd", "mamba-2": "ssd", "favor+": "pe
 # figures up to 10 inches wide), applied when this module is imported.
 MIN_FONT_PT = 10
 MAX_FIGURE_INCHES = 9.5  # at the 1280-px column (~690 px) 10-pt text stays >= 10 px
+# Figures are laid out at 100 dpi (their size on the page) and drawn with twice the pixels
+# (PNG_DPI), so that they stay sharp on phones and other high-density screens: a notebook's
+# inline figures are "retina" PNGs (IPython halves their shown size), static sliders' frames
+# likewise (widgets.py), and saved figures use savefig.dpi.
+PNG_DPI = 200
 BOOK_RC = {
     "font.size": 11, "axes.titlesize": 11, "axes.labelsize": 11, "xtick.labelsize": 10,
     "ytick.labelsize": 10, "legend.fontsize": 10, "legend.title_fontsize": 10,
-    "figure.titlesize": 12, "figure.dpi": 100, "savefig.dpi": 100,
+    "figure.titlesize": 12, "figure.dpi": 100, "savefig.dpi": PNG_DPI,
 }
 
 
@@ -50,8 +55,19 @@ def method_color(name: str) -> str:
 
 
 def use_book_style() -> None:
-    """Set matplotlib's defaults to the book's style (text sizes, resolution)."""
+    """Set matplotlib's defaults to the book's style (text sizes, resolution); in a notebook,
+    show inline figures as retina PNGs (twice the pixels at the same size)."""
     plt.rcParams.update(BOOK_RC)
+    try:
+        from IPython import get_ipython
+        from matplotlib_inline.backend_inline import InlineBackend
+    except ImportError:  # plain Python: nothing is shown inline
+        return
+    shell = get_ipython()
+    if shell is not None:
+        # a later `%matplotlib inline` reads the formats from here, so the order of the
+        # setup cell's import and magic does not matter
+        InlineBackend.instance(parent=shell).figure_formats = {"retina"}
 
 
 use_book_style()

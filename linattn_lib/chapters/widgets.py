@@ -16,8 +16,12 @@ from collections.abc import Callable, Iterable, Sequence
 import matplotlib.pyplot as plt
 from matplotlib.figure import Figure
 
+from .plots import BOOK_RC, PNG_DPI
 
-def figure_to_png_base64(fig: Figure, *, dpi: int = 100) -> str:
+LAYOUT_DPI = BOOK_RC["figure.dpi"]  # a figure's size on the page, in pixels per inch
+
+
+def figure_to_png_base64(fig: Figure, *, dpi: int = PNG_DPI) -> str:
     """PNG bytes of a matplotlib figure, base64-encoded; the figure is closed."""
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=dpi, bbox_inches="tight")
@@ -25,15 +29,25 @@ def figure_to_png_base64(fig: Figure, *, dpi: int = 100) -> str:
     return base64.b64encode(buf.getvalue()).decode("ascii")
 
 
+def png_width(png_base64: str) -> int:
+    """Width in pixels of a base64-encoded PNG (from its IHDR header)."""
+    head = base64.b64decode(png_base64[:32])
+    if head[:8] != b"\x89PNG\r\n\x1a\n":
+        raise ValueError("png_width: not a PNG")
+    return int.from_bytes(head[16:20], "big")
+
+
 class StaticSlider:
     """Precomputed frames behind a range input; displays as HTML (see `static_slider`)."""
 
-    def __init__(self, frames: Sequence[str], labels: Sequence[str], *, name: str, initial: int = 0):
+    def __init__(self, frames: Sequence[str], labels: Sequence[str], *, name: str, initial: int = 0,
+                 density: float = PNG_DPI / LAYOUT_DPI):
         if len(frames) != len(labels) or not frames:
             raise ValueError(f"static_slider: need one label per frame, got {len(frames)} frames and {len(labels)} labels")
         if not 0 <= initial < len(frames):
             raise ValueError(f"static_slider: `initial` must index a frame (0..{len(frames) - 1}), got {initial}")
         self.frames, self.labels, self.name, self.initial = list(frames), [str(x) for x in labels], name, initial
+        self.density = density  # PNG pixels per pixel shown: frames drawn at 200 dpi show at 100
 
     def _repr_html_(self) -> str:
         labels = html.escape(json.dumps(self.labels), quote=True)
@@ -44,7 +58,8 @@ class StaticSlider:
         )
         imgs = "".join(
             f'<img class="frame" alt="{html.escape(self.name)} = {html.escape(lab)}" '
-            f'style="display:{"block" if i == self.initial else "none"};max-width:100%" '
+            f'width="{round(png_width(png) / self.density)}" '
+            f'style="display:{"block" if i == self.initial else "none"};max-width:100%;height:auto" '
             f'src="data:image/png;base64,{png}">'
             for i, (png, lab) in enumerate(zip(self.frames, self.labels))
         )
@@ -62,16 +77,19 @@ class StaticSlider:
 
 
 def static_slider(
-    draw: Callable[[object], object], values: Iterable, *, name: str, initial: int = 0, fmt: str = "{}", dpi: int = 100
+    draw: Callable[[object], object], values: Iterable, *, name: str, initial: int = 0, fmt: str = "{}",
+    dpi: int = PNG_DPI,
 ) -> StaticSlider:
-    """Call `draw(value)` (returning a matplotlib figure) for each value and wrap the frames.
+    """Call `draw(value)` (returning a matplotlib figure) for each value and wrap the frames,
+    drawn at `dpi` and shown at the size of the figure's own (layout) dpi.
 
     The text repr (what nbval compares) names the parameter and its range; the HTML repr is the
     slider the book shows.
     """
     values = list(values)
     frames = [figure_to_png_base64(draw(v), dpi=dpi) for v in values]
-    return StaticSlider(frames, [fmt.format(v) for v in values], name=name, initial=initial)
+    return StaticSlider(frames, [fmt.format(v) for v in values], name=name, initial=initial,
+                        density=dpi / LAYOUT_DPI)
 
 
 def live_slider(draw: Callable[..., object], *, labels: dict[str, str] | None = None, **controls: object) -> None:

@@ -152,7 +152,7 @@ class KVCacheDecoder:
     The cache lives in preallocated buffers that double when full (amortised O(1) appends,
     as in a Python list), and each step attends over the `tokens_seen` filled rows:
     O(T) memory and O(T) work per step. `nbytes` counts the filled part (what a decoder must
-    keep, 2 T (Dk + Dv) numbers per head); `capacity_nbytes` the allocated buffers.
+    keep, T (Dk + Dv) numbers per head, 2 T d when Dk = Dv = d); `capacity_nbytes` the allocated buffers.
     """
 
     def __init__(

@@ -277,7 +277,7 @@ def hyperbolic_random_features(
 
 
 def clipped_trig_features(x: Tensor, W: Tensor, b: Tensor) -> Tensor:
-    """The source texts' "positive" map m^(-1/2) [max(0, sin(W x + b)), max(0, cos(W x + b))].
+    """Text A's "positive" map m^(-1/2) [max(0, sin(W x + b)), max(0, cos(W x + b))].
 
     Kept only to show its bias: clipping makes it non-negative but changes the kernel it
     estimates into a shift-invariant one with k(x, x) = 1/2, neither Gaussian nor softmax.
@@ -340,7 +340,7 @@ class RandomFeatureMap(nn.Module):
     `softmax_temperature=True` (default) inputs are scaled by d^(-1/4): for the softmax kinds
     ("positive", "hyperbolic", "trig") phi(q) . phi(k) then estimates exp(q . k / sqrt(d)), the
     kernel of softmax(q k^T / sqrt(d)); "rff" then estimates the Gaussian kernel of width
-    sigma = d^(1/4), and "clipped" the texts' biased kernel (see `clipped_trig_features`).
+    sigma = d^(1/4), and "clipped" text A's biased kernel (see `clipped_trig_features`).
 
     Stabilised maps (the default) subtract a maximum from the exponents, a constant that
     cancels in normalised attention; the maximum is held constant in the gradient (detached),
@@ -459,6 +459,7 @@ class RandomFeatureMap(nn.Module):
             raise ValueError(f"{fn}: `x` must be laid out as (..., d) with d={self.d}, got {V.describe(x)}")
 
     def extra_repr(self) -> str:
+        """The map's settings, as `print(module)` shows them."""
         return f"d={self.d}, m={self.m}, kind={self.kind!r}, orthogonal={self.orthogonal}"
 
 

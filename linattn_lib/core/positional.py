@@ -11,7 +11,7 @@ Conventions used throughout this module:
   the feature map (cosFormer uses phi = ReLU: pass `torch.relu(q)`). One convention for the
   whole library keeps every mechanism composable with every feature map.
 * Positions are **1-based**, i = 1..T, as in the cosFormer code (`get_index` uses
-  `arange(1, T + 1)`) and in the texts' normaliser sum_{j<=i} c_ij = (1 - lam/2) i + ...
+  `arange(1, T + 1)`) and in text A's normaliser sum_{j<=i} c_ij = (1 - lam/2) i + ...
   Re-weightings that depend only on i - j do not care; the per-position features
   q_i cos(theta_i) do, so every function here uses the same i.
 """
@@ -109,7 +109,7 @@ def _cosformer_coefficients(variant: str, lam: float, M: float) -> tuple[float, 
     """(alpha, beta, omega) with c_ij = alpha + beta * cos(omega * (i - j)).
 
     original (Qin et al. 2022):  c_ij = cos(pi/2 * (i - j) / M)          -> (0, 1, pi / (2M))
-    the texts' lambda variant:   c_ij = 1 - lam + lam (1 + cos(pi (i - j)/L)) / 2
+    text A's lambda variant:     c_ij = 1 - lam + lam (1 + cos(pi (i - j)/L)) / 2
                                       = (1 - lam/2) + (lam/2) cos(pi (i - j) / L)
                                                                          -> (1 - lam/2, lam/2, pi / L)
     Writing both the same way gives one linear-time algorithm for the two.
@@ -145,7 +145,7 @@ def cosformer_weights(
     """The (T, T) positional re-weighting c_ij of cosFormer (zeros above the diagonal when causal).
 
     * variant="original": c_ij = cos(pi/2 * (i - j) / M), in (0, 1] for M >= T.
-    * variant="lambda": the texts' c_ij = 1 - lam + lam (1 + cos(pi (i - j) / M)) / 2, in
+    * variant="lambda": text A's c_ij = 1 - lam + lam (1 + cos(pi (i - j) / M)) / 2, in
       [1 - lam, 1] (the texts call M "L"). It never decays below 1 - lam.
 
     M defaults to T and must be >= T.
@@ -188,7 +188,7 @@ def cosformer_attention_matrix(
     With s_ij = c_ij q_i . k_j:
 
     * normalizer="similarity": A_ij = s_ij / (sum_j s_ij + eps); rows sum to one (the original).
-    * normalizer="text": A_ij = s_ij / sum_j c_ij, the texts' formula, which omits q_i . k_j
+    * normalizer="text": A_ij = s_ij / sum_j c_ij, text A's formula, which omits q_i . k_j
       from the normaliser, so rows do *not* sum to one and the output scale follows the
       feature norms (errata A27).
 
@@ -218,7 +218,7 @@ def _cosformer_linear(q, k, v, *, causal, variant, lam, M, normalizer, eps) -> T
     c_ij q_i.k_j = alpha q_i.k_j + beta [(cos_i q_i).(cos_j k_j) + (sin_i q_i).(sin_j k_j)],
     so the numerator is (at most) three linear attentions: two for the original (alpha = 0),
     three for the lambda variant. The similarity normaliser comes out of the same passes (ones
-    column); the texts' normaliser sum_j c_ij needs only prefix sums of cos_j and sin_j.
+    column); text A's normaliser sum_j c_ij needs only prefix sums of cos_j and sin_j.
     """
     alpha, beta, omega = _cosformer_coefficients(variant, lam, M)
     T = q.shape[2]
@@ -263,7 +263,7 @@ def cosformer_attention(
     normalizer: str | None = None,
     eps: float = DEFAULT_EPS,
 ) -> Tensor:
-    """cosFormer attention (Qin et al., ICLR 2022) and the texts' lambda variant.
+    """cosFormer attention (Qin et al., ICLR 2022) and text A's lambda variant.
 
     Args:
         q, k: (B, H, T, Dk) non-negative features; cosFormer uses phi = ReLU, so pass
@@ -271,7 +271,7 @@ def cosformer_attention(
         v: (B, H, T, Dv).
         causal: sum over j <= i (True) or all j.
         variant: "original" -- s_ij = phi(q_i).phi(k_j) cos(pi/2 (i - j)/M);
-            "lambda" -- the texts' c_ij = 1 - lam + lam (1 + cos(pi (i - j)/M)) / 2.
+            "lambda" -- text A's c_ij = 1 - lam + lam (1 + cos(pi (i - j)/M)) / 2.
         lam: the lambda variant's strength in [0, 1] (ignored by "original").
         M: length scale, >= T; defaults to T (the original code uses max(src_len, tgt_len)).
             For streaming / decoding M must be fixed in advance to at least the longest sequence:
@@ -299,7 +299,7 @@ def cosformer_attention(
 
 
 # --------------------------------------------------------------------------------------
-# key-normalised attention (the texts' "RFA-KN", section 5.3)
+# key-normalised attention (text A's "RFA-KN", section 5.3)
 # --------------------------------------------------------------------------------------
 
 
@@ -330,7 +330,7 @@ def key_normalized_attention_matrix(q: Tensor, k: Tensor, *, causal: bool = Fals
 def key_normalized_attention(
     q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False, form: str = "linear", eps: float = DEFAULT_EPS
 ) -> Tensor:
-    """Key-normalised linear attention as the texts' section 5.3 describes it ("RFA-KN").
+    """Key-normalised linear attention as text A's section 5.3 describes it ("RFA-KN").
 
     o_i = sum_j phi(q_i).phi(k_j) v_j / z_j with z_j = sum_{i>=j} phi(q_i).phi(k_j), the sum over
     all keys j. The name "RFA-KN" matches no paper we could find (RFA is Random Feature
@@ -355,7 +355,7 @@ def key_normalized_attention(
 
 
 # --------------------------------------------------------------------------------------
-# relative-position band bias (the texts' section 5.4)
+# relative-position band bias (text A's section 5.4)
 # --------------------------------------------------------------------------------------
 
 
@@ -427,7 +427,7 @@ def band_bias_attention(
     form: str = "linear",
     eps: float = DEFAULT_EPS,
 ) -> Tensor:
-    """Linear attention plus an additive relative-position band bias (the texts' section 5.4).
+    """Linear attention plus an additive relative-position band bias (text A's section 5.4).
 
     o_i = sum_j [phi(q_i).phi(k_j) + beta(i - j)] v_j / sum_j [phi(q_i).phi(k_j) + beta(i - j)]
 

@@ -113,8 +113,9 @@ class LinearAttention(nn.Module):
         q_scale: the delta kinds multiply the unit queries by d_head^-0.5 (fla's kernels'
             default `scale`; the output norm undoes it except where the norm's eps matters).
         gate: how "ssd" and "gated_deltanet" make their decay: "softplus" (g = -softplus(w.x
-            + b), starting at 0.95 a token) or "mamba" (Mamba-2's and fla's Gated DeltaNet:
-            g = -exp(A_log) softplus(w.x + dt_bias), A ~ U(0, 16), dt ~ logU(0.001, 0.1)).
+            + b), starting at 0.95 a token) or "mamba" (fla's Gated DeltaNet, after Mamba-2:
+            g = -exp(A_log) softplus(w.x + dt_bias), A ~ U(0, 16) as in fla, where Mamba-2
+            draws A ~ U(1, 16); dt ~ logU(0.001, 0.1)).
         output_gate: multiply the per-head RMS-normalised output by silu(W_g x) (fla's
             FusedRMSNormGated; Qwen3-Next, Kimi Linear) before the output projection.
         write: the delta kinds' write rule: "delta" (S <- S + beta k (v - S^T k)^T) or
@@ -211,7 +212,7 @@ class LinearAttention(nn.Module):
             self.gate_proj = nn.Linear(d_model, d_model, bias=False)
 
     def _init_decay(self) -> None:
-        if self.gate == "mamba":  # as fla's GatedDeltaNet (and Mamba-2): A ~ U(0, 16), dt ~ logU(1e-3, 0.1)
+        if self.gate == "mamba":  # as fla's GatedDeltaNet: A ~ U(0, 16) (Mamba-2: U(1, 16)), dt ~ logU(1e-3, 0.1)
             self.decay_proj.reset_parameters()
             with torch.no_grad():
                 self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0, 16).log())
