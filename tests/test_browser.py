@@ -516,6 +516,30 @@ def test_wide_outputs_and_tables_say_they_scroll_on_a_phone(server, browser_cont
     assert wide == []
 
 
+def test_errata_and_glossary_tables_fit_a_phone(server, browser_context):
+    """At 390 px the errata's and the glossary's tables (class stack-on-phone) show each row's
+    cells one above the other and fit the column: a reviewer found every line of their prose cut
+    at the screen's edge, to be read by swiping back and forth; at 1280 px they stay tables."""
+    context, _ = browser_context
+    page = context.new_page()
+    widths = """() => [...document.querySelectorAll('.bd-article table.stack-on-phone')].map(
+        t => [t.scrollWidth, t.parentElement.clientWidth, getComputedStyle(t).display])"""
+    try:
+        for name, tables in (("appendix_errata", 3), ("glossary", 6)):
+            page.set_viewport_size({"width": 390, "height": 800})
+            page.goto(f"{server}/book/{name}.html")
+            page.wait_for_load_state("load")
+            page.evaluate("() => window.MathJax && MathJax.startup && MathJax.startup.promise")
+            narrow = page.evaluate(widths)
+            assert len(narrow) == tables, (name, narrow)
+            assert all(w <= box + 1 and shown == "block" for w, box, shown in narrow), (name, narrow)
+            page.set_viewport_size({"width": 1280, "height": 800})
+            page.wait_for_timeout(200)
+            assert {shown for _, _, shown in page.evaluate(widths)} == {"table"}, name
+    finally:
+        page.close()
+
+
 # inline formulas that begin a line right after a character written against them ("(", a letter)
 _MATHS_CUT_FROM_ITS_TEXT = """() => {
   let cut = 0;
