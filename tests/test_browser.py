@@ -540,6 +540,29 @@ def test_errata_and_glossary_tables_fit_a_phone(server, browser_context):
         page.close()
 
 
+def test_slider_control_stays_in_view_while_its_figure_scrolls(server, browser_context):
+    """At 390 px a static slider's figure scrolls sideways in its box; the control scrolled off
+    with it, so a reader could not move the slider and watch the right-hand panels (a reviewer
+    found it). Its label now sticks to the box's left edge."""
+    context, _ = browser_context
+    page = context.new_page()
+    where = """() => [...document.querySelectorAll('.linattn-slider')].map(s => {
+      let box = s.parentElement;
+      while (box && getComputedStyle(box).overflowX !== 'auto') box = box.parentElement;
+      box.scrollLeft = box.scrollWidth;
+      const r = s.querySelector('label').getBoundingClientRect();
+      return [box.scrollLeft, Math.round(r.left), Math.round(r.right)];
+    })"""
+    try:
+        page.set_viewport_size({"width": 390, "height": 800})
+        page.goto(f"{server}/book/03_performer_favor.html")
+        page.wait_for_load_state("load")
+        (scrolled, left, right), = page.evaluate(where)
+    finally:
+        page.close()
+    assert scrolled > 100 and 0 <= left and right <= 390, (scrolled, left, right)
+
+
 # inline formulas that begin a line right after a character written against them ("(", a letter)
 _MATHS_CUT_FROM_ITS_TEXT = """() => {
   let cut = 0;

@@ -116,10 +116,40 @@ def test_packed_layer_compiles_as_one_graph(kind):
         wrt = [x] + [t for t in start if t is not None]
         return (y.detach(), st.S.detach(), *torch.autograd.grad(loss, wrt))
 
+    if kind == "cosformer":  # its positions restart per sequence: a state cannot carry them
+        with pytest.raises(ValueError, match="restart at 0 in every packed sequence"):
+            run(layer)
+        return
     torch._dynamo.reset()
     eager = run(layer)
     compiled = run(torch.compile(layer, fullgraph=True, backend="aot_eager"))
     assert all((a - b).abs().max() < 1e-12 for a, b in zip(eager, compiled))
+
+
+def test_tiny_lm_compiles_as_one_graph_and_without_warnings():
+    """The quickstart's `torch.compile(model, fullgraph=True)` on a TinyLM (a reader found its
+    token-id check, `bool(tensor)`, breaking the graph), forward and backward, equal to eager;
+    and no warning from the trace (the plain kinds' scan cache warned at every compile)."""
+    import warnings
+
+    from linattn_lib import ModelConfig, TinyLM
+
+    torch.manual_seed(0)
+    model = TinyLM(ModelConfig(vocab_size=11, block_size=16, n_layer=2, n_head=2, d_model=16,
+                               attention="linear", softmax_layers=(1,))).double()
+    idx = torch.randint(0, 11, (2, 12))
+
+    def run(fn):
+        logits, loss = fn(idx, idx)
+        return (logits.detach(), *torch.autograd.grad(loss, list(model.parameters())))
+
+    torch._dynamo.reset()
+    eager = run(model)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        compiled = run(torch.compile(model, fullgraph=True, backend="eager"))
+    assert all((a - b).abs().max() < 1e-12 for a, b in zip(eager, compiled))
+    assert [str(w.message)[:80] for w in caught] == []
 
 
 @pytest.mark.parametrize("rule", ["linear", "delta"])

@@ -39,6 +39,7 @@ def linear_attention(
     eps: float = ..., backend: str = ...,
     initial_state: LinearAttentionState | None = ...,
     return_state: Literal[False] = ..., cu_seqlens: Tensor | None = ...,
+    keep_chunk_states: bool = ...,
 ) -> Tensor: ...
 
 
@@ -49,6 +50,7 @@ def linear_attention(
     eps: float = ..., backend: str = ...,
     initial_state: LinearAttentionState | None = ...,
     return_state: Literal[True], cu_seqlens: Tensor | None = ...,
+    keep_chunk_states: bool = ...,
 ) -> tuple[Tensor, LinearAttentionState]: ...
 
 
@@ -79,7 +81,9 @@ def linear_attention(
             form used by RetNet and Mamba-2 / SSD.
         log_decay: optional log of the per-step decay, <= 0, shape (H,) or (B, H, T); then
             w_ij = exp(log_decay[j+1] + ... + log_decay[i]). Needs causal=True.
-        form: "quadratic", "recurrent" or "chunked" (all three agree).
+        form: "quadratic", "recurrent" or "chunked" (all three agree). Second derivatives
+            (a gradient penalty, MAML) need "quadratic" or "recurrent": the chunked form's
+            backward, torch's and the kernels', is written by hand and differentiable once.
         chunk_size: chunk length of the chunked form on the torch path (the Triton kernels use
             the chunk length of their launch config, `linattn_lib.kernels.select_config`).
         eps: added to the denominator when normalize=True.

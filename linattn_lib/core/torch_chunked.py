@@ -313,8 +313,10 @@ def _plain_scan(h: int, n: int, dtype: torch.dtype, device: torch.device) -> _Sc
 
 
 def _scan_for(decay: _Decay | None, h: int, n: int, like: Tensor) -> _Scan:
-    if decay is None:
+    if decay is None and not torch.compiler.is_compiling():  # compile traces it each time
         return _plain_scan(h, n, like.dtype, like.device)
+    if decay is None:
+        return _Scan(None, h, n, like.dtype, like.device)
     return _Scan(decay.gamma, h, n, like.dtype, like.device)
 
 

@@ -293,7 +293,8 @@ class LinearAttention(nn.Module):
         `state` is a LinearAttentionState(S (B, H, F, d_head), z (B, H, F) when normalised),
         F = `feature_size`, as returned with return_state=True; `pos_offset` (>= 0) is the
         position of x's first token (cosFormer's re-weighting depends on it). With
-        `cu_seqlens` ((N + 1,) cumulative starts, B = 1) the state has N rows, one a sequence.
+        `cu_seqlens` ((N + 1,) cumulative starts, B = 1) the state has N rows, one a sequence
+        (cosFormer's positions restart in each: it takes no state or pos_offset there).
         """
         fn = "LinearAttention"
         _check_input(fn, x, self, self.d_model)
@@ -305,6 +306,10 @@ class LinearAttention(nn.Module):
                              f"got `x` with {V.describe(x)}")
         if state is not None:
             self.check_state(fn, "state", state, batch=rows, device=x.device)
+        if self.kind == "cosformer" and cu_seqlens is not None and (state is not None or pos_offset):
+            raise ValueError(f"{fn}(cosformer): with `cu_seqlens` the positions restart at 0 in every packed "
+                             "sequence, and one `pos_offset` cannot continue sequences of different lengths; "
+                             "resume them unpacked (one row each, with its own call and pos_offset)")
         return self._forward(x, state=state, pos_offset=pos_offset, return_state=return_state,
                              cu_seqlens=cu_seqlens)
 
@@ -374,7 +379,10 @@ class LinearAttention(nn.Module):
                 keep_chunk_states=self.keep_chunk_states,
             )
         if not self.normalize or self.output_gate:
-            o = o * torch.rsqrt(o.pow(2).mean(-1, keepdim=True) + self.norm_eps) * self.out_norm
+            # in fp32, as fla's RMSNorm: in fp16 the backward of rsqrt (its cube) overflows
+            # once a head's RMS is below about 0.025
+            o32 = o.to(torch.promote_types(o.dtype, torch.float32))  # fp64 stays fp64
+            o = (o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.norm_eps)).to(o.dtype) * self.out_norm
         if self.output_gate:
             o = o * F.silu(_split_heads(self.gate_proj(x), self.n_heads))
         y = self.proj(_merge_heads(o))

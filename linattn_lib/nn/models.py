@@ -41,10 +41,12 @@ class ModelConfig:
         attention: the attention of every layer: "softmax", "performer", "linear",
             "cosformer", "retnet", "ssd", "deltanet" or "gated_deltanet" (see `LinearAttention`).
         num_features: random features per head for "performer" (default floor(d ln d)).
-        softmax_layers: indices of the layers that use softmax attention instead, e.g. (0,).
+        softmax_layers: indices of the layers that use softmax attention instead, e.g. (0,);
+            default () (none).
         seed: seed of the initial weights and of the Performer projections.
         layer_options: keyword options of every linear layer (`LinearAttention`), e.g.
             {"short_conv": True} or `FLA_PRESETS["gated_deltanet"]`; softmax layers ignore them.
+            Default {} (a new dict for every config).
     """
 
     vocab_size: int
@@ -54,7 +56,7 @@ class ModelConfig:
     d_model: int = 64
     attention: str = "linear"
     num_features: int | None = None
-    softmax_layers: tuple = field(default_factory=tuple)
+    softmax_layers: tuple = ()
     seed: int = 0
     layer_options: dict = field(default_factory=dict)
 
@@ -149,7 +151,8 @@ class TinyLM(nn.Module):
             raise ValueError(f"{fn}: `{name}` must have B >= 1 and T >= 1, got {V.describe(idx)}")
         vocab = self.cfg.vocab_size
         ids = idx[idx != -100] if allow_ignore else idx
-        if ids.numel() and (bool((ids < 0).any()) or bool((ids >= vocab).any())):
+        # a value check: on CPU in eager mode only (V.values_checked), as the layers' checks
+        if V.values_checked(ids) and ids.numel() and (bool((ids < 0).any()) or bool((ids >= vocab).any())):
             ignore = " (or -100, ignored by the loss)" if allow_ignore else ""
             raise ValueError(
                 f"{fn}: `{name}` holds token ids in [{int(ids.min())}, {int(ids.max())}]; expected ids in "
