@@ -93,7 +93,7 @@ def draw_recall_by_age(
         ax.plot(ages, additive, color=method_color("linear"), lw=2, label="additive (linear attn.)")
         ax.axhline(1.0, color="k", ls=":", lw=1, label="forgotten (answers 0)")
         ax.plot(ages, err, color=method_color("deltanet" if alpha == 1 else "gated_deltanet"), lw=2,
-                label=f"delta rule, β = {beta:g}")
+                label=f"delta rule, β = {beta:g}" + ("" if alpha == 1 else ", gated"))
         ax.axvline(DK, color="0.4", ls="--", lw=0.8, label=f"age $= d_k = {DK}$")
         name = "DeltaNet" if alpha == 1 else "Gated DeltaNet"
         ax.set_title(f"{name}, α = {alpha:g}")
@@ -105,6 +105,11 @@ def draw_recall_by_age(
     fig.suptitle(f"{N_PAIRS} pairs in a {DK} × {DV} state, β = {beta:g}")
     fig.tight_layout()
     handles, labels = axes[0, 0].get_legend_handles_labels()
+    for ax in axes[0]:  # the gated panels' colour too, once
+        for h, lab in zip(*ax.get_legend_handles_labels()):
+            if lab not in labels:
+                handles.append(h)
+                labels.append(lab)
     fig.legend(handles, labels, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=2,
                frameon=False)
     return fig

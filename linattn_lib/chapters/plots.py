@@ -6,6 +6,7 @@ from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 import numpy as np
+from matplotlib.ticker import LogFormatterSciNotation
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -98,6 +99,24 @@ def plot_matrix(
     return im
 
 
+class _PlainLogFormatter(LogFormatterSciNotation):
+    """Labels the ticks matplotlib's log axis labels, as plain numbers from 0.0001 to 99999
+    (0.02, 4096 rather than 2x10^-2: a reader found those minor-tick labels confusing), and
+    as powers of ten beyond."""
+
+    def __call__(self, x: float, pos: int | None = None) -> str:
+        label = super().__call__(x, pos)
+        return f"{x:g}" if label and 1e-4 <= abs(x) < 1e5 else label
+
+
+def plain_log_labels(ax: Axes) -> None:
+    """Plain-number tick labels on the log axes of `ax`."""
+    for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
+        if scale == "log":
+            axis.set_major_formatter(_PlainLogFormatter())
+            axis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False))
+
+
 def plot_scaling(
     ax: Axes, xs: Sequence[float], series: Mapping[str, Sequence[float]], *,
     xlabel: str = "T", ylabel: str = "", fit: bool = True, legend_loc: str = "best",
@@ -111,6 +130,7 @@ def plot_scaling(
             slopes[name] = fit_loglog_slope(xs, ys)
             label = f"{name} (slope {round(slopes[name], 2) + 0.0:.2f})"
         ax.loglog(xs, _np(ys), "o-", label=label)
+    plain_log_labels(ax)
     ax.set_xlabel(xlabel)
     ax.set_ylabel(ylabel)
     ax.grid(True, which="both", alpha=0.3)
