@@ -25,6 +25,7 @@ import argparse
 import asyncio
 import concurrent.futures
 import os
+import queue
 import signal
 import stat
 import sys
@@ -170,6 +171,39 @@ async def _shut_down(km: AsyncKernelManager, client: NotebookClient, graceful: b
         client.kc.stop_channels()
 
 
+POLL_SLICE_S = 2.0
+
+
+def _in_slices(get_msg):
+    """A channel's `get_msg(timeout)` that waits in slices of POLL_SLICE_S seconds.
+
+    After a cell that shows an ipywidget, a wait on the shell or IOPub socket sometimes
+    never wakes although the reply has arrived (nbclient issue #312): the run hung at
+    a notebook's live slider with the kernel idle. A fresh poll sees the message that is
+    already there, so the wait is cut into short ones until the caller's timeout (None:
+    forever) is spent; then `Empty`, as before.
+    """
+
+    async def sliced(timeout: float | None = None) -> dict:
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = POLL_SLICE_S if deadline is None else deadline - time.monotonic()
+            try:
+                return await get_msg(timeout=max(0.0, min(POLL_SLICE_S, left)))
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+    return sliced
+
+
+def _poll_in_slices(client: NotebookClient) -> None:
+    """Make the client's shell and IOPub waits `_in_slices` (an nbclient hook: the kernel
+    client exists by then)."""
+    for channel in (client.kc.shell_channel, client.kc.iopub_channel):
+        channel.get_msg = _in_slices(channel.get_msg)
+
+
 async def execute(path: Path, timeout: int, stop: asyncio.Event) -> None:
     """Execute one notebook; replace it only on success.
 
@@ -201,6 +235,7 @@ async def execute(path: Path, timeout: int, stop: asyncio.Event) -> None:
         resources={"metadata": {"path": str(path.parent)}},
         on_cell_start=lambda cell, cell_index: running.append(cell_index),
     )
+    client.on_notebook_start = lambda notebook: _poll_in_slices(client)
     run = asyncio.ensure_future(client.async_execute())
     stopped = asyncio.ensure_future(stop.wait())
     await asyncio.wait({run, stopped}, return_when=asyncio.FIRST_COMPLETED)

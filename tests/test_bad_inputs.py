@@ -190,6 +190,13 @@ ROWS = [
         "orthogonal", id="orthogonal-int"),
     row("performer_attention", lambda: L.performer_attention(*qkv(), causal="no"), TypeError, "performer_attention",
         "causal", id="causal-str"),
+    # the engine options it passes on to linear_attention are refused in its own name
+    row("performer_attention", lambda: L.performer_attention(*qkv(), backend="cuda"), ValueError,
+        "performer_attention", "backend", id="backend-unknown"),
+    row("performer_attention", lambda: L.performer_attention(*qkv(), form="scan"), ValueError,
+        "performer_attention", "form", id="form-unknown"),
+    row("performer_attention", lambda: L.performer_attention(*qkv(), chunk_size=0), ValueError,
+        "performer_attention", "chunk_size", id="chunk_size-0"),
     # --- positional.py
     row("band_bias_attention", lambda: L.band_bias_attention(*qkv(), torch.zeros(2, 3), normalize="no"), TypeError,
         "band_bias_attention", "normalize", id="normalize-str"),
@@ -395,3 +402,11 @@ def test_good_calls_still_pass():
     assert torch.isfinite(loss)
     dec = L.RecurrentDecoder(3, 2, 8, 8, initial_state=decode_state())
     assert dec.step(token(), token(), token()).shape == (3, 2, 8)
+
+
+def test_wrappers_name_themselves_when_the_triton_backend_refuses_the_inputs():
+    """bf16 on CPU would run in the Triton interpreter, which has no bf16 arithmetic: a wrapper
+    that passes backend="triton" on says so in its own name, before computing its features."""
+    q = torch.rand(1, 2, 16, 8, dtype=torch.bfloat16)
+    with pytest.raises(TypeError, match=r"^performer_attention: bfloat16 on CPU"):
+        L.performer_attention(q, q, q, backend="triton")

@@ -82,6 +82,31 @@ def test_recurrent_decoder_is_differentiable(make_qkv):
         assert maxdiff(a.grad, b.grad) < 1e-9
 
 
+@pytest.mark.parametrize("wants", ["q_t", "v_t", "log_decay_t", "state.S"])
+def test_decode_step_refuses_to_drop_a_gradient_silently(wants, make_qkv):
+    """The in-place decode step cuts its output off the graph: while gradients are recorded,
+    an input that asks for one is refused (naming it and the differentiable call), so a loss
+    cannot silently miss it; under no_grad / inference_mode the same call runs."""
+    from linattn_lib import linear_attention_decode_step as step
+
+    q, k, v = (x[:, :, 0] for x in make_qkv(T=1))
+    g = -torch.rand(3, dtype=D64)
+
+    def call():
+        x = dict(q_t=q, v_t=v, log_decay_t=g,
+                 state_S=torch.zeros(2, 3, 5, 4, dtype=D64))
+        x[wants.replace(".", "_")] = x[wants.replace(".", "_")].clone().requires_grad_()
+        state = LinearAttentionState(x["state_S"], torch.zeros(2, 3, 5, dtype=D64))
+        return step(x["q_t"], k, x["v_t"], state, log_decay_t=x["log_decay_t"])
+
+    with pytest.raises(RuntimeError, match=rf"`{wants}` requires grad.*no_grad.*linear_attention\("):
+        call()
+    with torch.no_grad():
+        assert call().shape == (2, 3, 4)
+    with torch.inference_mode():
+        assert call().shape == (2, 3, 4)
+
+
 def test_decoder_errors(make_qkv):
     dec = RecurrentDecoder(2, 3, 5, 4, dtype=D64)
     q, k, v = (x[:, :, 0] for x in make_qkv())

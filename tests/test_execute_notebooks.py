@@ -150,3 +150,45 @@ def test_live_slider_saves_its_text_fallback_and_no_widget_state(tmp_path):
     assert set(out.data) == {"text/plain"}
     assert out.data["text/plain"] == "<live slider over m: run this cell to move it>"
     assert "widgets" not in saved.metadata
+
+
+def test_channel_waits_are_cut_into_slices_that_see_a_message_already_there(monkeypatch):
+    """A wait that never wakes although its message has arrived (nbclient #312, seen here
+    after a live slider) must not hang the run: each wait is a series of short polls, the
+    next of which sees the message; a timeout still ends in Empty when it is spent."""
+    import asyncio
+    import queue
+
+    sys.path.insert(0, str(SCRIPT.parent))
+    try:
+        import execute_notebooks as X
+    finally:
+        sys.path.remove(str(SCRIPT.parent))
+    monkeypatch.setattr(X, "POLL_SLICE_S", 0.01)
+    asked = []
+
+    async def lost_once(timeout=None):
+        """Misses the message on its first wait (forever, unless given a timeout)."""
+        asked.append(timeout)
+        if len(asked) == 1:
+            if timeout is None:
+                await asyncio.Event().wait()
+            await asyncio.sleep(timeout)
+            raise queue.Empty
+        return {"msg": "reply"}
+
+    assert asyncio.run(X._in_slices(lost_once)(None)) == {"msg": "reply"}
+    assert asked == [0.01, 0.01]
+
+    async def never(timeout=None):
+        await asyncio.sleep(timeout)
+        raise queue.Empty
+
+    start = time.monotonic()
+    try:
+        asyncio.run(X._in_slices(never)(0.05))
+    except queue.Empty:
+        pass
+    else:
+        raise AssertionError("a spent timeout must end in Empty")
+    assert 0.05 <= time.monotonic() - start < 1

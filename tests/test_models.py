@@ -288,3 +288,13 @@ def test_linear_attention_module_standalone():
         LinearAttention(32, 4, kind="gru")
     with pytest.raises(ValueError, match="divisible"):
         LinearAttention(30, 4)
+
+
+def test_model_config_defaults_read_as_values_in_its_signature():
+    """The API page prints the signature: every default is a value a reader can type (no
+    `<factory>`), and each config still gets a dict of its own."""
+    import inspect
+
+    assert "<factory>" not in str(inspect.signature(ModelConfig))
+    a, b = ModelConfig(vocab_size=5), ModelConfig(vocab_size=5)
+    assert a.layer_options == {} and a.layer_options is not b.layer_options

@@ -237,6 +237,27 @@ def _check_decode(fn, q, k, v, state, log_decay, normalize):
         V.check_no_overlap(fn, "state.z", state[1])
     if log_decay is not None:
         V.check_step_log_decay(fn, "log_decay_t", log_decay, B=B, H=H, device=q.device)
+    _refuse_gradients(fn, q_t=q, k_t=k, v_t=v, log_decay_t=log_decay, state_S=state[0],
+                      state_z=state[1] if normalize else None)
+
+
+def _refuse_gradients(fn: str, **inputs: Tensor | None) -> None:
+    """A RuntimeError when a gradient is being recorded for any of `inputs`: the step writes the
+    state in place and returns an output cut off from the graph, so a loss through it would
+    silently miss those gradients."""
+    if not torch.is_grad_enabled():
+        return
+    wanting = [name.replace("_", ".", 1) if name.startswith("state") else name
+               for name, x in inputs.items() if x is not None and x.requires_grad]
+    if wanting:
+        names = ", ".join(f"`{n}`" for n in wanting)
+        raise RuntimeError(
+            f"{fn}: {names} {'requires' if len(wanting) == 1 else 'require'} grad, but the decode step "
+            "is inference only (it overwrites the state in place, and its output carries no "
+            "gradient). Generate under torch.no_grad() or torch.inference_mode(); to train "
+            "through a step, call linear_attention(q, k, v, initial_state=state, "
+            "return_state=True) on the one token, which returns a new state and is "
+            "differentiable.")
 
 
 def _decode_torch(q, k, v, S, z, log_decay, eps):
@@ -277,7 +298,8 @@ def linear_attention_decode_step(
 
     Returns:
         o_t of shape (B, H, Dv) in the dtype of v_t: exactly what the parallel form gives at
-        this position. Inference only: no gradient flows through this function.
+        this position. Inference only: inputs that require grad are refused (RuntimeError) while
+        gradients are recorded; call it under torch.no_grad() or torch.inference_mode().
     """
     fn = "linear_attention_decode_step"
     V.check_choice(fn, "backend", backend, ("auto", "torch", "triton"))

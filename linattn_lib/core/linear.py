@@ -18,7 +18,7 @@ from .packed_ops import make_packed_op
 from .reference import FORMS, reference_linear_attention
 from .state import DEFAULT_EPS, LinearAttentionState
 from .torch_chunked import chunked_linear_attention
-from .triton_ops import linear_attention_triton, triton_available, triton_supports
+from .triton_ops import _check_inputs, linear_attention_triton, triton_available, triton_supports
 from .varlen import check_varlen, pad_and_batch, sequence_spans
 
 BACKENDS = ("auto", "torch", "triton")
@@ -133,9 +133,7 @@ def linear_attention(
     """
     fn = "linear_attention"
     V.check_qkv(fn, q, k, v)
-    V.check_choice(fn, "form", form, FORMS)
-    V.check_choice(fn, "backend", backend, BACKENDS)
-    V.check_positive_int(fn, "chunk_size", chunk_size)
+    check_engine(fn, form, backend, chunk_size)
     for name, flag in (("causal", causal), ("normalize", normalize), ("return_state", return_state),
                        ("keep_chunk_states", keep_chunk_states)):
         V.check_flag(fn, name, flag)
@@ -174,6 +172,20 @@ def linear_attention(
     if packed:  # each sequence alone, exactly: zero-padded batches (varlen.py; the spans read and checked on the host)
         return pad_and_batch(engine, q, k, v, sequence_spans(cu_seqlens, q.shape[2], fn), **kw)
     return engine(q, k, v, **kw)
+
+
+def check_engine(fn: str, form: str, backend: str, chunk_size: int, q: Tensor | None = None,
+                 v: Tensor | None = None) -> None:
+    """`linear_attention`'s engine options (form, backend, chunk_size), checked in the name of
+    `fn`, a function that passes them on; with q and v, also whether backend="triton" takes
+    them. Errors then name the function the user called."""
+    V.check_choice(fn, "form", form, FORMS)
+    V.check_choice(fn, "backend", backend, BACKENDS)
+    V.check_positive_int(fn, "chunk_size", chunk_size)
+    if backend == "triton" and q is not None:
+        if form != "chunked":
+            raise ValueError(f"{fn}: backend='triton' implements form='chunked' only, got form={form!r}")
+        _check_inputs(fn, q, v)
 
 
 def _packed_compiled(q, k, v, cu_seqlens, *, causal, normalize, log_decay, eps, initial_state, return_state,

@@ -8,7 +8,7 @@ from torch import Tensor
 
 from .. import _validate as V
 from .features import EXPONENTIAL_KINDS, RandomFeatureMap
-from .linear import linear_attention
+from .linear import check_engine, linear_attention
 from .ssm import gla_attention
 
 
@@ -54,6 +54,7 @@ def performer_attention(
     """
     fn = "performer_attention"
     V.check_qkv(fn, q, k, v)
+    check_engine(fn, form, backend, chunk_size, q, v)
     V.check_choice(fn, "feature_backend", feature_backend, ("torch", "triton"))
     causal = V.check_flag(fn, "causal", causal)
     stabilize = V.check_flag(fn, "stabilize", stabilize)

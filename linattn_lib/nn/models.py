@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import numbers
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 
 import torch
 import torch.nn.functional as F
@@ -46,7 +46,7 @@ class ModelConfig:
         seed: seed of the initial weights and of the Performer projections.
         layer_options: keyword options of every linear layer (`LinearAttention`), e.g.
             {"short_conv": True} or `FLA_PRESETS["gated_deltanet"]`; softmax layers ignore them.
-            Default {} (a new dict for every config).
+            Default None: no options (the config then holds a new, empty dict).
     """
 
     vocab_size: int
@@ -58,9 +58,11 @@ class ModelConfig:
     num_features: int | None = None
     softmax_layers: tuple = ()
     seed: int = 0
-    layer_options: dict = field(default_factory=dict)
+    layer_options: dict | None = None
 
     def __post_init__(self) -> None:
+        if self.layer_options is None:
+            self.layer_options = {}
         self.validate()
 
     def validate(self, fn: str = "ModelConfig") -> None:
