@@ -14,7 +14,7 @@ import numpy as np
 from matplotlib.colors import PowerNorm
 from matplotlib.figure import Figure
 
-from .plots import method_color
+from .plots import method_color, plain_log_labels
 
 STACK_ORDER = ("all softmax", "1:3", "1:7 first", "1:7 middle", "1:7 last", "all linear")
 STACK_COLORS = {
@@ -93,6 +93,7 @@ def draw_decode_cost(decode: Mapping) -> Figure:
         ax.set_xlabel("prompt length (tokens)")
         ax.set_ylabel(label)
         ax.grid(alpha=0.3, which="both")
+        plain_log_labels(ax)
     a.legend(fontsize=10, ncol=2, loc="upper left")
     fig.tight_layout()
     return fig
@@ -176,6 +177,7 @@ def draw_memory_by_context(contexts: Sequence[int], curves: Mapping[str, Sequenc
     ax.set_xlabel("context (tokens)")
     ax.set_ylabel("generation memory (GiB, bf16)")
     ax.grid(alpha=0.3, which="both")
+    plain_log_labels(ax)
     ax.legend(fontsize=10, loc="upper left")
     fig.tight_layout()
     return fig

@@ -102,19 +102,23 @@ def plot_matrix(
 class _PlainLogFormatter(LogFormatterSciNotation):
     """Labels the ticks matplotlib's log axis labels, as plain numbers from 0.0001 to 99999
     (0.02, 4096 rather than 2x10^-2: a reader found those minor-tick labels confusing), and
-    as powers of ten beyond."""
+    as powers of ten beyond; on a base-2 axis from 1024 on as K and M (1024 and 2^20), as
+    context lengths are written."""
 
     def __call__(self, x: float, pos: int | None = None) -> str:
         label = super().__call__(x, pos)
+        if label and self._base == 2 and abs(x) >= 1024:  # token counts: 4K, 256K, 1M
+            return f"{x / 2**20:g}M" if abs(x) >= 2**20 else f"{x / 1024:g}K"
         return f"{x:g}" if label and 1e-4 <= abs(x) < 1e5 else label
 
 
 def plain_log_labels(ax: Axes) -> None:
-    """Plain-number tick labels on the log axes of `ax`."""
+    """Plain-number tick labels on the log axes of `ax` (of any base: 4096, not 2^12)."""
     for axis, scale in ((ax.xaxis, ax.get_xscale()), (ax.yaxis, ax.get_yscale())):
         if scale == "log":
-            axis.set_major_formatter(_PlainLogFormatter())
-            axis.set_minor_formatter(_PlainLogFormatter(labelOnlyBase=False))
+            base = axis.get_transform().base
+            axis.set_major_formatter(_PlainLogFormatter(base=base))
+            axis.set_minor_formatter(_PlainLogFormatter(base=base, labelOnlyBase=False))
 
 
 def plot_scaling(
