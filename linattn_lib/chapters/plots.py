@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.ticker import LogFormatterSciNotation
+from matplotlib.ticker import FuncFormatter, LogFormatterSciNotation
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -119,6 +119,24 @@ def plain_log_labels(ax: Axes) -> None:
             base = axis.get_transform().base
             axis.set_major_formatter(_PlainLogFormatter(base=base))
             axis.set_minor_formatter(_PlainLogFormatter(base=base, labelOnlyBase=False))
+
+
+def byte_log_labels(axis) -> None:
+    """Label a log axis of byte counts in decimal units: 10 MB, 100 MB, 1 GB at the decades,
+    and 30 halfway between them (on the log scale), so that a line between two decades can be
+    read."""
+
+    def label(x: float, pos: int | None = None) -> str:
+        mantissa = x / 10 ** np.floor(np.log10(x) + 1e-9)
+        if x <= 0 or min(abs(mantissa - m) for m in (1, 3)) > 1e-6:
+            return ""
+        for scale, unit in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
+            if x >= scale:
+                return f"{x / scale:g} {unit}"
+        return f"{x:g} B"
+
+    axis.set_major_formatter(FuncFormatter(label))
+    axis.set_minor_formatter(FuncFormatter(label))
 
 
 def plot_scaling(
