@@ -323,7 +323,7 @@ def check_number(
 def check_eps(fn: str, eps: object) -> float:
     """A finite, non-negative eps (NaN or inf would silently turn every output into NaN or 0)."""
     value = check_number(fn, "eps", eps, low=0.0)
-    if not math.isfinite(value):
+    if value == math.inf:  # not math.isfinite: compile(dynamic=True) makes eps a SymFloat
         raise ValueError(f"{fn}: `eps` must be finite, got {eps!r}")
     return value
 
@@ -355,7 +355,7 @@ def check_finite_number(fn: str, name: str, value: object, *, positive: bool = F
     if not _is_real(value):
         raise TypeError(f"{fn}: `{name}` must be a number (a finite int or float), got {type(value).__name__} {value!r}")
     out = float(value)
-    if not math.isfinite(out):
+    if out != out or abs(out) == math.inf:  # a SymFloat under compile(dynamic=True) has no math.isfinite
         raise ValueError(f"{fn}: `{name}` must be a finite number, got {value!r}")
     if positive and out <= 0:
         raise ValueError(f"{fn}: `{name}` must be a finite number > 0, got {value!r}")

@@ -36,6 +36,72 @@ def test_layer_compiles_as_one_graph(kind, backend):
     assert (yc - y).abs().max() < 1e-12 and (gc - g).abs().max() < 1e-12
 
 
+class _Compiles:
+    """A torch.compile backend that counts the graphs it is given (then runs `backend`)."""
+
+    def __init__(self, backend: str):
+        from torch._dynamo.backends.registry import lookup_backend
+
+        self.graphs, self._backend = 0, lookup_backend(backend)
+
+    def __call__(self, gm, example_inputs):
+        self.graphs += 1
+        return self._backend(gm, example_inputs)
+
+
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+def test_layer_compiles_once_for_every_length(kind, backend, monkeypatch):
+    """A training loop meets several lengths (the last batch, evaluation). The layer compiled
+    with fullgraph must trace each, equal to eager, and stop recompiling once T is symbolic
+    (no new graph at the third length). The torch path's block loops broke the
+    trace at the second length; a delta kind compiled before any eager call failed to import
+    the kernels inside the trace, and returned head dims the kernels pad (8 here) in strides
+    its fake did not announce (opcheck below). Triton: the interpreter, float32, traced by
+    Dynamo alone (aot_eager trips there on a stride that torch's meta elu_backward and its CPU
+    kernel lay out differently; inductor runs it, at about 40 s a kind); torch: float64,
+    aot_eager."""
+    if backend == "triton":
+        pytest.importorskip("triton")
+        from linattn_lib.core import triton_ops
+
+        monkeypatch.setattr(triton_ops, "_kernels", None)  # as in a fresh process: not imported yet
+        monkeypatch.setattr(triton_ops, "_import_error", None)
+    dtype = torch.float64 if backend == "torch" else torch.float32
+    torch.manual_seed(0)
+    layer = LinearAttention(16, 2, kind=kind, chunk_size=16, backend=backend).to(dtype)
+    torch._dynamo.reset()
+    counted = _Compiles("aot_eager" if backend == "torch" else "eager")
+    compiled = torch.compile(layer, fullgraph=True, backend=counted)
+    tol = 1e-12 if dtype == torch.float64 else 1e-5
+    graphs = []
+    for T in (40, 64, 100):
+        x = torch.randn(2, T, 16, dtype=dtype, requires_grad=True)
+        (y, g), (yc, gc) = _run(layer, x), _run(compiled, x)
+        assert (yc - y).abs().max() < tol and (gc - g).abs().max() < tol, T
+        graphs.append(counted.graphs)
+    assert graphs[2] == graphs[1], graphs  # T symbolic since the second length: no new graph
+
+
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+def test_layer_compiles_once_with_dynamic_shapes(kind):
+    """compile(dynamic=True) makes the layer's Python floats symbolic too (eps, the feature
+    map's scale): the checks of those numbers used math.isfinite, which cannot take one. No
+    new graph for the second length, equal to eager."""
+    torch.manual_seed(0)
+    layer = LinearAttention(16, 2, kind=kind, chunk_size=16).double()
+    torch._dynamo.reset()
+    counted = _Compiles("aot_eager")
+    compiled = torch.compile(layer, fullgraph=True, dynamic=True, backend=counted)
+    graphs = []
+    for T in (40, 70):
+        x = torch.randn(2, T, 16, dtype=torch.float64, requires_grad=True)
+        (y, g), (yc, gc) = _run(layer, x), _run(compiled, x)
+        assert (yc - y).abs().max() < 1e-12 and (gc - g).abs().max() < 1e-12, T
+        graphs.append(counted.graphs)
+    assert graphs[1] == graphs[0], graphs
+
+
 def test_delta_rule_on_the_kernels_compiles_as_one_graph():
     """delta_rule_attention(backend="triton") under fullgraph (the custom ops of delta_ops.py;
     its autograd Function used to break the graph), forward and backward, equal to eager."""
@@ -61,17 +127,19 @@ def test_delta_rule_on_the_kernels_compiles_as_one_graph():
     assert all((a - b).abs().max() < 1e-6 for a, b in zip(grads, grads_c))
 
 
-@pytest.mark.parametrize("decay, state", [(None, False), ("token", True)])
-def test_opcheck_delta_ops(decay, state):
+@pytest.mark.parametrize("decay, state, D", [(None, False, 16), ("token", True, 16), ("token", False, 8)])
+def test_opcheck_delta_ops(decay, state, D):
     """torch.library.opcheck on linattn::delta_fwd and delta_bwd: schema, fake tensors,
-    autograd registration and AOT dispatch agree with the real kernels (interpreter on CPU)."""
+    autograd registration and AOT dispatch agree with the real kernels (interpreter on CPU).
+    D = 8: the kernels pad it to 16 and slice their outputs, which must still come back
+    contiguous, as the fake says (inductor asserts the strides)."""
     pytest.importorskip("triton")
     import torch.nn.functional as F
 
     from linattn_lib.core import delta_ops  # noqa: F401 - registers the ops
 
     gen = torch.Generator().manual_seed(0)
-    B, H, T, D = 1, 2, 24, 16
+    B, H, T = 1, 2, 24
     q = torch.randn(B, H, T, D, generator=gen, requires_grad=True)
     k = F.normalize(torch.randn(B, H, T, D, generator=gen), dim=-1).requires_grad_()
     v = torch.randn(B, H, T, D, generator=gen, requires_grad=True)
@@ -154,7 +222,7 @@ def test_tiny_lm_compiles_as_one_graph_and_without_warnings():
 
 @pytest.mark.parametrize("rule", ["linear", "delta"])
 def test_opcheck_packed_ops(rule):
-    """opcheck on linattn::linear_packed_fwd / delta_packed_fwd (schema, fake tensors, autograd)."""
+    """opcheck on linattn::linear_host_fwd / delta_host_fwd (schema, fake tensors, autograd)."""
     import torch.nn.functional as F
 
     from linattn_lib.core import delta, linear
@@ -168,10 +236,10 @@ def test_opcheck_packed_ops(rule):
     cu = torch.tensor([0, 7, 20])
     if rule == "linear":
         args = (q.exp(), k.exp(), v, None, g, None, None, cu, True, True, "chunked", 1e-6, 8, "torch")
-        op = linear._packed_op
+        op = linear._host_op
     else:
         beta = torch.rand(1, H, T, generator=gen, dtype=torch.float64, requires_grad=True)
         S0 = torch.randn(2, H, D, D, generator=gen, dtype=torch.float64, requires_grad=True)
         args = (q, k, v, beta, g, S0, None, cu, True, False, "chunked", 0.0, 8, "torch")
-        op = delta._packed_op
+        op = delta._host_op
     torch.library.opcheck(op, args)

@@ -54,9 +54,9 @@ from .. import _validate as V
 from . import delta_ops  # noqa: F401 - registers torch.ops.linattn.delta_fwd / delta_bwd for torch.compile
 from .delta_triton import delta_rule_triton
 from .masks import segsum
-from .packed_ops import make_packed_op
+from .packed_ops import make_host_op
 from .state import LinearAttentionState, compute_dtype, expand_log_decay, sum_after
-from .triton_ops import triton_supports
+from .triton_ops import kernels_imported, triton_supports
 from .varlen import check_cu_seqlens, sequence_spans
 
 FORMS = ("recurrent", "chunked", "quadratic")
@@ -138,14 +138,14 @@ def _use_triton(fn: str, backend: str, form: str, q: Tensor, v: Tensor, chunk_si
     V.check_choice(fn, "backend", backend, BACKENDS)
     if backend == "auto":
         ok_chunk = chunk_size is None or (chunk_size >= 16 and chunk_size & (chunk_size - 1) == 0)
-        return q.is_cuda and form == "chunked" and ok_chunk and triton_supports(q, v)
+        return q.is_cuda and form == "chunked" and ok_chunk and kernels_imported() and triton_supports(q, v)
     if backend == "torch":
         return False
     if form != "chunked":
         raise ValueError(f"{fn}: backend='triton' implements form='chunked' only, got form={form!r}")
     if chunk_size is not None and (chunk_size < 16 or chunk_size & (chunk_size - 1)):
         raise ValueError(f"{fn}: backend='triton' needs chunk_size None or a power of two >= 16, got {chunk_size}")
-    if not triton_supports(q, v):
+    if not (kernels_imported() and triton_supports(q, v)):
         raise ValueError(f"{fn}: backend='triton' takes float32, float16 or bfloat16 inputs with head dims up "
                          f"to 256 (and needs triton), got {q.dtype}, Dk={q.shape[-1]}, Dv={v.shape[-1]}")
     if q.is_cpu and q.dtype == torch.bfloat16:  # the interpreter's bf16 dots return NaN, silently
@@ -348,6 +348,11 @@ def delta_rule_attention(
     if _use_triton(fn, backend, form, q, v, chunk_size):
         o, S = delta_rule_triton(q, k, v, beta, log_decay=log_decay, initial_state=S0, chunk_size=chunk_size)
         return (o, LinearAttentionState(S, None)) if return_state else o
+    if torch.compiler.is_compiling() and form != "quadratic":
+        # the loop over chunks or tokens (its length depends on T), as one op opaque to the
+        # compiler (packed_ops.py): traced, it would be unrolled for every new length
+        o, S, _ = _host_op(q, k, v, beta, log_decay, S0, None, None, True, False, form, 0.0, chunk_size, backend)
+        return (o, LinearAttentionState(S, None)) if return_state else o
     chunk_size = DEFAULT_CHUNK_SIZE if chunk_size is None else chunk_size
     B, H, T, Dk = q.shape
     dtype = compute_dtype(q)
@@ -378,8 +383,8 @@ def _packed(fn, q, k, v, beta, cu_seqlens, initial_state, return_state, **kw):
         fn, "initial_state", initial_state, B=N, H=H, Dk=Dk, Dv=Dv, device=q.device)
     g = kw.pop("log_decay")
     if torch.compiler.is_compiling():  # the loop below, as one op opaque to the compiler
-        o, S, _ = _packed_op(q, k, v, beta, g, S0, None, cu_seqlens, True, False, kw["form"], 0.0,
-                             kw["chunk_size"], kw["backend"])
+        o, S, _ = _host_op(q, k, v, beta, g, S0, None, cu_seqlens, True, False, kw["form"], 0.0,
+                           kw["chunk_size"], kw["backend"])
         return (o, LinearAttentionState(S, None)) if return_state else o
     outs, states = [], []
     for i, (s, e) in enumerate(sequence_spans(cu_seqlens, q.shape[2], fn)):
@@ -399,13 +404,16 @@ def _packed(fn, q, k, v, beta, cu_seqlens, initial_state, return_state, **kw):
     return o, LinearAttentionState(torch.cat([S.to(dtype) for S in states]), None)
 
 
-def _packed_eager(q, k, v, beta, g, S0, z0, cu_seqlens, *, causal, normalize, form, eps, chunk_size, backend):
-    o, st = _packed("delta_rule_attention", q, k, v, beta, cu_seqlens, S0, True, log_decay=g, form=form,
-                    chunk_size=chunk_size, check_unit_keys=False, backend=backend)
+def _host_eager(q, k, v, beta, g, S0, z0, cu_seqlens, *, causal, normalize, form, eps, chunk_size, backend):
+    """delta_rule_attention in eager mode (packed sequences, or a batch with cu_seqlens None),
+    as (o, S, None)."""
+    o, st = delta_rule_attention(q, k, v, beta, log_decay=g, initial_state=S0, return_state=True, form=form,
+                                 chunk_size=chunk_size, check_unit_keys=False, backend=backend,
+                                 cu_seqlens=cu_seqlens)
     return o, st.S, None
 
 
-_packed_op = make_packed_op("delta_packed", _packed_eager)
+_host_op = make_host_op("delta_host", _host_eager)
 
 
 def delta_rule_decode_step(

@@ -25,9 +25,11 @@ def _absent(like: Tensor) -> Tensor:
 @torch.library.custom_op("linattn::delta_fwd", mutates_args=())
 def delta_fwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor, g: Tensor | None, S0: Tensor | None,
               chunk_size: int | None) -> tuple[Tensor, Tensor]:
-    """(o, S_T) of the chunked delta rule on the kernels."""
-    return _kernels().delta_rule_fwd(q, k, v, beta, log_decay=g, initial_state=S0, store_final_state=True,
-                                     chunk_size=chunk_size)
+    """(o, S_T) of the chunked delta rule on the kernels, contiguous as the fake says (head dims
+    the kernels pad, e.g. 8, come back as slices of the padded outputs)."""
+    o, S_T = _kernels().delta_rule_fwd(q, k, v, beta, log_decay=g, initial_state=S0, store_final_state=True,
+                                       chunk_size=chunk_size)
+    return o.contiguous(), S_T.contiguous()
 
 
 @delta_fwd.register_fake

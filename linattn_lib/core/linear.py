@@ -14,22 +14,14 @@ from torch import Tensor
 
 from .. import _validate as V
 from . import custom_ops  # noqa: F401  (registers torch.ops.linattn.*, which the Triton path calls)
-from .packed_ops import make_packed_op
+from .packed_ops import make_host_op
 from .reference import FORMS, reference_linear_attention
 from .state import DEFAULT_EPS, LinearAttentionState
 from .torch_chunked import chunked_linear_attention
-from .triton_ops import _check_inputs, linear_attention_triton, triton_available, triton_supports
+from .triton_ops import _check_inputs, kernels_imported, linear_attention_triton, triton_supports
 from .varlen import check_varlen, pad_and_batch, sequence_spans
 
 BACKENDS = ("auto", "torch", "triton")
-
-
-@torch.compiler.assume_constant_result
-def _kernels_import() -> bool:
-    """`triton_available()`, run eagerly even while `torch.compile` traces (an import cannot
-    be traced): so a compiled first call loads the kernels too, and every later trace reads
-    them as the constant they are."""
-    return triton_available()
 
 
 @overload
@@ -150,11 +142,11 @@ def linear_attention(
     # auto: the compiled kernels on CUDA for the inputs they support (fp16/bf16/fp32, head dims
     # up to 256); float64 and wider heads stay on torch
     use_triton = backend == "triton" or (
-        backend == "auto" and q.is_cuda and form == "chunked" and _kernels_import() and triton_supports(q, v)
+        backend == "auto" and q.is_cuda and form == "chunked" and kernels_imported() and triton_supports(q, v)
     )
     if use_triton and form != "chunked":
         raise ValueError(f"{fn}: backend='triton' implements form='chunked' only, got form={form!r}")
-    if use_triton and not _kernels_import():
+    if use_triton and not kernels_imported():
         raise RuntimeError(f"{fn}: backend='triton' needs the `triton` package and linattn_lib.kernels")
     kw = dict(causal=causal, normalize=normalize, log_decay=log_decay, eps=eps,
               initial_state=initial_state, return_state=return_state)
@@ -167,8 +159,10 @@ def linear_attention(
         engine, kw = chunked_linear_attention, dict(kw, chunk_size=chunk_size)
     else:
         engine, kw = reference_linear_attention, dict(kw, form=form, chunk_size=chunk_size)
-    if packed and torch.compiler.is_compiling():  # the host loop below, as one op opaque to the compiler
-        return _packed_compiled(q, k, v, cu_seqlens, form=form, chunk_size=chunk_size, backend=backend, **kw)
+    if torch.compiler.is_compiling() and (packed or (causal and form != "quadratic")):
+        # a loop on the host (over packed sequences, or the causal torch paths' blocks and
+        # tokens, whose count depends on T), as one op opaque to the compiler (packed_ops.py)
+        return _host_compiled(q, k, v, cu_seqlens, form=form, chunk_size=chunk_size, backend=backend, **kw)
     if packed:  # each sequence alone, exactly: zero-padded batches (varlen.py; the spans read and checked on the host)
         return pad_and_batch(engine, q, k, v, sequence_spans(cu_seqlens, q.shape[2], fn), **kw)
     return engine(q, k, v, **kw)
@@ -188,28 +182,30 @@ def check_engine(fn: str, form: str, backend: str, chunk_size: int, q: Tensor | 
         _check_inputs(fn, q, v)
 
 
-def _packed_compiled(q, k, v, cu_seqlens, *, causal, normalize, log_decay, eps, initial_state, return_state,
-                     form, chunk_size, backend):
+def _host_compiled(q, k, v, cu_seqlens, *, causal, normalize, log_decay, eps, initial_state, return_state,
+                   form, chunk_size, backend):
     S0, z0 = (None, None) if initial_state is None else initial_state
-    o, S, z = _packed_op(q, k, v, None, log_decay, S0, z0, cu_seqlens, causal, normalize, form, eps, chunk_size,
-                         backend)
+    o, S, z = _host_op(q, k, v, None, log_decay, S0, z0, cu_seqlens, causal, normalize, form, eps, chunk_size,
+                       backend)
     return (o, LinearAttentionState(S, z if normalize else None)) if return_state else o
 
 
-def _packed_eager(q, k, v, beta, g, S0, z0, cu_seqlens, *, causal, normalize, form, eps, chunk_size, backend):
-    """linear_attention on packed sequences in eager mode, as (o, S, z) (S, z zero when non-causal)."""
+def _host_eager(q, k, v, beta, g, S0, z0, cu_seqlens, *, causal, normalize, form, eps, chunk_size, backend):
+    """linear_attention in eager mode (packed sequences, or a batch with cu_seqlens None), as
+    (o, S, z) (S, z zero when non-causal)."""
     state = None if S0 is None else LinearAttentionState(S0, z0)
     kw = dict(causal=causal, normalize=normalize, log_decay=g, form=form, chunk_size=chunk_size, eps=eps,
               initial_state=state, backend=backend, cu_seqlens=cu_seqlens)
     if causal:
         o, st = linear_attention(q, k, v, return_state=True, **kw)
         return o, st.S, st.z
-    N, H, Dk, Dv = cu_seqlens.shape[0] - 1, q.shape[1], q.shape[-1], v.shape[-1]
+    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
+    H, Dk, Dv = q.shape[1], q.shape[-1], v.shape[-1]
     zeros = q.new_zeros(N, H, Dk, Dv)
     return linear_attention(q, k, v, **kw), zeros, zeros[..., 0] if normalize else None
 
 
-_packed_op = make_packed_op("linear_packed", _packed_eager)
+_host_op = make_host_op("linear_host", _host_eager)
 
 
 

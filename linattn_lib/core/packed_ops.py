@@ -1,20 +1,23 @@
-"""Packed batches (cu_seqlens) on the paths that loop on the host, as torch custom ops, so that
-`torch.compile(fullgraph=True)` traces a packed call in one graph.
+"""The paths that loop on the host, as torch custom ops, so that `torch.compile(fullgraph=True)`
+traces a call of theirs in one graph, at any sequence length.
 
 The torch paths of `linear_attention` and every path of `delta_rule_attention` run packed
 sequences one span at a time: they read cu_seqlens on the host, which a traced graph cannot.
-Wrapped in an op, the loop is opaque to the compiler: the graph holds one call whose fake
-(meta) implementation gives the shapes, and the loop runs at run time as in eager mode.
+The causal torch paths of `linear_attention` (chunked and recurrent) loop over blocks of chunks
+or tokens whose number and grouping depend on T: traced, the loop is unrolled for one length,
+and a second length (which makes T symbolic) cannot be traced at all. Wrapped in an op, the
+loop is opaque to the compiler: the graph holds one call whose fake (meta) implementation gives
+the shapes, and the loop runs at run time as in eager mode.
 
-    <name>_fwd (q, k, v, beta?, g?, S0?, z0?, cu_seqlens, causal, normalize, form, eps,
+    <name>_fwd (q, k, v, beta?, g?, S0?, z0?, cu_seqlens?, causal, normalize, form, eps,
                 chunk_size?, backend) -> (o, S, z)
     <name>_bwd (the same inputs, do?, dS?, dz?) -> (dq, dk, dv, dbeta, dg, dS0, dz0)
 
-o is in v's dtype, S (N, H, Dk, Dv) and z (N, H, Dk) in the library's accumulation dtype
+o is in v's dtype, S (N, H, Dk, Dv) and z (N, H, Dk), N sequences (B without cu_seqlens), in the library's accumulation dtype
 (float64 for float64 q, else float32); z is empty (shape (0,)) when not normalising, as is the
 gradient of an input that is None; gradients come in their inputs' strides. The backward recomputes the forward under autograd and
 differentiates it (once differentiable): a packed call costs one extra forward when compiled.
-`make_packed_op(name, eager)` registers one op pair; linear.py and delta.py each make theirs
+`make_host_op(name, eager)` registers one op pair; linear.py and delta.py each make theirs
 from their own eager function, so this module imports neither.
 """
 from __future__ import annotations
@@ -26,7 +29,7 @@ import torch
 from torch import Tensor
 
 Eager = Callable[..., tuple[Tensor, Tensor, Tensor | None]]
-_DIFFERENTIABLE = 7  # q, k, v, beta, g, S0, z0; then cu_seqlens and the settings
+_DIFFERENTIABLE = 7  # q, k, v, beta, g, S0, z0; then cu_seqlens (or None) and the settings
 
 
 def _absent(like: Tensor) -> Tensor:
@@ -48,14 +51,14 @@ def _autograd_inside_op() -> contextlib.AbstractContextManager:
     return C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude)
 
 
-def make_packed_op(name: str, eager: Eager) -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
+def make_host_op(name: str, eager: Eager) -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
     """Register `linattn::<name>_fwd` / `_bwd` around `eager(q, k, v, beta, g, S0, z0, cu_seqlens,
     causal=, normalize=, form=, eps=, chunk_size=, backend=) -> (o, S, z or None)`; return the
     forward op."""
 
     @torch.library.custom_op(f"linattn::{name}_fwd", mutates_args=())
     def fwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor | None, g: Tensor | None, S0: Tensor | None,
-            z0: Tensor | None, cu_seqlens: Tensor, causal: bool, normalize: bool, form: str, eps: float,
+            z0: Tensor | None, cu_seqlens: Tensor | None, causal: bool, normalize: bool, form: str, eps: float,
             chunk_size: int | None, backend: str) -> tuple[Tensor, Tensor, Tensor]:
         o, S, z = eager(q, k, v, beta, g, S0, z0, cu_seqlens, causal=causal, normalize=normalize, form=form,
                         eps=eps, chunk_size=chunk_size, backend=backend)
@@ -64,14 +67,14 @@ def make_packed_op(name: str, eager: Eager) -> Callable[..., tuple[Tensor, Tenso
     @fwd.register_fake
     def _fwd_fake(q, k, v, beta, g, S0, z0, cu_seqlens, causal, normalize, form, eps, chunk_size, backend):
         B, H, T, Dk = q.shape
-        N, dtype = cu_seqlens.shape[0] - 1, _accumulation(q)
+        N, dtype = B if cu_seqlens is None else cu_seqlens.shape[0] - 1, _accumulation(q)
         o = torch.empty(B, H, T, v.shape[-1], dtype=v.dtype, device=q.device)
         S = torch.empty(N, H, Dk, v.shape[-1], dtype=dtype, device=q.device)
         return o, S, torch.empty(N, H, Dk, dtype=dtype, device=q.device) if normalize else _absent(q)
 
     @torch.library.custom_op(f"linattn::{name}_bwd", mutates_args=())
     def bwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor | None, g: Tensor | None, S0: Tensor | None,
-            z0: Tensor | None, cu_seqlens: Tensor, causal: bool, normalize: bool, form: str, eps: float,
+            z0: Tensor | None, cu_seqlens: Tensor | None, causal: bool, normalize: bool, form: str, eps: float,
             chunk_size: int | None, backend: str, do: Tensor | None, dS: Tensor | None, dz: Tensor | None,
             ) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor, Tensor, Tensor]:
         inputs = [None if t is None else t.detach().requires_grad_() for t in (q, k, v, beta, g, S0, z0)]

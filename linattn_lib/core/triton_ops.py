@@ -98,6 +98,14 @@ def triton_available() -> bool:
     return load_kernels() is not None
 
 
+@torch.compiler.assume_constant_result
+def kernels_imported() -> bool:
+    """`triton_available()`, run eagerly even while `torch.compile` traces (an import cannot
+    be traced): so a compiled first call loads the kernels too, and every later trace reads
+    them as the constant they are. Ask it before anything that loads the kernels."""
+    return triton_available()
+
+
 def triton_supports(q: Tensor, v: Tensor) -> bool:
     """True when the kernels are available and take these inputs: float32, float16 or bfloat16,
     and head dims Dk = q.shape[-1], Dv = v.shape[-1] up to `MAX_HEAD_DIM` (256)."""
