@@ -63,3 +63,12 @@ def test_every_experiment_cli_shares_the_output_options():
     args = parse_cli(argparse.ArgumentParser(), ["--quick"], "book/results/x.json")
     assert args.quick and args.out == "book/results/x-quick.json"
     assert parse_cli(argparse.ArgumentParser(), [], "book/results/x.json").out == "book/results/x.json"
+
+
+def test_run_metadata_names_the_cpu_for_cpu_experiments_on_a_gpu_machine(monkeypatch):
+    """The training experiments compute on the CPU: run on Colab, their results must not say
+    "Tesla T4" beside a CPU thread count."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "Tesla T4")
+    assert run_metadata("m", [])["hardware"] == "Tesla T4"
+    assert "T4" not in run_metadata("m", [], device="cpu")["hardware"]

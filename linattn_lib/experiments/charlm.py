@@ -457,7 +457,7 @@ def main(argv: list[str] | None = None) -> dict:
     grid = sweep_configs(args.kinds, args.ctx, args.seeds, **overrides)
 
     text = build_corpus()
-    meta = run_metadata("linattn_lib.experiments.charlm", argv)
+    meta = run_metadata("linattn_lib.experiments.charlm", argv, device="cpu")
     meta.update(workers=args.workers, threads_per_run=1, load_average_start=list(os.getloadavg()))
     payload = {"meta": meta, "corpus": corpus_info(text), "split": {"train_fraction": 0.9, "by": "position"},
                "grid": {"kinds": args.kinds, "ctx": args.ctx, "seeds": args.seeds, **overrides, "val_every": args.val_every},

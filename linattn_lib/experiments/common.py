@@ -28,10 +28,12 @@ def seed_everything(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
 
 
-def run_metadata(module: str, argv: list[str] | None = None) -> dict:
+def run_metadata(module: str, argv: list[str] | None = None, device: str | None = None) -> dict:
     """Everything needed to reproduce a result: command, versions, hardware, time.
 
-    module: the CLI's module, e.g. "linattn_lib.experiments.mqar"; argv: its arguments.
+    module: the CLI's module, e.g. "linattn_lib.experiments.mqar"; argv: its arguments;
+    device: where it computed ("cpu" for the experiments that train on the CPU, so that a run
+    on a GPU machine still names the CPU); None: the GPU if there is one, else the CPU.
     """
     args = list(sys.argv[1:] if argv is None else argv)
     return {
@@ -39,7 +41,7 @@ def run_metadata(module: str, argv: list[str] | None = None) -> dict:
         "library_version": __version__,
         "torch_version": torch.__version__,
         "python_version": platform.python_version(),
-        "hardware": device_name(),
+        "hardware": device_name(device),
         "threads": torch.get_num_threads(),
         "date_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
     }

@@ -286,7 +286,7 @@ def main(argv: list[str] | None = None) -> dict:
         args.teacher = str(Path(args.out).with_suffix(".pt"))
     text = charlm.build_corpus()
     data = charlm.CharData(text)
-    meta = run_metadata("linattn_lib.experiments.convert", argv)
+    meta = run_metadata("linattn_lib.experiments.convert", argv, device="cpu")
     meta.update(jobs=args.jobs, threads_per_job=1, cpu_count=os.cpu_count(), config=asdict(cfg), seeds=args.seeds)
     teacher = _teacher(args, cfg, data)
     checkpoint = Path(str(args.out) + ".partial")

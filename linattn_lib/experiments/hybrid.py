@@ -138,7 +138,7 @@ def sweep_mqar(args: argparse.Namespace, argv: list[str] | None) -> dict:
     lrs = list(args.lrs)
     checkpoint = Path(str(args.out) + ".partial")
     done = {_key(r): r for r in (json.loads(checkpoint.read_text())["results"] if checkpoint.exists() else [])}
-    meta = run_metadata("linattn_lib.experiments.hybrid", argv)
+    meta = run_metadata("linattn_lib.experiments.hybrid", argv, device="cpu")
     meta.update(task="mqar", jobs=args.jobs, threads_per_job=1, cpu_count=os.cpu_count(), settings=settings,
                 stacks={n: STACKS.get(n, n) for n in args.stacks}, seeds=list(args.seeds), lrs=lrs)
     t0 = time.perf_counter()
@@ -203,7 +203,7 @@ def decode_cost(pattern: str, contexts: Sequence[int], *, d_model: int = 256, n_
 def sweep_decode(args: argparse.Namespace, argv: list[str] | None) -> dict:
     contexts = [64, 128] if args.quick else args.contexts
     d_model = 32 if args.quick else args.decode_width
-    meta = run_metadata("linattn_lib.experiments.hybrid", argv)
+    meta = run_metadata("linattn_lib.experiments.hybrid", argv, device="cpu")
     meta.update(task="decode", d_model=d_model, n_head=4, contexts=contexts, threads=1,
                 stacks={n: STACKS.get(n, n) for n in args.stacks})
     results = []
@@ -249,7 +249,7 @@ def sweep_charlm(args: argparse.Namespace, argv: list[str] | None) -> dict:
         settings.update(ctx=16, steps=3, tokens_per_step=64, warmup=1)
     text = charlm.build_corpus()
     data = charlm.CharData(text)
-    meta = run_metadata("linattn_lib.experiments.hybrid", argv)
+    meta = run_metadata("linattn_lib.experiments.hybrid", argv, device="cpu")
     meta.update(task="charlm", workers=args.jobs, threads_per_run=1, cpu_count=os.cpu_count(), settings=settings,
                 stacks={n: STACKS.get(n, n) for n in args.stacks}, seeds=list(args.seeds))
     configs = charlm_configs(args.stacks, args.seeds, settings)

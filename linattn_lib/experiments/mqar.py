@@ -504,7 +504,7 @@ def _sweep(args: argparse.Namespace, argv: list[str] | None, common: dict) -> di
     checkpoint = Path(str(args.out) + ".partial")
     done = _finished_runs(checkpoint, common, lrs + [args.fallback_lr])
     previous = json.loads(checkpoint.read_text())["meta"]["sweep_seconds"] if done else 0.0
-    meta = run_metadata("linattn_lib.experiments.mqar", argv)
+    meta = run_metadata("linattn_lib.experiments.mqar", argv, device="cpu")
     meta.update(jobs=args.jobs, threads_per_job=1, cpu_count=os.cpu_count(), seeds=args.seeds,
                 config={k: v for k, v in vars(args).items() if k not in ("out", "no_progress")})
     t0, first = time.perf_counter(), args.seeds[0]

@@ -77,7 +77,7 @@ def sweep(args: argparse.Namespace, argv: list[str] | None) -> dict:
     jobs = jobs_for(base, args.kinds, args.d_models, args.seeds, VARIANTS, **override)
     checkpoint = Path(str(args.out) + ".partial")
     done = {_key(r): r for r in (json.loads(checkpoint.read_text())["results"] if checkpoint.exists() else [])}
-    meta = run_metadata("linattn_lib.experiments.mqar_conv", argv)
+    meta = run_metadata("linattn_lib.experiments.mqar_conv", argv, device="cpu")
     meta.update(jobs=args.jobs, threads_per_job=1, cpu_count=os.cpu_count(), base=base["meta"]["command"],
                 kinds=list(args.kinds), d_models=list(args.d_models), seeds=list(args.seeds))
     t0 = time.perf_counter()
