@@ -84,6 +84,14 @@ def _merge_heads(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(B, T, H * dh)
 
 
+def _last_inputs(x: Tensor, mask: Tensor, n: int) -> Tensor:
+    """(B, C, n): each row's last n inputs at its real tokens (mask 1), zeros before the first:
+    a short convolution's cache after the row without its padding. x (B, T, C), mask (B, T)."""
+    order = torch.argsort(mask.to(torch.uint8), dim=1, stable=True)  # padding first, tokens in order
+    real = x.gather(1, order[..., None].expand_as(x)) * mask.gather(1, order)[..., None]
+    return torch.cat([x.new_zeros(x.shape[0], n, x.shape[2]), real], 1)[:, -n:].transpose(1, 2).contiguous()
+
+
 class LinearAttention(nn.Module):
     """Multi-head causal linear attention, ready to drop into a model.
 
@@ -241,7 +249,7 @@ class LinearAttention(nn.Module):
             self.conv.reset_parameters()
 
     def _features(self, q: Tensor, k: Tensor, pos_offset: int, cu_seqlens: Tensor | None = None,
-                  ) -> tuple[Tensor, Tensor]:
+                  mask: Tensor | None = None) -> tuple[Tensor, Tensor]:
         if self.kind == "linear":
             return elu_plus_one(q), elu_plus_one(k)
         if self.kind == "performer":
@@ -258,7 +266,9 @@ class LinearAttention(nn.Module):
             if cu_seqlens is not None:  # positions restart at every packed sequence
                 starts = cu_seqlens[:-1].to(q.device)
                 i = i - torch.repeat_interleave(starts, cu_seqlens.diff(), output_size=T).double()
-            ang = (math.pi / 2 * i / self.max_len).to(q.dtype)[:, None]
+            if mask is not None:  # positions count each row's real tokens: (B, 1, T)
+                i = (pos_offset + mask.double().cumsum(1))[:, None]
+            ang = (math.pi / 2 * i / self.max_len).to(q.dtype)[..., None]
             rq, rk = F.relu(q), F.relu(k)
             # cos(a_i - a_j) = cos a_i cos a_j + sin a_i sin a_j: one linear attention on [cos, sin] features
             return torch.cat([rq * ang.cos(), rq * ang.sin()], -1), torch.cat([rk * ang.cos(), rk * ang.sin()], -1)
@@ -287,6 +297,7 @@ class LinearAttention(nn.Module):
         pos_offset: int = 0,
         return_state: bool = False,
         cu_seqlens: Tensor | None = None,
+        attention_mask: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, LinearAttentionState]:
         """x: (B, T, d_model) -> (B, T, d_model) [, new state].
 
@@ -295,6 +306,14 @@ class LinearAttention(nn.Module):
         position of x's first token (cosFormer's re-weighting depends on it). With
         `cu_seqlens` ((N + 1,) cumulative starts, B = 1) the state has N rows, one a sequence
         (cosFormer's positions restart in each: it takes no state or pos_offset there).
+
+        `attention_mask` (B, T), bool or 0/1 as Hugging Face passes it, marks the real tokens
+        of a padded batch (left or right padding). A padding token writes nothing to the
+        state and does not decay it, and its output is 0: each row's outputs at its real
+        tokens, and with return_state its state (after its last real token, the short
+        convolution's cache included), are those of the row with its padding removed. It
+        takes no `state` or `cu_seqlens` (resume or pack unpadded rows instead); cosFormer
+        counts positions over real tokens, so it returns no state with a mask.
         """
         fn = "LinearAttention"
         _check_input(fn, x, self, self.d_model)
@@ -310,8 +329,26 @@ class LinearAttention(nn.Module):
             raise ValueError(f"{fn}(cosformer): with `cu_seqlens` the positions restart at 0 in every packed "
                              "sequence, and one `pos_offset` cannot continue sequences of different lengths; "
                              "resume them unpacked (one row each, with its own call and pos_offset)")
+        if attention_mask is not None:
+            attention_mask = self._check_mask(fn, attention_mask, x, state, cu_seqlens, return_state)
         return self._forward(x, state=state, pos_offset=pos_offset, return_state=return_state,
-                             cu_seqlens=cu_seqlens)
+                             cu_seqlens=cu_seqlens, mask=attention_mask)
+
+    def _check_mask(self, fn, mask, x, state, cu_seqlens, return_state) -> Tensor:
+        """`attention_mask` checked, as a (B, T) 0/1 tensor in the dtype of x."""
+        V.check_tensor(fn, "attention_mask", mask, floating=False, layout=("B", "T"))
+        if tuple(mask.shape) != tuple(x.shape[:2]) or mask.device != x.device:
+            raise ValueError(f"{fn}: `attention_mask` must be (B, T) = {tuple(x.shape[:2])} on {x.device}, "
+                             f"got {V.describe(mask)}")
+        if state is not None or cu_seqlens is not None:
+            raise ValueError(f"{fn}: `attention_mask` takes no `state` or `cu_seqlens`: resume or pack the "
+                             "rows without their padding")
+        if self.kind == "cosformer" and return_state:
+            raise ValueError(f"{fn}(cosformer): with `attention_mask` every row has its own next position, "
+                             "which one `pos_offset` cannot give: no state is returned")
+        if V.values_checked(mask) and not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError(f"{fn}: `attention_mask` must hold 0 (padding) and 1 (tokens), got {V.describe(mask)}")
+        return mask.to(x.dtype)
 
     def _decode(self, q, k, v, beta, g, state):
         """One token from `state` with the decode-step functions (no gradient): o (B, H, 1, Dv)."""
@@ -354,17 +391,24 @@ class LinearAttention(nn.Module):
         )
 
     def _forward(self, x: Tensor, *, state=None, pos_offset: int = 0, return_state: bool = False,
-                 cu_seqlens: Tensor | None = None):
-        """`forward` without the input checks (for callers that checked already)."""
+                 cu_seqlens: Tensor | None = None, mask: Tensor | None = None):
+        """`forward` without the input checks (for callers that checked already); mask: the
+        checked `attention_mask`, (B, T) 0/1 in the dtype of x."""
         conv_cache = None
         if self.short_conv and state is not None:
             state, conv_cache = state
-        q, k, v, conv_cache = self._project(x, conv_cache, cu_seqlens)
-        phi_q, phi_k = self._features(q, k, pos_offset, cu_seqlens)
+        q, k, v, conv_cache = self._project(x, conv_cache, cu_seqlens, mask)
+        phi_q, phi_k = self._features(q, k, pos_offset, cu_seqlens, mask)
         g = self._decay(x)
         beta = torch.sigmoid(self.beta_proj(x)).transpose(1, 2) if self.kind in DELTA_KINDS else None  # (B, H, T)
         if self.write == "additive":  # S += beta_t k_t v_t^T: beta scales the key it writes
             phi_k = phi_k * beta[..., None]
+        if mask is not None:  # padding writes nothing (k, v, beta 0) and does not decay (g 0)
+            m = mask[:, None, :]  # (B, 1, T)
+            phi_k, v = phi_k * m[..., None], v * m[..., None]
+            beta = None if beta is None else beta * m
+            if g is not None:
+                g = (g[:, None] if g.dim() == 1 else g) * m  # a decay per head becomes one per token
         if x.shape[1] == 1 and state is not None and cu_seqlens is None and not torch.is_grad_enabled():
             o, new_state = self._decode(phi_q, phi_k, v, beta, g, state)
         elif self._delta:
@@ -378,6 +422,8 @@ class LinearAttention(nn.Module):
                 initial_state=state, return_state=True, backend=self.backend, cu_seqlens=cu_seqlens,
                 keep_chunk_states=self.keep_chunk_states,
             )
+        if mask is not None:
+            o = o * mask[:, None, :, None]
         if not self.normalize or self.output_gate:
             # in fp32, as fla's RMSNorm: in fp16 the backward of rsqrt (its cube) overflows
             # once a head's RMS is below about 0.025
@@ -390,11 +436,16 @@ class LinearAttention(nn.Module):
             new_state = ConvLayerState(new_state, conv_cache)
         return (y, new_state) if return_state else y
 
-    def _project(self, x: Tensor, conv_cache: Tensor | None, cu_seqlens: Tensor | None):
+    def _project(self, x: Tensor, conv_cache: Tensor | None, cu_seqlens: Tensor | None, mask: Tensor | None = None):
         """q, k, v (B, H, T, d_head) after the projection, convolution and activation."""
         qkv = self.qkv(x)
         if self.short_conv:
+            if mask is not None:  # padding reads as zeros, as an empty cache does (no state here)
+                qkv = qkv * mask[..., None]
+            qkv_in = qkv
             qkv, conv_cache = self.conv(qkv, conv_cache, cu_seqlens)
+            if mask is not None:  # the cache after each row's last real input, not its padding
+                conv_cache = _last_inputs(qkv_in, mask, self.conv.kernel_size - 1)
         q, k, v = qkv.chunk(3, dim=-1)
         if self.activation is not None:
             v = F.silu(v)

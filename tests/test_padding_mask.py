@@ -1,0 +1,98 @@
+"""`LinearAttention(..., attention_mask=...)`: a padded batch (left or right padding, as Hugging
+Face models pass it) gives, at each row's real tokens, the outputs, gradients and final state
+(the short convolution's cache included) of that row alone without its padding; padding
+positions give 0 and receive no gradient. Every kind, with fla's layer options for the delta
+kinds, float64 on the torch path; three kinds on the Triton kernels (interpreter, float32)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from linattn_lib import LinearAttention
+from linattn_lib.nn import LINEAR_KINDS
+from linattn_lib.nn.layers import FLA_PRESETS
+
+LENGTHS = (21, 13, 1)  # a full row, a padded one, a single token
+LAYERS = [(kind, {}) for kind in LINEAR_KINDS] + [(k, FLA_PRESETS[k]) for k in ("deltanet", "gated_deltanet")]
+
+
+def padded(side: str, T: int = 21) -> torch.Tensor:
+    """(B, T) bool: row b's LENGTHS[b] tokens at the end (left padding) or the start (right)."""
+    positions = torch.arange(T)
+    return torch.stack([positions >= T - n if side == "left" else positions < n for n in LENGTHS])
+
+
+def _attn_and_conv(state):
+    return (state.attn, state.conv) if hasattr(state, "conv") else (state, None)
+
+
+def check_against_unpadded(layer, x, mask, tol):
+    returns_state = layer.kind != "cosformer"  # its next position differs per row
+    out = layer(x, attention_mask=mask, return_state=returns_state)
+    y, state = out if returns_state else (out, None)
+    (grad,) = torch.autograd.grad(y.square().sum(), x)
+    for b in range(x.shape[0]):
+        real = mask[b].bool()
+        x_b = x[b:b + 1, real].detach().requires_grad_()
+        out_b = layer(x_b, return_state=returns_state)
+        y_b, state_b = out_b if returns_state else (out_b, None)
+        (grad_b,) = torch.autograd.grad(y_b.square().sum(), x_b)
+        assert (y[b, real] - y_b[0]).abs().max() < tol
+        assert (grad[b, real] - grad_b[0]).abs().max() < tol
+        assert not y[b, ~real].any() and not grad[b, ~real].any()
+        if returns_state:
+            (a, conv), (a_b, conv_b) = _attn_and_conv(state), _attn_and_conv(state_b)
+            assert (a.S[b] - a_b.S[0]).abs().max() < tol
+            if a.z is not None:
+                assert (a.z[b] - a_b.z[0]).abs().max() < tol
+            if conv is not None:
+                assert (conv[b] - conv_b[0]).abs().max() < tol
+
+
+@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("kind, options", LAYERS, ids=[k + ("-fla" if o else "") for k, o in LAYERS])
+def test_padded_rows_equal_the_rows_alone(kind, options, side):
+    torch.manual_seed(0)
+    layer = LinearAttention(16, 2, kind=kind, chunk_size=8, **options).double()
+    x = torch.randn(len(LENGTHS), 21, 16, dtype=torch.float64, requires_grad=True)
+    check_against_unpadded(layer, x, padded(side), 1e-12)
+
+
+@pytest.mark.parametrize("kind", ["linear", "retnet", "gated_deltanet"])
+def test_padded_rows_on_the_kernels(kind):
+    """The Triton path (a per-head decay becomes a per-token one, 0 on padding); a 0/1 long mask."""
+    pytest.importorskip("triton")
+    torch.manual_seed(0)
+    layer = LinearAttention(32, 2, kind=kind, backend="triton")
+    x = torch.randn(len(LENGTHS), 21, 32, requires_grad=True)
+    check_against_unpadded(layer, x, padded("left").long(), 1e-4)  # float32: two kernel variants
+
+
+def test_padded_rows_compile_as_one_graph():
+    torch.manual_seed(0)
+    layer = LinearAttention(16, 2, kind="gated_deltanet", chunk_size=8, **FLA_PRESETS["gated_deltanet"]).double()
+    x = torch.randn(len(LENGTHS), 21, 16, dtype=torch.float64)
+    mask = padded("left")
+    torch._dynamo.reset()
+    compiled = torch.compile(layer, fullgraph=True, backend="aot_eager")
+    y, y_c = layer(x, attention_mask=mask), compiled(x, attention_mask=mask)
+    assert (y - y_c).abs().max() < 1e-12
+
+
+def test_generation_continues_from_a_left_padded_prompt():
+    """Prefill a left-padded batch of prompts, then decode: each row continues as its prompt
+    alone would (attention state and convolution cache)."""
+    torch.manual_seed(0)
+    layer = LinearAttention(16, 2, kind="gated_deltanet", chunk_size=8, **FLA_PRESETS["gated_deltanet"]).double()
+    prompts, more = torch.randn(3, 21, 16, dtype=torch.float64), torch.randn(3, 4, 16, dtype=torch.float64)
+    mask = padded("left")
+    with torch.no_grad():
+        _, state = layer(prompts, attention_mask=mask, return_state=True)
+        steps = []
+        for t in range(more.shape[1]):  # one token at a time: the decode path
+            y, state = layer(more[:, t:t + 1], state=state, return_state=True)
+            steps.append(y)
+        steps = torch.cat(steps, 1)
+        for b, n in enumerate(LENGTHS):
+            alone = torch.cat([prompts[b:b + 1, 21 - n:], more[b:b + 1]], 1)
+            assert (layer(alone)[0, n:] - steps[b]).abs().max() < 1e-12
