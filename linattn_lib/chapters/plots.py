@@ -10,6 +10,7 @@ from matplotlib.ticker import FuncFormatter, LogFormatterSciNotation
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
+    from matplotlib.axis import Axis
     from matplotlib.figure import Figure
     from matplotlib.image import AxesImage
     from torch import Tensor
@@ -121,7 +122,7 @@ def plain_log_labels(ax: Axes) -> None:
             axis.set_minor_formatter(_PlainLogFormatter(base=base, labelOnlyBase=False))
 
 
-def byte_log_labels(axis) -> None:
+def byte_log_labels(axis: Axis) -> None:
     """Label a log axis of byte counts in decimal units: 10 MB, 100 MB, 1 GB at the decades,
     and 30 halfway between them (on the log scale), so that a line between two decades can be
     read."""
