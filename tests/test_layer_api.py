@@ -111,6 +111,35 @@ def test_reset_parameters_restores_the_initialisation(kind):
     assert softmax.qkv.weight.std() > 0.05
 
 
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+def test_a_layer_built_on_the_meta_device_is_whole_after_reset_parameters(kind):
+    """Deferred initialisation (FSDP, torchtitan): build on the meta device, `to_empty`, then
+    `reset_parameters`. The buffers (RetNet's decays, the Performer projection) must come back
+    as the constructor made them; they were left as uninitialised memory (inf, a positive
+    'log-decay')."""
+    def build():  # float32, as built: .double() would round a float32 draw first
+        torch.manual_seed(0)
+        return LinearAttention(16, 2, kind=kind, chunk_size=8)
+
+    reference = build()
+    with torch.device("meta"):
+        layer = build()
+    layer = layer.to_empty(device="cpu")
+    layer.reset_parameters()
+    buffers = dict(reference.named_buffers())
+    for name, b in layer.named_buffers():
+        assert torch.equal(b, buffers[name]), name
+    assert torch.isfinite(layer(torch.randn(2, 9, 16))).all()
+
+
+def test_a_redrawn_performer_projection_survives_reset_parameters():
+    layer = _layer("performer")
+    layer.feature_map.redraw(seed=7)
+    drawn = layer.feature_map.W.clone()
+    layer.reset_parameters()
+    assert layer.feature_map.seed == 7 and torch.equal(layer.feature_map.W, drawn)
+
+
 # --- production options: SiLU on q, k, v; Mamba-2's gate; output gate with RMSNorm ---------
 
 PRODUCTION = dict(activation="silu", gate="mamba", output_gate=True)

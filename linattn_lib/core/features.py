@@ -381,6 +381,11 @@ class RandomFeatureMap(nn.Module):
         self.redraw(seed)
 
     @property
+    def seed(self) -> int | None:
+        """The seed of the current projection (None: drawn from fresh entropy)."""
+        return self._seed
+
+    @property
     def out_features(self) -> int:
         return self.m * 2 if self.kind in ("hyperbolic", "trig", "clipped") else self.m
 
@@ -388,6 +393,7 @@ class RandomFeatureMap(nn.Module):
     def redraw(self, seed: int | None = None) -> None:
         """Draw a fresh projection (and fresh phases)."""
         seed = V.check_seed("RandomFeatureMap.redraw", "seed", seed)
+        self._seed = seed
         W = random_projection(self.m, self.d, orthogonal=self.orthogonal, scaling=self.scaling, seed=seed)
         gen = _generator(None if seed is None else seed + 1)
         b = 2 * math.pi * torch.rand(self.m, generator=gen, dtype=torch.float64)

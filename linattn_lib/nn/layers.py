@@ -234,9 +234,17 @@ class LinearAttention(nn.Module):
 
     def reset_parameters(self) -> None:
         """Re-initialise every parameter as the constructor did (new random weights, the decay
-        starting at 0.95 per token, output norm at one); the Performer projection is kept."""
+        starting at 0.95 per token, output norm at one). The fixed buffers are set again to
+        the values they had: RetNet's decays, and the Performer projection, redrawn from its
+        seed (kept as it is when the seed is None). So a model built on the meta device
+        (deferred initialisation, as FSDP does) is whole after `to_empty` and this."""
         self.qkv.reset_parameters()
         self.proj.reset_parameters()
+        if self.kind == "performer" and self.feature_map.seed is not None:
+            self.feature_map.redraw(self.feature_map.seed)
+        if self.kind == "retnet":
+            with torch.no_grad():
+                self.log_decay.copy_(retnet_log_decay(self.n_heads))
         if hasattr(self, "beta_proj"):
             self.beta_proj.reset_parameters()
         if hasattr(self, "decay_proj"):
