@@ -102,6 +102,21 @@ def test_layer_compiles_once_with_dynamic_shapes(kind):
     assert graphs[1] == graphs[0], graphs
 
 
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+def test_layer_exports_with_a_symbolic_length(kind):
+    """torch.export (deployment) with T symbolic up to cosFormer's max_len: the exported
+    program equals eager at another length. Export runs the library's Python as written (no
+    Dynamo), which caught a call that passed chunk_size twice on the compiled torch path."""
+    from torch.export import Dim, export
+
+    torch.manual_seed(0)
+    layer = LinearAttention(16, 2, kind=kind, chunk_size=16).double().eval()
+    T = Dim("T", min=2, max=layer.max_len)
+    program = export(layer, (torch.randn(2, 40, 16, dtype=torch.float64),), dynamic_shapes={"x": {1: T}})
+    x = torch.randn(2, 77, 16, dtype=torch.float64)
+    assert (program.module()(x) - layer(x)).abs().max() < 1e-12
+
+
 def test_delta_rule_on_the_kernels_compiles_as_one_graph():
     """delta_rule_attention(backend="triton") under fullgraph (the custom ops of delta_ops.py;
     its autograd Function used to break the graph), forward and backward, equal to eager."""

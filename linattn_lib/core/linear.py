@@ -153,16 +153,16 @@ def linear_attention(
     if use_triton and (not packed or causal):  # the kernels take packed sequences as they are
         return linear_attention_triton(q, k, v, cu_seqlens=cu_seqlens, **kw,
                                        keep_chunk_states=keep_chunk_states and causal and torch.is_grad_enabled())
+    if torch.compiler.is_compiling() and (packed or (causal and form != "quadratic")):
+        # a loop on the host (over packed sequences, or the causal torch paths' blocks and
+        # tokens, whose count depends on T), as one op opaque to the compiler (packed_ops.py)
+        return _host_compiled(q, k, v, cu_seqlens, form=form, chunk_size=chunk_size, backend=backend, **kw)
     if use_triton:
         engine = linear_attention_triton
     elif form == "chunked" and backend in ("auto", "torch"):
         engine, kw = chunked_linear_attention, dict(kw, chunk_size=chunk_size)
     else:
         engine, kw = reference_linear_attention, dict(kw, form=form, chunk_size=chunk_size)
-    if torch.compiler.is_compiling() and (packed or (causal and form != "quadratic")):
-        # a loop on the host (over packed sequences, or the causal torch paths' blocks and
-        # tokens, whose count depends on T), as one op opaque to the compiler (packed_ops.py)
-        return _host_compiled(q, k, v, cu_seqlens, form=form, chunk_size=chunk_size, backend=backend, **kw)
     if packed:  # each sequence alone, exactly: zero-padded batches (varlen.py; the spans read and checked on the host)
         return pad_and_batch(engine, q, k, v, sequence_spans(cu_seqlens, q.shape[2], fn), **kw)
     return engine(q, k, v, **kw)
