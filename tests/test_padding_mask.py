@@ -58,6 +58,20 @@ def test_padded_rows_equal_the_rows_alone(kind, options, side):
     check_against_unpadded(layer, x, padded(side), 1e-12)
 
 
+@pytest.mark.parametrize("kind", LINEAR_KINDS)
+def test_padding_that_overflows_or_is_nan_changes_nothing(kind):
+    """Padding is selected out, not multiplied by 0: the Performer's unstabilised key features
+    of a huge padding vector are inf (inf * 0 = NaN), and a caller may fill padding with NaN."""
+    torch.manual_seed(0)
+    layer = LinearAttention(16, 2, kind=kind, chunk_size=8).double()
+    mask = padded("left")
+    x = torch.randn(len(LENGTHS), 21, 16, dtype=torch.float64)
+    clean = layer(x, attention_mask=mask)
+    for fill in (1e6, float("nan")):
+        dirty = x.masked_fill(~mask[..., None], fill)
+        assert torch.equal(layer(dirty, attention_mask=mask), clean), fill
+
+
 @pytest.mark.parametrize("kind", ["linear", "retnet", "gated_deltanet"])
 def test_padded_rows_on_the_kernels(kind):
     """The Triton path (a per-head decay becomes a per-token one, 0 on padding); a 0/1 long mask."""

@@ -88,7 +88,7 @@ def _last_inputs(x: Tensor, mask: Tensor, n: int) -> Tensor:
     """(B, C, n): each row's last n inputs at its real tokens (mask 1), zeros before the first:
     a short convolution's cache after the row without its padding. x (B, T, C), mask (B, T)."""
     order = torch.argsort(mask.to(torch.uint8), dim=1, stable=True)  # padding first, tokens in order
-    real = x.gather(1, order[..., None].expand_as(x)) * mask.gather(1, order)[..., None]
+    real = torch.where(mask.gather(1, order)[..., None], x.gather(1, order[..., None].expand_as(x)), 0)
     return torch.cat([x.new_zeros(x.shape[0], n, x.shape[2]), real], 1)[:, -n:].transpose(1, 2).contiguous()
 
 
@@ -343,7 +343,7 @@ class LinearAttention(nn.Module):
                              cu_seqlens=cu_seqlens, mask=attention_mask)
 
     def _check_mask(self, fn, mask, x, state, cu_seqlens, return_state) -> Tensor:
-        """`attention_mask` checked, as a (B, T) 0/1 tensor in the dtype of x."""
+        """`attention_mask` checked, as a (B, T) bool tensor (True: a token)."""
         V.check_tensor(fn, "attention_mask", mask, floating=False, layout=("B", "T"))
         if tuple(mask.shape) != tuple(x.shape[:2]) or mask.device != x.device:
             raise ValueError(f"{fn}: `attention_mask` must be (B, T) = {tuple(x.shape[:2])} on {x.device}, "
@@ -356,7 +356,7 @@ class LinearAttention(nn.Module):
                              "which one `pos_offset` cannot give: no state is returned")
         if V.values_checked(mask) and not bool(((mask == 0) | (mask == 1)).all()):
             raise ValueError(f"{fn}: `attention_mask` must hold 0 (padding) and 1 (tokens), got {V.describe(mask)}")
-        return mask.to(x.dtype)
+        return mask != 0
 
     def _decode(self, q, k, v, beta, g, state):
         """One token from `state` with the decode-step functions (no gradient): o (B, H, 1, Dv)."""
@@ -401,7 +401,9 @@ class LinearAttention(nn.Module):
     def _forward(self, x: Tensor, *, state=None, pos_offset: int = 0, return_state: bool = False,
                  cu_seqlens: Tensor | None = None, mask: Tensor | None = None):
         """`forward` without the input checks (for callers that checked already); mask: the
-        checked `attention_mask`, (B, T) 0/1 in the dtype of x."""
+        checked `attention_mask`, (B, T) bool. Padding is selected out (torch.where), never
+        multiplied by 0: padding whose features overflow (inf * 0 = NaN) or that the caller
+        filled with NaN changes nothing."""
         conv_cache = None
         if self.short_conv and state is not None:
             state, conv_cache = state
@@ -411,12 +413,12 @@ class LinearAttention(nn.Module):
         beta = torch.sigmoid(self.beta_proj(x)).transpose(1, 2) if self.kind in DELTA_KINDS else None  # (B, H, T)
         if self.write == "additive":  # S += beta_t k_t v_t^T: beta scales the key it writes
             phi_k = phi_k * beta[..., None]
-        if mask is not None:  # padding writes nothing (k, v, beta 0) and does not decay (g 0)
+        if mask is not None:  # padding reads nothing (q), writes nothing (k, v, beta), keeps (g 0)
             m = mask[:, None, :]  # (B, 1, T)
-            phi_k, v = phi_k * m[..., None], v * m[..., None]
-            beta = None if beta is None else beta * m
-            if g is not None:
-                g = (g[:, None] if g.dim() == 1 else g) * m  # a decay per head becomes one per token
+            phi_q, phi_k, v = (torch.where(m[..., None], t, 0) for t in (phi_q, phi_k, v))
+            beta = None if beta is None else torch.where(m, beta, 0)
+            if g is not None:  # a decay per head becomes one per token
+                g = torch.where(m, g[:, None] if g.dim() == 1 else g, 0)
         if x.shape[1] == 1 and state is not None and cu_seqlens is None and not torch.is_grad_enabled():
             o, new_state = self._decode(phi_q, phi_k, v, beta, g, state)
         elif self._delta:
@@ -431,7 +433,7 @@ class LinearAttention(nn.Module):
                 keep_chunk_states=self.keep_chunk_states,
             )
         if mask is not None:
-            o = o * mask[:, None, :, None]
+            o = torch.where(mask[:, None, :, None], o, 0)
         if not self.normalize or self.output_gate:
             # in fp32, as fla's RMSNorm: in fp16 the backward of rsqrt (its cube) overflows
             # once a head's RMS is below about 0.025
@@ -449,7 +451,7 @@ class LinearAttention(nn.Module):
         qkv = self.qkv(x)
         if self.short_conv:
             if mask is not None:  # padding reads as zeros, as an empty cache does (no state here)
-                qkv = qkv * mask[..., None]
+                qkv = torch.where(mask[..., None], qkv, 0)
             qkv_in = qkv
             qkv, conv_cache = self.conv(qkv, conv_cache, cu_seqlens)
             if mask is not None:  # the cache after each row's last real input, not its padding
