@@ -157,7 +157,8 @@ def check_log_decay(fn: str, log_decay: Tensor, q: Tensor, *, causal: bool) -> N
         )
     if log_decay.device != q.device:
         raise ValueError(f"{fn}: `log_decay` is on {log_decay.device} but `q` is on {q.device}")
-    if tuple(log_decay.shape) not in ((H,), (B, H, T)):
+    # by rank first: comparing (B, H, T) with (H,) would guard B != H under torch.export
+    if tuple(log_decay.shape) != ((H,) if log_decay.dim() == 1 else (B, H, T)):
         raise ValueError(
             f"{fn}: `log_decay` has shape {_fmt_shape(log_decay.shape)}; expected (H,) = ({H},) "
             f"per head or (B, H, T) = {_fmt_shape((B, H, T))} per token"
@@ -168,7 +169,7 @@ def check_log_decay(fn: str, log_decay: Tensor, q: Tensor, *, causal: bool) -> N
 def check_step_log_decay(fn: str, name: str, x: Tensor, *, B: int, H: int, device: torch.device) -> None:
     """One decoding step's log-decay: (H,) per head or (B, H), on `device`, finite, <= 0."""
     check_tensor(fn, name, x)
-    if tuple(x.shape) not in ((H,), (B, H)):
+    if tuple(x.shape) != ((H,) if x.dim() == 1 else (B, H)):
         raise ValueError(
             f"{fn}: `{name}` has shape {_fmt_shape(x.shape)}; expected (H,) = ({H},) per head "
             f"or (B, H) = {_fmt_shape((B, H))} for this token"

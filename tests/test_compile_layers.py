@@ -104,17 +104,38 @@ def test_layer_compiles_once_with_dynamic_shapes(kind):
 
 @pytest.mark.parametrize("kind", LINEAR_KINDS)
 def test_layer_exports_with_a_symbolic_length(kind):
-    """torch.export (deployment) with T symbolic up to cosFormer's max_len: the exported
+    """torch.export (deployment) with B and T symbolic (T up to cosFormer's max_len): the exported
     program equals eager at another length. Export runs the library's Python as written (no
     Dynamo), which caught a call that passed chunk_size twice on the compiled torch path."""
     from torch.export import Dim, export
 
     torch.manual_seed(0)
     layer = LinearAttention(16, 2, kind=kind, chunk_size=16).double().eval()
-    T = Dim("T", min=2, max=layer.max_len)
-    program = export(layer, (torch.randn(2, 40, 16, dtype=torch.float64),), dynamic_shapes={"x": {1: T}})
-    x = torch.randn(2, 77, 16, dtype=torch.float64)
+    B, T = Dim("B", min=2, max=64), Dim("T", min=2, max=layer.max_len)
+    program = export(layer, (torch.randn(4, 40, 16, dtype=torch.float64),), dynamic_shapes={"x": {0: B, 1: T}})
+    x = torch.randn(2, 77, 16, dtype=torch.float64)  # B = H = 2: the decay's shape check once guarded B != H
     assert (program.module()(x) - layer(x)).abs().max() < 1e-12
+
+
+def test_short_convolution_compiles_once_for_every_length_under_inductor():
+    """Written as F.conv1d, the convolution's backward made inductor guard on T (torch 2.13):
+    a compiled model with short_conv recompiled at every length and, with fullgraph, failed at
+    the ninth. As shifted multiply-adds: no new graph after the second length."""
+    from linattn_lib.nn.conv import ShortConvolution
+
+    torch.manual_seed(0)
+    conv = ShortConvolution(6, 4, bias=True)
+    torch._dynamo.reset()
+    counted = _Compiles("inductor")
+    compiled = torch.compile(conv, fullgraph=True, backend=counted)
+    graphs = []
+    for T in (5, 8, 11):
+        x = torch.randn(2, T, 6, requires_grad=True)
+        (y, cache), (yc, cache_c) = conv(x), compiled(x)
+        (g,), (gc,) = torch.autograd.grad(y.sum(), x), torch.autograd.grad(yc.sum(), x)
+        assert (y - yc).abs().max() < 1e-5 and (g - gc).abs().max() < 1e-5 and torch.equal(cache, cache_c)
+        graphs.append(counted.graphs)
+    assert graphs[2] == graphs[1], graphs
 
 
 def test_delta_rule_on_the_kernels_compiles_as_one_graph():

@@ -433,3 +433,16 @@ def test_packed_sequences_are_checked():
     with pytest.raises(ValueError, match=r"delta_rule_attention: `initial_state\.S` has shape \(1, 2, 4, 3\).*\(2, 2, 4, 3\)"):
         delta_rule_attention(q[:1], k[:1], v[:1], beta[:1], cu_seqlens=torch.tensor([0, 2, 6]),
                              initial_state=torch.zeros(1, 2, 4, 3, dtype=D64))
+
+
+@pytest.mark.parametrize("form", ["chunked", "recurrent", "quadratic"])
+def test_delta_rule_keeps_its_sums_in_float32_under_autocast(form):
+    """torch.autocast would run the torch path's matmuls in bf16 (errors of 2e-2 against
+    7e-7): the docstring's float32 sums must hold inside an autocast region too."""
+    gen = torch.Generator().manual_seed(0)
+    q, k = (F.normalize(torch.randn(1, 2, 40, 8, generator=gen), dim=-1) for _ in range(2))
+    v, beta = torch.randn(1, 2, 40, 8, generator=gen), torch.rand(1, 2, 40, generator=gen)
+    plain = delta_rule_attention(q, k, v, beta, form=form, chunk_size=16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        inside = delta_rule_attention(q, k, v, beta, form=form, chunk_size=16)
+    assert inside.dtype == torch.float32 and torch.equal(inside, plain)

@@ -132,6 +132,49 @@ def test_a_layer_built_on_the_meta_device_is_whole_after_reset_parameters(kind):
     assert torch.isfinite(layer(torch.randn(2, 9, 16))).all()
 
 
+@pytest.mark.parametrize("parents_first", [True, False])
+def test_deferred_initialisation_in_any_order_of_resets(parents_first):
+    """FSDP materialises a meta-device model by calling every submodule's own
+    reset_parameters, parents before children. The softplus gate's decay (an nn.Linear the
+    layer initialised itself) was then overwritten by nn.Linear's random init (a decay of
+    about 0.5 instead of 0.95), and the Performer's feature map had no reset_parameters."""
+    for kind in ("performer", "retnet", "ssd", "gated_deltanet"):
+        torch.manual_seed(0)
+        reference = LinearAttention(16, 2, kind=kind)
+        with torch.device("meta"):
+            layer = LinearAttention(16, 2, kind=kind)
+        layer = layer.to_empty(device="cpu")
+        modules = list(layer.modules())
+        for module in modules if parents_first else reversed(modules):
+            if hasattr(module, "reset_parameters"):
+                module.reset_parameters()
+        for name, b in layer.named_buffers():
+            assert torch.equal(b, dict(reference.named_buffers())[name]), (kind, name)
+        if hasattr(layer, "decay_proj"):
+            assert torch.equal(layer.decay_proj.bias, reference.decay_proj.bias), kind
+            assert not layer.decay_proj.weight.any(), kind
+
+
+def test_a_performer_without_a_seed_is_drawn_afresh_after_a_deferred_initialisation():
+    with torch.device("meta"):
+        layer = LinearAttention(16, 2, kind="performer", seed=None)
+    layer = layer.to_empty(device="cpu")
+    layer.reset_parameters()
+    W = layer.feature_map.W
+    assert torch.isfinite(W).all() and 0.5 < W.std() < 2  # N(0, 1) rows, not leftover memory
+
+
+def test_autocast_activations_of_another_dtype_are_taken():
+    """Under torch.autocast the layer takes what the op before it produced (bf16 from an
+    autocast nn.Linear), as nn.Linear does; outside autocast a dtype mismatch is refused."""
+    layer = LinearAttention(16, 2, kind="gated_deltanet")
+    x = torch.randn(2, 9, 16).bfloat16()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert torch.isfinite(layer(x)).all()
+    with pytest.raises(TypeError, match="dtype torch.bfloat16 but the module's weights are torch.float32"):
+        layer(x)
+
+
 def test_a_redrawn_performer_projection_survives_reset_parameters():
     layer = _layer("performer")
     layer.feature_map.redraw(seed=7)

@@ -17,8 +17,13 @@ LAYERS = [(kind, {}) for kind in LINEAR_KINDS] + [(k, FLA_PRESETS[k]) for k in (
 
 
 def padded(side: str, T: int = 21) -> torch.Tensor:
-    """(B, T) bool: row b's LENGTHS[b] tokens at the end (left padding) or the start (right)."""
+    """(B, T) bool: row b's LENGTHS[b] tokens at the end (left padding), at the start (right),
+    or "inside": every third position padding, the second row also padded at its end and the
+    third a single token."""
     positions = torch.arange(T)
+    if side == "inside":
+        holes = positions % 3 != 2
+        return torch.stack([holes, holes & (positions < 19), positions == 0])
     return torch.stack([positions >= T - n if side == "left" else positions < n for n in LENGTHS])
 
 
@@ -49,7 +54,7 @@ def check_against_unpadded(layer, x, mask, tol):
                 assert (conv[b] - conv_b[0]).abs().max() < tol
 
 
-@pytest.mark.parametrize("side", ["left", "right"])
+@pytest.mark.parametrize("side", ["left", "right", "inside"])
 @pytest.mark.parametrize("kind, options", LAYERS, ids=[k + ("-fla" if o else "") for k, o in LAYERS])
 def test_padded_rows_equal_the_rows_alone(kind, options, side):
     torch.manual_seed(0)

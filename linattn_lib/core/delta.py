@@ -359,12 +359,14 @@ def delta_rule_attention(
     qq, kk, vv, bb = (x.to(dtype) for x in (q, k, v, beta))
     g = expand_log_decay(log_decay, B, H, T, dtype=dtype, device=q.device)
     S = q.new_zeros(B, H, Dk, v.shape[-1], dtype=dtype) if S0 is None else S0.to(dtype)
-    if form == "recurrent":
-        o, S = _recurrent(qq, kk, vv, bb, g, S)
-    elif form == "quadratic":
-        o, S = _quadratic(qq, kk, vv, bb, g, S)
-    else:
-        o, S = _chunked(qq, kk, vv, bb, g, S, int(chunk_size))
+    # in the compute dtype even under torch.autocast, which would run the matmuls in bf16
+    with torch.autocast(q.device.type, enabled=False):
+        if form == "recurrent":
+            o, S = _recurrent(qq, kk, vv, bb, g, S)
+        elif form == "quadratic":
+            o, S = _quadratic(qq, kk, vv, bb, g, S)
+        else:
+            o, S = _chunked(qq, kk, vv, bb, g, S, int(chunk_size))
     o = o.to(v.dtype)
     return (o, LinearAttentionState(S, None)) if return_state else o
 

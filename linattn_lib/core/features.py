@@ -389,6 +389,11 @@ class RandomFeatureMap(nn.Module):
     def out_features(self) -> int:
         return self.m * 2 if self.kind in ("hyperbolic", "trig", "clipped") else self.m
 
+    def reset_parameters(self) -> None:
+        """Draw the projection again from its seed: the same values (a fresh draw when the
+        seed is None), e.g. after a deferred (meta-device) initialisation."""
+        self.redraw(self._seed)
+
     @torch.no_grad()
     def redraw(self, seed: int | None = None) -> None:
         """Draw a fresh projection (and fresh phases)."""

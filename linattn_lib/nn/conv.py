@@ -72,10 +72,16 @@ class ShortConvolution(nn.Module):
         if cu_seqlens is not None:
             return self._packed(x, cache, cu_seqlens)
         B, T, C = x.shape
-        past = x.new_zeros(B, C, self.kernel_size - 1) if cache is None else cache.to(x.dtype)
-        full = torch.cat([past, x.transpose(1, 2)], dim=-1)  # (B, C, K-1+T)
-        y = F.conv1d(full, self.conv.weight, self.conv.bias, groups=C)
-        return y.transpose(1, 2), full[..., T:].contiguous()
+        K = self.kernel_size
+        past = x.new_zeros(B, C, K - 1) if cache is None else cache.to(x.dtype)
+        full = torch.cat([past.transpose(1, 2), x], dim=1)  # (B, K-1+T, C): cache, then x
+        # K shifted multiply-adds, not F.conv1d: inductor's lowering of conv1d's backward
+        # guards on T (torch 2.13), so a compiled model recompiled at every new length
+        w = self.conv.weight[:, 0]  # (C, K)
+        y = torch.zeros_like(x) if self.conv.bias is None else self.conv.bias.expand(B, T, C)
+        for s in range(K):  # tap s reads input t - s, at full[:, K-1-s + t]
+            y = y + w[:, K - 1 - s] * full[:, K - 1 - s:K - 1 - s + T]
+        return y, full[:, T:].transpose(1, 2).contiguous()
 
     def _packed(self, x: Tensor, cache: Tensor | None, cu_seqlens: Tensor) -> tuple[Tensor, Tensor]:
         """B = 1, sequences end to end: the taps gathered per token, masked at each start."""

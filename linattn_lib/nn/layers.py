@@ -61,14 +61,15 @@ def _check_width(fn: str, d_model, n_heads, heads_name: str = "n_heads") -> None
 
 
 def _check_input(fn: str, x, module: nn.Module, d_model: int) -> None:
-    """x: (B, T, d_model), B, T >= 1, in the dtype and on the device of the module's weights."""
+    """x: (B, T, d_model), B, T >= 1, on the device of the module's weights, in their dtype
+    (or, under torch.autocast, in any floating dtype: as nn.Linear, the projections cast)."""
     V.check_layout(fn, "x", x, ("B", "T", "d_model"))
     if x.shape[-1] != d_model:
         raise ValueError(f"{fn}: `x` has {x.shape[-1]} channels; expected (B, T, d_model) with d_model={d_model}, got {V.describe(x)}")
     if x.shape[0] == 0 or x.shape[1] == 0:
         raise ValueError(f"{fn}: `x` must have B >= 1 and T >= 1, got {V.describe(x)}")
     w = next(module.parameters())
-    if x.dtype != w.dtype:
+    if x.dtype != w.dtype and not (x.is_floating_point() and torch.is_autocast_enabled(x.device.type)):
         raise TypeError(f"{fn}: `x` has dtype {x.dtype} but the module's weights are {w.dtype}; cast one of them")
     if x.device != w.device:
         raise ValueError(f"{fn}: `x` is on {x.device} but the module's weights are on {w.device}")
@@ -84,12 +85,34 @@ def _merge_heads(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(B, T, H * dh)
 
 
-def _last_inputs(x: Tensor, mask: Tensor, n: int) -> Tensor:
-    """(B, C, n): each row's last n inputs at its real tokens (mask 1), zeros before the first:
-    a short convolution's cache after the row without its padding. x (B, T, C), mask (B, T)."""
+def _convolve_tokens(conv: ShortConvolution, x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+    """`conv` over each row's tokens alone (mask True), for any padding: the tokens are moved
+    to the end of their row in order, the padding before them as zeros (what an empty cache
+    holds), convolved, and moved back. Returns (y, cache): y (B, T, C), garbage at padding;
+    the cache holds each row's last K - 1 tokens."""
     order = torch.argsort(mask.to(torch.uint8), dim=1, stable=True)  # padding first, tokens in order
-    real = torch.where(mask.gather(1, order)[..., None], x.gather(1, order[..., None].expand_as(x)), 0)
-    return torch.cat([x.new_zeros(x.shape[0], n, x.shape[2]), real], 1)[:, -n:].transpose(1, 2).contiguous()
+    moved = torch.where(mask.gather(1, order)[..., None], x.gather(1, order[..., None].expand_as(x)), 0)
+    y, cache = conv(moved)
+    back = torch.argsort(order, dim=1)[..., None].expand_as(y)
+    return y.gather(1, back), cache
+
+
+class _SoftplusGate(nn.Linear):
+    """The decay's projection for gate="softplus", log a_t = -softplus(w . x_t + b). It starts
+    at w = 0 and softplus(b) = -log(0.95): every token keeps 95% of the state (it remembers
+    about 20 tokens back). Its own `reset_parameters` does that, so that resets in any order
+    end with it (FSDP resets a parent before its children)."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True) -> None:
+        super().__init__(in_features, out_features, bias=bias)
+        # nn.Linear's random draw, discarded: the weights built after this one get the random
+        # numbers they always got (the book's committed results were trained from them)
+        nn.Linear.reset_parameters(self)
+        self.reset_parameters()
+
+    def reset_parameters(self) -> None:
+        nn.init.zeros_(self.weight)
+        nn.init.constant_(self.bias, math.log(math.expm1(-math.log(0.95))))
 
 
 class LinearAttention(nn.Module):
@@ -209,7 +232,8 @@ class LinearAttention(nn.Module):
         if self.kind in DELTA_KINDS:
             self.beta_proj = nn.Linear(d_model, n_heads, bias=beta_bias)
         if self.kind in ("ssd", "gated_deltanet"):
-            self.decay_proj = nn.Linear(d_model, n_heads, bias=self.gate == "softplus")
+            self.decay_proj = (_SoftplusGate if self.gate == "softplus" else nn.Linear)(
+                d_model, n_heads, bias=self.gate == "softplus")
             if self.gate == "mamba":
                 self.A_log = nn.Parameter(torch.zeros(n_heads))
                 self.dt_bias = nn.Parameter(torch.zeros(n_heads))
@@ -220,28 +244,26 @@ class LinearAttention(nn.Module):
             self.gate_proj = nn.Linear(d_model, d_model, bias=False)
 
     def _init_decay(self) -> None:
+        self.decay_proj.reset_parameters()  # softplus gate (_SoftplusGate): a decay of 0.95
         if self.gate == "mamba":  # as fla's GatedDeltaNet: A ~ U(0, 16) (Mamba-2: U(1, 16)), dt ~ logU(1e-3, 0.1)
-            self.decay_proj.reset_parameters()
             with torch.no_grad():
                 self.A_log.copy_(torch.empty_like(self.A_log).uniform_(0, 16).log())
                 lo, hi = math.log(1e-3), math.log(0.1)
                 dt = torch.exp(torch.rand_like(self.dt_bias) * (hi - lo) + lo).clamp(min=1e-4)
                 self.dt_bias.copy_(dt + torch.log(-torch.expm1(-dt)))  # softplus(dt_bias) = dt
-            return
-        # softplus(b) = -log(0.95): tokens start out remembering ~20 steps back
-        nn.init.zeros_(self.decay_proj.weight)
-        nn.init.constant_(self.decay_proj.bias, math.log(math.expm1(-math.log(0.95))))
 
     def reset_parameters(self) -> None:
         """Re-initialise every parameter as the constructor did (new random weights, the decay
-        starting at 0.95 per token, output norm at one). The fixed buffers are set again to
-        the values they had: RetNet's decays, and the Performer projection, redrawn from its
-        seed (kept as it is when the seed is None). So a model built on the meta device
-        (deferred initialisation, as FSDP does) is whole after `to_empty` and this."""
+        starting at 0.95 per token, output norm at one). The fixed buffers are set again:
+        RetNet's decays, and the Performer projection, redrawn from its seed (the same one;
+        a fresh draw when the seed is None). So a model built on the meta device (deferred
+        initialisation) is whole after `to_empty` and this, or after every submodule's own
+        `reset_parameters` in any order, as FSDP calls them (parents first): each submodule
+        with a special initialisation (the softplus gate, the feature map) owns it."""
         self.qkv.reset_parameters()
         self.proj.reset_parameters()
-        if self.kind == "performer" and self.feature_map.seed is not None:
-            self.feature_map.redraw(self.feature_map.seed)
+        if self.kind == "performer":
+            self.feature_map.reset_parameters()
         if self.kind == "retnet":
             with torch.no_grad():
                 self.log_decay.copy_(retnet_log_decay(self.n_heads))
@@ -319,9 +341,10 @@ class LinearAttention(nn.Module):
         of a padded batch (left or right padding). A padding token writes nothing to the
         state and does not decay it, and its output is 0: each row's outputs at its real
         tokens, and with return_state its state (after its last real token, the short
-        convolution's cache included), are those of the row with its padding removed. It
-        takes no `state` or `cu_seqlens` (resume or pack unpadded rows instead); cosFormer
-        counts positions over real tokens, so it returns no state with a mask.
+        convolution's cache included), are those of the row with its padding removed
+        (padding inside a row too). It takes no `state` or `cu_seqlens` (resume or pack
+        unpadded rows instead); cosFormer counts positions over real tokens, so it returns no
+        state with a mask.
         """
         fn = "LinearAttention"
         _check_input(fn, x, self, self.d_model)
@@ -450,12 +473,10 @@ class LinearAttention(nn.Module):
         """q, k, v (B, H, T, d_head) after the projection, convolution and activation."""
         qkv = self.qkv(x)
         if self.short_conv:
-            if mask is not None:  # padding reads as zeros, as an empty cache does (no state here)
-                qkv = torch.where(mask[..., None], qkv, 0)
-            qkv_in = qkv
-            qkv, conv_cache = self.conv(qkv, conv_cache, cu_seqlens)
-            if mask is not None:  # the cache after each row's last real input, not its padding
-                conv_cache = _last_inputs(qkv_in, mask, self.conv.kernel_size - 1)
+            if mask is None:
+                qkv, conv_cache = self.conv(qkv, conv_cache, cu_seqlens)
+            else:  # each row's tokens convolved alone, as if its padding were not there
+                qkv, conv_cache = _convolve_tokens(self.conv, qkv, mask)
         q, k, v = qkv.chunk(3, dim=-1)
         if self.activation is not None:
             v = F.silu(v)
