@@ -382,7 +382,7 @@ class RandomFeatureMap(nn.Module):
 
     @property
     def seed(self) -> int | None:
-        """The seed of the current projection (None: drawn from fresh entropy)."""
+        """The seed of the current projection, or None when it was drawn from fresh entropy."""
         return self._seed
 
     @property
