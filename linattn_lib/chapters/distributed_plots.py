@@ -19,12 +19,12 @@ def draw_rank_scan(world_size: int = 4, *, ax: Axes | None = None, mode: str = "
     if ax is None:
         _, ax = plt.subplots(figsize=(8, 3.2))
     W = world_size
-    colors = plt.get_cmap("tab10")
+    # ranks are told apart by place and label; neutral greys, because the book's hues are methods
     for r in range(W):
         x0 = r * 1.5
-        ax.add_patch(Rectangle((x0, 2.0), 1.2, 0.45, color=colors(r), alpha=0.35))
+        ax.add_patch(Rectangle((x0, 2.0), 1.2, 0.45, facecolor="0.93", edgecolor="0.45", lw=0.8))
         ax.text(x0 + 0.6, 2.22, f"rank {r}: tokens", ha="center", va="center", fontsize=10)
-        ax.add_patch(Rectangle((x0 + 0.35, 1.0), 0.5, 0.5, color=colors(r), alpha=0.8))
+        ax.add_patch(Rectangle((x0 + 0.35, 1.0), 0.5, 0.5, facecolor="0.35", edgecolor="0.2", lw=0.8))
         ax.text(x0 + 0.6, 1.25, f"$S_{r}$", ha="center", va="center", fontsize=11, color="white")
         ax.add_patch(FancyArrowPatch((x0 + 0.6, 2.0), (x0 + 0.6, 1.5), arrowstyle="->", mutation_scale=8))
         ax.text(x0 + 0.6, 0.28, f"$S^{{in}}_{r}$", ha="center", va="center", fontsize=11)

@@ -23,7 +23,11 @@ STACK_COLORS = {
 }
 METHOD_LABELS = {"hedgehog": "Hedgehog (CE on weights)", "lolcats": "LoLCATs (output MSE)",
                  "lolcats_window": "LoLCATs + window 16"}
-METHOD_COLORS = {"hedgehog": "tab:blue", "lolcats": "tab:green", "lolcats_window": "tab:red"}
+# Figure 11.6: colour is the student's attention, a method of the book's palette (linear
+# attention blue, the window's mix of softmax and linear attention the hybrids' grey); marker
+# and line style are the conversion recipe, which is not a method.
+STUDENT_KINDS = {"hedgehog": "linear", "lolcats": "linear", "lolcats_window": "hybrid"}
+RECIPE_STYLES = {"hedgehog": ("o", "-"), "lolcats": ("s", "--"), "lolcats_window": ("^", "-.")}
 STAGES = ("swap", "transfer", "lora")
 
 
@@ -135,18 +139,21 @@ def draw_conversion(convert: Mapping) -> Figure:
     for i, (method, label) in enumerate(METHOD_LABELS.items()):
         if method not in table:
             continue
-        c, off = METHOD_COLORS[method], (i - 1) * 0.08
-        means = [statistics.mean(table[method][s]) for s in STAGES]
-        ax.plot(x + off, means, "o-", color=c, label=label, lw=2, ms=4, zorder=3)
+        c, off = method_color(STUDENT_KINDS[method]), (i - 1) * 0.08
+        (marker, ls), means = RECIPE_STYLES[method], [statistics.mean(table[method][s]) for s in STAGES]
+        ax.plot(x + off, means, marker=marker, ls=ls, color=c, label=label, lw=2, ms=5, zorder=3)
         for j, s in enumerate(STAGES):
-            ax.scatter([j + off + 0.03] * len(table[method][s]), table[method][s],
+            ax.scatter([j + off + 0.03] * len(table[method][s]), table[method][s], marker=marker,
                        facecolors="none", edgecolors=c, s=28, lw=1.2, zorder=4)
-    ax.axhline(convert["teacher"]["bits_per_char"], color="black", lw=1.5, label="softmax teacher")
+    ax.axhline(convert["teacher"]["bits_per_char"], color=method_color("softmax"), lw=1.5,
+               label="softmax teacher", zorder=2)
     steps = {r["method"]: r["steps"] for r in convert["results"] if "steps" in r}
-    for name, color in (("scratch", "tab:orange"), ("scratch_budget", "tab:purple")):
+    # the scratch model is the linear students' architecture: their blue, the budget by fill
+    for name, fill, hatch in (("scratch", method_color("linear"), None), ("scratch_budget", "none", "///")):
         if name in table:
             s = table[name]["scratch"]
-            ax.axhspan(min(s), max(s), color=color, alpha=0.3, label=f"linear from scratch, {steps[name]} steps")
+            ax.axhspan(min(s), max(s), facecolor=fill, edgecolor=method_color("linear"), alpha=0.4,
+                       hatch=hatch, lw=0, label=f"linear from scratch, {steps[name]} steps")
     values = [v for m in table.values() for vs in m.values() for v in vs]
     values.append(convert["teacher"]["bits_per_char"])
     ax.set_ylim(min(values) - 0.1, max(values) + 0.15)

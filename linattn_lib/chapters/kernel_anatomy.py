@@ -475,8 +475,10 @@ def _count_loop_line(loop: dict, line: str, yields: bool) -> None:
 
 
 # --------------------------------------------------------------------------------------
-# figures
+# figures, in colours that are not the book's method colours: purple for work on chip, gold
 # --------------------------------------------------------------------------------------
+_ON_CHIP, _STATE, _STATE_EDGE = "tab:purple", "#ffe066", "darkgoldenrod"  # for the state
+
 
 def draw_chunk_algorithm(T: int = 8, BT: int = 2, current: int = 2) -> Figure:
     """The chunked algorithm in two stacked panels (readable at phone width), for T / BT chunks
@@ -506,12 +508,12 @@ def _draw_mixing_matrix(ax0: Axes, n: int, current: int) -> None:
         for j in range(i + 1):
             if i == j:
                 tri = plt.Polygon([(j, n - i), (j, n - i - 1), (j + 1, n - i - 1)], closed=True,
-                                  facecolor="tab:orange", edgecolor="none", alpha=0.9 if i == current else 0.45)
+                                  facecolor=_ON_CHIP, edgecolor="none", alpha=0.9 if i == current else 0.45)
                 ax0.add_patch(tri)
-                ax0.add_patch(Rectangle((j, n - i - 1), 1, 1, fill=False, edgecolor="tab:orange", lw=1.5))
-            else:
-                ax0.add_patch(Rectangle((j, n - i - 1), 1, 1, facecolor="tab:blue",
-                                        alpha=0.35 if i == current else 0.15, hatch="//", edgecolor="tab:blue", lw=0.8))
+                ax0.add_patch(Rectangle((j, n - i - 1), 1, 1, fill=False, edgecolor=_ON_CHIP, lw=1.5))
+            else:  # never formed: hatched in the colour of the state they come through
+                ax0.add_patch(Rectangle((j, n - i - 1), 1, 1, facecolor=_STATE, alpha=0.45 if i == current
+                                        else 0.2, hatch="//", edgecolor=_STATE_EDGE, lw=0.8))
     ax0.add_patch(Rectangle((0, 0), n, n, fill=False, edgecolor="black", lw=1))
     ax0.set_xlim(-0.1, n + 0.1)
     ax0.set_ylim(-0.1, n + 0.1)
@@ -536,7 +538,7 @@ def _draw_program_dataflow(ax1: Axes, current: int) -> None:
     ax1.set_title(f"one program: chunk c{current}, one tile of value columns")
     ax1.add_patch(Rectangle((0.2, 5.0), 9.6, 1.7, facecolor="#e8e8e8", edgecolor="gray"))
     ax1.text(0.35, 6.45, "global memory (HBM)", fontsize=10.5, weight="bold", va="center")
-    ax1.add_patch(Rectangle((0.2, 0.2), 9.6, 4.3, facecolor="#fff4e0", edgecolor="tab:orange"))
+    ax1.add_patch(Rectangle((0.2, 0.2), 9.6, 4.3, facecolor="#f6f1fb", edgecolor=_ON_CHIP))
     ax1.text(0.35, 4.25, "on chip: registers / shared memory of one program", fontsize=10.5, weight="bold",
              va="center")
 
@@ -549,17 +551,17 @@ def _draw_program_dataflow(ax1: Axes, current: int) -> None:
 
     for x, lab in [(0.5, "q chunk\nBT×Dk"), (2.3, "k chunk\nBT×Dk"), (4.1, "v tile\nBT×BV")]:
         box(x, 5.2, 1.5, 0.95, lab, "white")
-        arrow(x + 0.75, 5.2, x + 0.75, 3.75, "tab:gray")
+        arrow(x + 0.75, 5.2, x + 0.75, 3.75, "dimgray")
     box(6.4, 5.2, 1.5, 0.95, "o tile\nBT×BV", "white")
     box(8.1, 5.2, 1.5, 0.95, "den\nBT (fp32)", "white")
-    box(0.5, 2.75, 3.3, 0.95, "A = (q kᵀ) ∘ decay\nBT×BT, masked", "#ffd8a8")
-    box(4.1, 2.75, 1.5, 0.95, "o = A v\n+ q S", "#ffd8a8")
+    box(0.5, 2.75, 3.3, 0.95, "A = (q kᵀ) ∘ decay\nBT×BT, masked", "#dccbee")
+    box(4.1, 2.75, 1.5, 0.95, "o = A v\n+ q S", "#dccbee")
     box(0.5, 0.55, 4.2, 1.25, "state S: Dk×BV fp32  (and z: Dk)\nkept for the whole sequence\n"
-        "S ← exp(g) S + kᵀ v  after each chunk", "#ffe066")
+        "S ← exp(g) S + kᵀ v  after each chunk", _STATE)
     arrow(3.8, 3.2, 4.1, 3.2)
-    arrow(4.45, 1.8, 4.45, 2.75, "tab:olive")
-    arrow(5.6, 3.2, 7.15, 5.2, "tab:red")
-    arrow(5.6, 3.0, 8.85, 5.2, "tab:red")
+    arrow(4.45, 1.8, 4.45, 2.75, _STATE_EDGE)
+    arrow(5.6, 3.2, 7.15, 5.2, "dimgray")
+    arrow(5.6, 3.0, 8.85, 5.2, "dimgray")
     ax1.text(6.0, 1.2, "per chunk:\nread q, k, v tiles\nwrite o tile (+ den)\n"
              "the state never\ngoes to memory", fontsize=10, va="center")
 
