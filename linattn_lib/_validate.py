@@ -244,6 +244,8 @@ def values_checked(x: Tensor | None = None) -> bool:
       Not checked, a NaN or inf goes into the kernels, which propagate it as the recurrence
       does: every output that depends on it is NaN, none that does not (the kernels' masks
       select, they never multiply). Meta tensors have no values: never checked.
+    * Tensors of `torch.func` transforms (grad, vmap, ...): no. Under vmap `bool(tensor)`
+      cannot be answered for all the mapped slices at once.
     * While `torch.compile` traces: no. `bool(tensor)` would break the graph at every call,
       and a device-side assert cannot name the argument and the offending index.
 
@@ -252,9 +254,12 @@ def values_checked(x: Tensor | None = None) -> bool:
     """
     if torch.compiler.is_compiling():
         return False
-    if x is None or x.is_cpu:
+    if x is None:
         return True
-    return CHECK_DEVICE_VALUES and not x.is_meta
+    # a torch.func transform's tensor is not: vmap cannot branch on values
+    if x.is_cpu:
+        return not torch._C._functorch.is_functorch_wrapped_tensor(x)
+    return CHECK_DEVICE_VALUES and not x.is_meta and not torch._C._functorch.is_functorch_wrapped_tensor(x)
 
 
 def _screened(x: Tensor, low: float | None, high: float | None, strict: bool) -> bool:

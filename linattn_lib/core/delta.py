@@ -54,7 +54,7 @@ from .. import _validate as V
 from . import delta_ops  # noqa: F401 - registers torch.ops.linattn.delta_fwd / delta_bwd for torch.compile
 from .delta_triton import delta_rule_triton
 from .masks import segsum
-from .packed_ops import make_host_op
+from .packed_ops import make_host_op, under_func_transform
 from .state import LinearAttentionState, compute_dtype, expand_log_decay, sum_after
 from .triton_ops import kernels_imported, triton_supports
 from .varlen import check_cu_seqlens, sequence_spans
@@ -339,12 +339,19 @@ def delta_rule_attention(
     in the chunked and quadratic forms it meets the causal mask's zeros in a matmul
     (0 * NaN = NaN) and reaches outputs *before* its position too (every earlier output of
     its chunk, of the whole sequence in the quadratic form).
+
+    torch.func (grad, vmap, per-sample gradients) works as for `linear_attention`.
     """
     fn = "delta_rule_attention"
     if cu_seqlens is not None:
         return _packed(fn, q, k, v, beta, cu_seqlens, initial_state, return_state, log_decay=log_decay,
                        form=form, chunk_size=chunk_size, check_unit_keys=check_unit_keys, backend=backend)
     S0 = _check_inputs(fn, q, k, v, beta, log_decay, form, chunk_size, initial_state, return_state, check_unit_keys)
+    if form != "quadratic" and under_func_transform(q, k, v, beta, log_decay, S0):
+        # torch.func (grad, vmap): the loops and kernels go through the host op, which it
+        # differentiates and maps (packed_ops.py); the quadratic form is plain torch
+        o, S, _ = _host_op(q, k, v, beta, log_decay, S0, None, None, True, False, form, 0.0, chunk_size, backend)
+        return (o, LinearAttentionState(S, None)) if return_state else o
     if _use_triton(fn, backend, form, q, v, chunk_size):
         o, S = delta_rule_triton(q, k, v, beta, log_decay=log_decay, initial_state=S0, chunk_size=chunk_size)
         return (o, LinearAttentionState(S, None)) if return_state else o

@@ -23,6 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate as V
+from .packed_ops import under_func_transform
 
 SCALINGS = ("chi", "sqrt_d")
 
@@ -233,14 +234,15 @@ def positive_random_features(
     backend="triton" computes the map in one fused kernel (kernels/favor.py: projection,
     stabiliser and exp without intermediate (T, m) tensors), differentiable like this one. The
     default stays "torch" until the GPU benchmark (`python -m linattn_lib.experiments.gpu_check`) has shown
-    that the fusion pays for itself.
+    that the fusion pays for itself. Under a `torch.func` transform (grad, vmap) of x or W the
+    torch map computes the same features: the fused kernel has no vmap rule.
     """
     fn = "positive_random_features"
     _check_proj(fn, x, W)
     V.check_choice(fn, "backend", backend, ("torch", "triton"))
     input_scale = V.check_finite_number(fn, "input_scale", input_scale)
     _check_stabilize(fn, stabilize)
-    if backend == "triton":
+    if backend == "triton" and not under_func_transform(x, W):
         from .triton_ops import positive_random_features_triton
 
         return positive_random_features_triton(x, W, input_scale=input_scale, stabilize=stabilize)

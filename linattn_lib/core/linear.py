@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .. import _validate as V
 from . import custom_ops  # noqa: F401  (registers torch.ops.linattn.*, which the Triton path calls)
-from .packed_ops import make_host_op
+from .packed_ops import func_transform_active, make_host_op, under_func_transform
 from .reference import FORMS, reference_linear_attention
 from .state import DEFAULT_EPS, LinearAttentionState
 from .torch_chunked import chunked_linear_attention
@@ -122,6 +122,13 @@ def linear_attention(
     the bound ceil(T_total / BT) + N - 1, not by the chunk count. With cu_seqlens and
     causal=False the spans are read on the host (one sync, and then checked) to pad the
     sequences into batches.
+
+    torch.func. `grad`, `vjp`, `jacrev`, `vmap` and per-sample gradients
+    (`vmap(grad(loss))`, as DP-SGD takes them) work on every form and backend: under a
+    transform the causal chunked and recurrent paths and the kernels run as one op whose
+    vmap rule folds the mapped dim into the batch (core/packed_ops.py, core/func_rules.py).
+    Its backward recomputes the forward (one forward more per gradient), and the value
+    checks are skipped for the transform's tensors. vmap over packed sequences is refused.
     """
     fn = "linear_attention"
     V.check_qkv(fn, q, k, v)
@@ -139,17 +146,14 @@ def linear_attention(
     elif initial_state is not None:
         B, H, _, Dk = q.shape
         V.check_state(fn, "initial_state", initial_state, B=B, H=H, Dk=Dk, Dv=v.shape[-1], device=q.device, normalize=normalize)
-    # auto: the compiled kernels on CUDA for the inputs they support (fp16/bf16/fp32, head dims
-    # up to 256); float64 and wider heads stay on torch
-    use_triton = backend == "triton" or (
-        backend == "auto" and q.is_cuda and form == "chunked" and kernels_imported() and triton_supports(q, v)
-    )
-    if use_triton and form != "chunked":
-        raise ValueError(f"{fn}: backend='triton' implements form='chunked' only, got form={form!r}")
-    if use_triton and not kernels_imported():
-        raise RuntimeError(f"{fn}: backend='triton' needs the `triton` package and linattn_lib.kernels")
+    use_triton = _use_triton(fn, backend, form, q, v)
     kw = dict(causal=causal, normalize=normalize, log_decay=log_decay, eps=eps,
               initial_state=initial_state, return_state=return_state)
+    if func_transform_active() and (packed or use_triton or (causal and form != "quadratic")) and \
+            under_func_transform(q, k, v, log_decay, *(initial_state or ())):
+        # torch.func (grad, vmap): the paths that loop or launch kernels go through the host
+        # op, which it differentiates and maps (packed_ops.py); the quadratic form is plain torch
+        return _host_compiled(q, k, v, cu_seqlens, form=form, chunk_size=chunk_size, backend=backend, **kw)
     if use_triton and (not packed or causal):  # the kernels take packed sequences as they are
         return linear_attention_triton(q, k, v, cu_seqlens=cu_seqlens, **kw,
                                        keep_chunk_states=keep_chunk_states and causal and torch.is_grad_enabled())
@@ -166,6 +170,19 @@ def linear_attention(
     if packed:  # each sequence alone, exactly: zero-padded batches (varlen.py; the spans read and checked on the host)
         return pad_and_batch(engine, q, k, v, sequence_spans(cu_seqlens, q.shape[2], fn), **kw)
     return engine(q, k, v, **kw)
+
+
+def _use_triton(fn: str, backend: str, form: str, q: Tensor, v: Tensor) -> bool:
+    """Whether the call runs on the kernels. auto: the compiled kernels on CUDA for the inputs
+    they support (fp16/bf16/fp32, head dims up to 256); float64 and wider heads stay on torch."""
+    use_triton = backend == "triton" or (
+        backend == "auto" and q.is_cuda and form == "chunked" and kernels_imported() and triton_supports(q, v)
+    )
+    if use_triton and form != "chunked":
+        raise ValueError(f"{fn}: backend='triton' implements form='chunked' only, got form={form!r}")
+    if use_triton and not kernels_imported():
+        raise RuntimeError(f"{fn}: backend='triton' needs the `triton` package and linattn_lib.kernels")
+    return use_triton
 
 
 def check_engine(fn: str, form: str, backend: str, chunk_size: int, q: Tensor | None = None,

@@ -19,6 +19,12 @@ gradient of an input that is None; gradients come in their inputs' strides. The 
 differentiates it (once differentiable): a packed call costs one extra forward when compiled.
 `make_host_op(name, eager)` registers one op pair; linear.py and delta.py each make theirs
 from their own eager function, so this module imports neither.
+
+The same ops carry `torch.func` (grad, vjp, vmap, per-sample gradients): under a transform
+linear.py and delta.py call them instead of the library's autograd Functions, which torch.func
+cannot run (they write into buffers, launch kernels, and have no setup_context). The call goes
+through a Function that has one (`Transformable`), and both ops have vmap rules that fold the
+mapped dim into the batch (func_rules.py).
 """
 from __future__ import annotations
 
@@ -27,6 +33,8 @@ from collections.abc import Callable
 
 import torch
 from torch import Tensor
+
+from .func_rules import fold_into_batch, unfold_from_batch
 
 Eager = Callable[..., tuple[Tensor, Tensor, Tensor | None]]
 _DIFFERENTIABLE = 7  # q, k, v, beta, g, S0, z0; then cu_seqlens (or None) and the settings
@@ -51,10 +59,37 @@ def _autograd_inside_op() -> contextlib.AbstractContextManager:
     return C._ForceDispatchKeyGuard(C._dispatch_tls_local_include_set(), exclude)
 
 
+def func_transform_active() -> bool:
+    """Whether a `torch.func` transform is running (one C call: a gate before the closer
+    look of `under_func_transform`); never while torch.compile traces (the traced host ops
+    are the ones compile already uses)."""
+    return not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None
+
+
+def under_func_transform(*tensors: Tensor | None) -> bool:
+    """Whether any of `tensors` (None skipped) is a tensor of a `torch.func` transform (grad,
+    vjp, vmap, ...): an input that a transform differentiates or maps. The library's
+    own autograd Functions and its loops that write into buffers cannot run on those: such
+    calls go through the host ops, which torch.func takes (register_autograd) and maps
+    (their vmap rules fold the mapped dim into the batch, func_rules.py)."""
+    if not func_transform_active():
+        return False
+    wrapped = torch._C._functorch.is_functorch_wrapped_tensor
+    return any(x is not None and wrapped(x) for x in tensors)
+
+
+def _refuse_packed(name: str, cu_seqlens: Tensor | None) -> None:
+    if cu_seqlens is not None:
+        raise NotImplementedError(
+            f"linattn::{name}: torch.vmap over packed sequences (cu_seqlens) is not supported: "
+            "map over a padded batch instead")
+
+
 def make_host_op(name: str, eager: Eager) -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
     """Register `linattn::<name>_fwd` / `_bwd` around `eager(q, k, v, beta, g, S0, z0, cu_seqlens,
-    causal=, normalize=, form=, eps=, chunk_size=, backend=) -> (o, S, z or None)`; return the
-    forward op."""
+    causal=, normalize=, form=, eps=, chunk_size=, backend=) -> (o, S, z or None)`; return a
+    function of the forward op's arguments that calls it (through a Function that torch.func
+    takes when one of its tensors is a transform's)."""
 
     @torch.library.custom_op(f"linattn::{name}_fwd", mutates_args=())
     def fwd(q: Tensor, k: Tensor, v: Tensor, beta: Tensor | None, g: Tensor | None, S0: Tensor | None,
@@ -104,10 +139,55 @@ def make_host_op(name: str, eager: Eager) -> Callable[..., tuple[Tensor, Tensor,
         ctx.set_materialize_grads(False)
 
     @torch.autograd.function.once_differentiable
-    def backward(ctx, do, dS, dz):
+    def gradients(ctx, do, dS, dz):
         *saved, cu_seqlens = ctx.saved_tensors
         grads = bwd(*saved, cu_seqlens, *ctx.settings, do, dS, dz if ctx.settings[1] else None)
         return (*(None if t is None else d for t, d in zip(saved, grads)), *([None] * (1 + len(ctx.settings))))
 
-    fwd.register_autograd(backward, setup_context=setup)
-    return fwd
+    fwd.register_autograd(gradients, setup_context=setup)
+    _register_vmap_rules(name, fwd, bwd)
+    return _with_func_transforms(fwd, setup, gradients)
+
+
+def _register_vmap_rules(name: str, fwd, bwd) -> None:
+    """vmap rules of an op pair: the mapped dim folded into the batch (func_rules.py)."""
+
+    @fwd.register_vmap
+    def _fwd_vmap(info, in_dims, q, k, v, beta, g, S0, z0, cu_seqlens, *settings):
+        _refuse_packed(f"{name}_fwd", cu_seqlens)
+        args = fold_into_batch(info.batch_size, in_dims, (q, k, v, beta, g, S0, z0), (0, 1, 2, 3, 5, 6), decay=4)
+        return unfold_from_batch(fwd(*args, cu_seqlens, *settings), info.batch_size)
+
+    @bwd.register_vmap
+    def _bwd_vmap(info, in_dims, q, k, v, beta, g, S0, z0, cu_seqlens, *rest):
+        # rest: the six settings, then do, dS, dz (each batch first, or None)
+        _refuse_packed(f"{name}_bwd", cu_seqlens)
+        args = fold_into_batch(info.batch_size, in_dims, (q, k, v, beta, g, S0, z0, cu_seqlens, *rest),
+                               (0, 1, 2, 3, 5, 6, 14, 15, 16), decay=4, decay_per_token=True)
+        grads, dims = unfold_from_batch(bwd(*args), info.batch_size)
+        if g is not None and g.dim() - (in_dims[4] is not None) == 1:  # per head: sum its tokens
+            grads = (*grads[:4], grads[4].sum((1, 3)), *grads[5:])
+        return grads, dims
+
+
+def _with_func_transforms(fwd, setup, gradients) -> Callable[..., tuple[Tensor, Tensor, Tensor]]:
+    """A function of `fwd`'s arguments that calls it, through a Function that torch.func takes
+    when one of its tensors is a transform's; `.op` is `fwd`."""
+
+    class Transformable(torch.autograd.Function):
+        """The op pair as a Function that torch.func takes (the autograd that register_autograd
+        generates has no setup_context, which torch.func needs); its vmap rule is vmap of
+        forward and backward, which map through the ops' own rules."""
+
+        generate_vmap_rule = True
+        forward = staticmethod(fwd)
+        setup_context = staticmethod(setup)
+        backward = staticmethod(gradients)
+
+    def call(*args):
+        if under_func_transform(*args[:_DIFFERENTIABLE]):
+            return Transformable.apply(*args)
+        return fwd(*args)
+
+    call.op = fwd  # the registered op itself (opcheck)
+    return call

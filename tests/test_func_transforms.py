@@ -1,0 +1,197 @@
+"""torch.func: grad, vmap and per-sample gradients (vmap of grad) through the library's ops.
+
+The causal paths that loop or launch kernels run under a transform as the host ops of
+packed_ops.py, whose vmap rules fold the mapped dim into the batch (func_rules.py). Each
+test compares a transform with the same computation done slice by slice in eager autograd,
+in float64 (the Triton interpreter in float32).
+"""
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.func import functional_call, grad, jacrev, vmap
+
+from linattn_lib import delta_rule_attention, linear_attention
+from linattn_lib.core.state import LinearAttentionState
+from linattn_lib.core.triton_ops import triton_available
+from linattn_lib.nn.layers import FLA_PRESETS, LINEAR_KINDS, LinearAttention
+
+S, B, H, T, D = 3, 2, 2, 20, 4  # mapped slices, batch, heads, tokens (3 chunks of 8), head dim
+
+
+def _rand(*shape, dtype=torch.float64, positive=False):
+    x = torch.randn(*shape, dtype=dtype)
+    return x.sigmoid() if positive else x
+
+
+def _decay(kind: str | None, mapped: bool = True):
+    lead = (S,) if mapped else ()
+    if kind == "head":
+        return -torch.rand(*lead, H, dtype=torch.float64)
+    if kind == "token":
+        return -torch.rand(*lead, B, H, T, dtype=torch.float64)
+    return None
+
+
+def _eager_grads(loss, args, wrt):
+    """Gradients of loss(*args) with respect to the arguments at positions `wrt`, in eager
+    autograd."""
+    args = list(args)
+    for i in wrt:
+        args[i] = args[i].clone().requires_grad_()
+    loss(*args).backward()
+    return [args[i].grad for i in wrt]
+
+
+CASES = [(form, normalize, decay) for form in ("chunked", "recurrent", "quadratic")
+         for normalize, decay in ((True, None), (False, None), (False, "head"), (False, "token"))]
+
+
+@pytest.mark.parametrize("form,normalize,decay", CASES)
+def test_linear_attention_vmap_and_per_sample_grads(form, normalize, decay):
+    q, k = _rand(S, B, H, T, D, positive=True), _rand(S, B, H, T, D, positive=True)
+    v, g = _rand(S, B, H, T, D), _decay(decay)
+
+    def attend(q, k, v, g):
+        return linear_attention(q, k, v, log_decay=g, normalize=normalize, form=form, chunk_size=8)
+
+    def loss(q, k, v, g):
+        return attend(q, k, v, g).square().sum()
+
+    dims = (0, 0, 0, None if g is None else 0)
+    mapped = vmap(attend, in_dims=dims)(q, k, v, g)
+    for i in range(S):
+        one = attend(q[i], k[i], v[i], None if g is None else g[i])
+        torch.testing.assert_close(mapped[i], one, rtol=0, atol=1e-12)
+    wrt = (0, 1, 2) if g is None else (0, 1, 2, 3)
+    per_sample = vmap(grad(loss, argnums=wrt), in_dims=dims)(q, k, v, g)
+    for i in range(S):
+        args = (q[i], k[i], v[i], None if g is None else g[i])
+        for got, want in zip(per_sample, _eager_grads(loss, args, wrt)):
+            torch.testing.assert_close(got[i], want, rtol=0, atol=1e-11)
+
+
+@pytest.mark.parametrize("form", ["chunked", "recurrent"])
+def test_a_shared_decay_per_head_gets_a_gradient_per_sample(form):
+    """The decay is not mapped, the inputs are: its per-sample gradient sums each slice's
+    tokens, not all slices' (the backward's vmap rule makes it a decay per token)."""
+    q, k, v = (_rand(S, B, H, T, D, positive=True) for _ in range(3))
+    g = _decay("head", mapped=False)
+    initial = LinearAttentionState(_rand(B, H, D, D), None)
+
+    def loss(q, g):
+        o, st = linear_attention(q, k[0], v[0], log_decay=g, normalize=False, form=form, chunk_size=8,
+                                 initial_state=initial, return_state=True)
+        return o.square().sum() + st.S.sum()
+
+    per_sample = vmap(grad(loss, argnums=1), in_dims=(0, None))(q, g)
+    assert per_sample.shape == (S, H)
+    for i in range(S):
+        (want,) = _eager_grads(loss, (q[i], g), (1,))
+        torch.testing.assert_close(per_sample[i], want, rtol=0, atol=1e-11)
+
+
+def test_mapped_initial_state_and_returned_state():
+    q, k, v = (_rand(S, B, H, T, D, positive=True) for _ in range(3))
+    S0, z0 = _rand(S, B, H, D, D), _rand(S, B, H, D, positive=True)
+
+    def run(q, S0, z0):
+        o, st = linear_attention(q, k[0], v[0], initial_state=LinearAttentionState(S0, z0), return_state=True,
+                                 chunk_size=8)
+        return o, st.S, st.z
+
+    mapped = vmap(run)(q, S0, z0)
+    per_sample = vmap(grad(lambda *a: sum(x.square().sum() for x in run(*a)), argnums=(1, 2)))(q, S0, z0)
+    for i in range(S):
+        for got, want in zip(mapped, run(q[i], S0[i], z0[i])):
+            torch.testing.assert_close(got[i], want, rtol=0, atol=1e-12)
+        wants = _eager_grads(lambda *a: sum(x.square().sum() for x in run(*a)), (q[i], S0[i], z0[i]), (1, 2))
+        for got, want in zip(per_sample, wants):
+            torch.testing.assert_close(got[i], want, rtol=0, atol=1e-11)
+
+
+@pytest.mark.parametrize("form", ["chunked", "recurrent"])
+def test_delta_rule_vmap_and_per_sample_grads(form):
+    q, v = _rand(S, B, H, T, D), _rand(S, B, H, T, D)
+    k = torch.nn.functional.normalize(_rand(S, B, H, T, D), dim=-1)
+    beta, g = torch.rand(S, B, H, T, dtype=torch.float64), _decay("token")
+
+    def attend(q, k, v, beta, g):
+        return delta_rule_attention(q, k, v, beta, log_decay=g, form=form, chunk_size=8)
+
+    def loss(*args):
+        return attend(*args).square().sum()
+
+    mapped = vmap(attend)(q, k, v, beta, g)
+    per_sample = vmap(grad(loss, argnums=(0, 3, 4)))(q, k, v, beta, g)
+    for i in range(S):
+        args = (q[i], k[i], v[i], beta[i], g[i])
+        torch.testing.assert_close(mapped[i], attend(*args), rtol=0, atol=1e-12)
+        for got, want in zip(per_sample, _eager_grads(loss, args, (0, 3, 4))):
+            torch.testing.assert_close(got[i], want, rtol=0, atol=1e-11)
+
+
+def test_grad_and_jacrev_without_vmap():
+    q, k = _rand(1, H, 12, D, positive=True), _rand(1, H, 12, D, positive=True)
+    v = _rand(1, H, 12, D)
+    dq = grad(lambda q: linear_attention(q, k, v, chunk_size=8).square().sum())(q)
+    (want,) = _eager_grads(lambda q: linear_attention(q, k, v, chunk_size=8).square().sum(), (q,), (0,))
+    torch.testing.assert_close(dq, want, rtol=0, atol=1e-12)
+    jac = jacrev(lambda v: linear_attention(q, k, v, chunk_size=8)[0, 0, -1])(v)
+    # the last token's output depends on every earlier value: o_T = sum_s w_s v_s, w >= 0
+    assert jac.shape == (D, 1, H, 12, D)
+    assert (jac[:, 0, 1] == 0).all() and (jac[:, 0, 0].diagonal(dim1=0, dim2=2) > 0).all()
+
+
+LAYERS = ([(kind, {}) for kind in LINEAR_KINDS] + [(kind, {"short_conv": True}) for kind in LINEAR_KINDS]
+          + [(kind, FLA_PRESETS[kind]) for kind in ("deltanet", "gated_deltanet")])
+
+
+@pytest.mark.parametrize("kind,options", LAYERS, ids=str)
+def test_layer_per_sample_gradients(kind, options):
+    """DP-SGD's per-sample gradients of every parameter of a layer: vmap(grad) of a
+    functional call on one example, against a backward per example."""
+    layer = LinearAttention(16, 2, kind=kind, max_len=64, seed=1, **options).double()
+    params = {name: p.detach() for name, p in layer.named_parameters()}
+    x = _rand(S, 10, 16)
+
+    def loss(params, x):
+        return functional_call(layer, params, (x[None],)).square().sum()
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0))(params, x)
+    for i in range(S):
+        layer.zero_grad()
+        layer(x[i:i + 1]).square().sum().backward()
+        for name, p in layer.named_parameters():
+            torch.testing.assert_close(per_sample[name][i], p.grad, rtol=0, atol=1e-11, msg=name)
+
+
+@pytest.mark.skipif(not triton_available(), reason="needs triton")
+def test_triton_backend_under_grad_and_vmap():
+    """The kernels (the interpreter here) run inside the host op, on the folded batch."""
+    q, k = _rand(S, 1, H, 16, D, dtype=torch.float32, positive=True), _rand(1, H, 16, D, dtype=torch.float32)
+    v = _rand(1, H, 16, D, dtype=torch.float32)
+
+    def attend(q):
+        return linear_attention(q, k.sigmoid(), v, backend="triton")
+
+    mapped = vmap(attend)(q)
+    per_sample = vmap(grad(lambda q: attend(q).square().sum()))(q)
+    for i in range(S):
+        torch.testing.assert_close(mapped[i], attend(q[i]), rtol=0, atol=1e-6)
+        (want,) = _eager_grads(lambda q: attend(q).square().sum(), (q[i],), (0,))
+        torch.testing.assert_close(per_sample[i], want, rtol=0, atol=1e-5)
+
+
+def test_vmap_over_packed_sequences_is_refused():
+    q, k, v = (_rand(S, 1, H, 12, D, positive=True) for _ in range(3))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32)
+    with pytest.raises(NotImplementedError, match="packed sequences"):
+        vmap(lambda q: linear_attention(q, k[0], v[0], cu_seqlens=cu))(q)
+
+
+def test_value_checks_still_run_outside_transforms():
+    q, k, v = (_rand(1, H, 12, D) for _ in range(3))
+    q[0, 0, 3, 1] = float("nan")
+    with pytest.raises(ValueError, match="finite"):
+        linear_attention(q, k, v)
