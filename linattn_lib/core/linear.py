@@ -128,7 +128,8 @@ def linear_attention(
     transform the causal chunked and recurrent paths and the kernels run as one op whose
     vmap rule folds the mapped dim into the batch (core/packed_ops.py, core/func_rules.py).
     Its backward recomputes the forward (one forward more per gradient), and the value
-    checks are skipped for the transform's tensors. vmap over packed sequences is refused.
+    checks are skipped for the transform's tensors. vmap over packed sequences is refused,
+    and forward mode (`jvp`, `jacfwd`, `hessian`) is not implemented: torch says so.
     """
     fn = "linear_attention"
     V.check_qkv(fn, q, k, v)
