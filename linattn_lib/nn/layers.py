@@ -533,9 +533,11 @@ class SoftmaxAttention(nn.Module):
         self.proj.reset_parameters()
 
     def check_state(self, fn: str, name: str, state: object, *, batch: int, device: torch.device) -> None:
-        """`state` is a KV cache (keys, values), each (batch, H, S, d_head), S >= 1, finite, on `device`."""
-        if not isinstance(state, (tuple, list)) or len(state) != 2:
-            raise TypeError(f"{fn}: `{name}` must be a KV cache (keys, values) of a softmax layer, got {type(state).__name__}")
+        """`state` is a KV cache (keys, values), each (batch, H, S, d_head), S >= 1, finite, on
+        `device`; after a padded prefill also the keys' mask, (batch, S) bool (True: a token)."""
+        if not isinstance(state, (tuple, list)) or len(state) not in (2, 3):
+            raise TypeError(f"{fn}: `{name}` must be a KV cache (keys, values[, key mask]) of a softmax layer, "
+                            f"got {type(state).__name__}")
         for part, t in zip(("keys", "values"), state):
             V.check_layout(fn, f"{name}[{part!r}]", t, ("B", "H", "S", "d_head"))
             S = t.shape[2]
@@ -545,20 +547,46 @@ class SoftmaxAttention(nn.Module):
             V.check_values(fn, f"{name}[{part!r}]", t)
         if state[0].shape != state[1].shape:
             raise ValueError(f"{fn}: `{name}` keys {tuple(state[0].shape)} and values {tuple(state[1].shape)} must have one shape")
+        if len(state) == 3 and (not isinstance(state[2], Tensor) or state[2].dtype != torch.bool
+                                or tuple(state[2].shape) != tuple(state[0].shape[::2])):
+            raise ValueError(f"{fn}: `{name}`'s key mask must be a (B, S) = {tuple(state[0].shape[::2])} bool "
+                             f"tensor, got {V.describe(state[2])}")
 
     def forward(
-        self, x: Tensor, *, state: tuple[Tensor, Tensor] | None = None, pos_offset: int = 0,
-        return_state: bool = False,
-    ) -> Tensor | tuple[Tensor, tuple[Tensor, Tensor]]:
-        return self._forward(x, state=state, pos_offset=pos_offset, return_state=return_state)
+        self, x: Tensor, *, state: tuple[Tensor, ...] | None = None, pos_offset: int = 0,
+        return_state: bool = False, attention_mask: Tensor | None = None,
+    ) -> Tensor | tuple[Tensor, tuple[Tensor, ...]]:
+        """x (B, T, d_model) -> y (B, T, d_model) [, KV cache]. `attention_mask` (B, T), bool
+        or 0/1, marks the real tokens of a padded batch (no `state` with it): padding is no key
+        of any query, its outputs are 0, and the returned cache also holds the keys' mask, which
+        the next calls extend."""
+        fn = "SoftmaxAttention"
+        if attention_mask is not None:
+            V.check_tensor(fn, "attention_mask", attention_mask, floating=False, layout=("B", "T"))
+            if tuple(attention_mask.shape) != tuple(x.shape[:2]) or state is not None:
+                raise ValueError(f"{fn}: `attention_mask` must be (B, T) = {tuple(x.shape[:2])}, with no `state`, "
+                                 f"got {V.describe(attention_mask)}")
+            attention_mask = attention_mask != 0
+        return self._forward(x, state=state, pos_offset=pos_offset, return_state=return_state, mask=attention_mask)
 
-    def _forward(self, x: Tensor, *, state: tuple[Tensor, Tensor] | None = None, pos_offset: int = 0, return_state: bool = False):
+    def _forward(self, x: Tensor, *, state: tuple[Tensor, ...] | None = None, pos_offset: int = 0,
+                 return_state: bool = False, mask: Tensor | None = None):
         q, k, v = (_split_heads(t, self.n_heads) for t in self.qkv(x).chunk(3, dim=-1))
-        if state is not None:  # the KV cache: every past key and value
+        keys = mask  # which keys are tokens: None when all are
+        if state is not None:  # the KV cache: every past key and value (and which are tokens)
             k, v = torch.cat([state[0], k], dim=2), torch.cat([state[1], v], dim=2)
+            if len(state) == 3:
+                keys = F.pad(state[2], (0, q.shape[2]), value=True)
         T, S = q.shape[2], k.shape[2]
         # query t (absolute position S - T + t) may see keys 0 .. S - T + t
-        mask = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        allowed = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
+        if keys is not None:
+            allowed = allowed & keys[:, None, None, :]
+            # a padding query may see no key: let it see all (no NaN); its output is set to 0
+            allowed = allowed | ~allowed.any(-1, keepdim=True)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        if mask is not None:
+            o = torch.where(mask[:, None, :, None], o, 0.0)
         y = self.proj(_merge_heads(o))
-        return (y, (k, v)) if return_state else y
+        cache = (k, v) if keys is None else (k, v, keys)
+        return (y, cache) if return_state else y

@@ -111,8 +111,10 @@ class Block(nn.Module):
             )
         self.mlp = nn.Sequential(nn.Linear(cfg.d_model, 4 * cfg.d_model), nn.GELU(), nn.Linear(4 * cfg.d_model, cfg.d_model))
 
-    def forward(self, x: Tensor, *, state: LayerState = None, pos_offset: int = 0) -> tuple[Tensor, LayerState]:
-        a, state = self.attn._forward(self.ln1(x), state=state, pos_offset=pos_offset, return_state=True)
+    def forward(self, x: Tensor, *, state: LayerState = None, pos_offset: int = 0,
+                mask: Tensor | None = None) -> tuple[Tensor, LayerState]:
+        masked = {} if mask is None else {"mask": mask}  # a converted layer (converted.py) takes none
+        a, state = self.attn._forward(self.ln1(x), state=state, pos_offset=pos_offset, return_state=True, **masked)
         x = x + a
         return x + self.mlp(self.ln2(x)), state
 
@@ -122,7 +124,9 @@ class TinyLM(nn.Module):
 
     `forward(idx, targets)` is the parallel (training) form; `generate` prefills the prompt in
     parallel and then decodes one token at a time from the per-layer states (a constant-size
-    state for linear layers, a KV cache for softmax layers).
+    state for linear layers, a KV cache for softmax layers). Both take an `attention_mask`
+    for padded batches: prompts of different lengths generate together, each as it would
+    alone.
     """
 
     def __init__(self, cfg: ModelConfig) -> None:
@@ -176,12 +180,22 @@ class TinyLM(nn.Module):
     def forward(
         self, idx: Tensor, targets: Tensor | None = None, *,
         states: Sequence[LayerState] | None = None, pos_offset: int = 0, return_states: bool = False,
+        attention_mask: Tensor | None = None, position_ids: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, ...]:
         """idx: (B, T) token ids -> logits (B, T, vocab) [, loss] [, states].
 
         targets: (B, T) ids for the cross-entropy loss (-100 marks a position to ignore).
         states / pos_offset: resume from the per-layer states of a previous call that ended at
         position pos_offset (what `generate` does).
+        attention_mask: (B, T), bool or 0/1, marks the real tokens of a padded batch (left or
+        right padding, as tokenizers pad). Each row is then computed as if alone: its tokens
+        take positions 0, 1, ... in order, padding is no key of any layer, and padded
+        positions are left out of the loss (their logits mean nothing). Not with `states`;
+        the returned states continue each row after its last token (cosFormer, whose
+        positions would differ per row, returns none).
+        position_ids: (B, T) positions of the tokens, for rows that continue from different
+        positions: after a padded prompt, row b's next token is at its token count
+        (`attention_mask.sum(1)`), not at pos_offset. Default: pos_offset + 0 .. T-1.
         """
         fn = "TinyLM"
         self._check_idx(fn, "idx", idx)
@@ -193,26 +207,69 @@ class TinyLM(nn.Module):
         return_states = V.check_flag(fn, "return_states", return_states)
         if states is not None:
             self._check_states(fn, states, idx.shape[0], idx.device)
-        return self._forward(idx, targets, states=states, pos_offset=pos_offset, return_states=return_states)
+        if attention_mask is not None:
+            attention_mask = self._check_mask(fn, attention_mask, idx, states, pos_offset, return_states)
+        if position_ids is not None:
+            V.check_tensor(fn, "position_ids", position_ids, layout=("B", "T"), floating=False)
+            bad = position_ids.dtype == torch.bool or position_ids.is_floating_point() or position_ids.is_complex()
+            if bad or position_ids.shape != idx.shape or attention_mask is not None or (
+                    V.values_checked(position_ids) and not bool(((position_ids >= 0)
+                                                                 & (position_ids < self.cfg.block_size)).all())):
+                raise ValueError(f"{fn}: `position_ids` must be (B, T) = {tuple(idx.shape)} positions below "
+                                 f"block_size={self.cfg.block_size}, without `attention_mask` (which sets them), "
+                                 f"got {V.describe(position_ids)}")
+        return self._forward(idx, targets, states=states, pos_offset=pos_offset, return_states=return_states,
+                             mask=attention_mask, positions=position_ids)
 
-    def _forward(self, idx: Tensor, targets: Tensor | None = None, *, states=None, pos_offset: int = 0, return_states: bool = False):
-        """`forward` without the input checks (for `generate`, whose inputs were checked once)."""
+    def _check_mask(self, fn: str, mask, idx: Tensor, states, pos_offset: int, return_states: bool) -> Tensor:
+        """`attention_mask` checked, as (B, T) bool (True: a token)."""
+        V.check_tensor(fn, "attention_mask", mask, floating=False, layout=("B", "T"))
+        if tuple(mask.shape) != tuple(idx.shape) or mask.device != idx.device:
+            raise ValueError(f"{fn}: `attention_mask` must be (B, T) = {tuple(idx.shape)} on {idx.device}, "
+                             f"got {V.describe(mask)}")
+        if states is not None or pos_offset:
+            raise ValueError(f"{fn}: `attention_mask` takes no `states` or `pos_offset`: it marks a padded "
+                             "prompt; continue from the states it returns")
+        other = [type(b.attn).__name__ for b in self.blocks if not isinstance(b.attn, (LinearAttention, SoftmaxAttention))]
+        if other:
+            raise ValueError(f"{fn}: `attention_mask` needs LinearAttention or SoftmaxAttention layers, got {other}")
+        if return_states and any(getattr(b.attn, "kind", None) == "cosformer" for b in self.blocks):
+            raise ValueError(f"{fn}: with `attention_mask` cosFormer's rows continue from different positions, "
+                             "which its state cannot: no states are returned")
+        if V.values_checked(mask) and not bool(((mask == 0) | (mask == 1)).all()):
+            raise ValueError(f"{fn}: `attention_mask` must hold 0 (padding) and 1 (tokens), got {V.describe(mask)}")
+        mask = mask != 0
+        if V.values_checked(mask) and not bool(mask.any(1).all()):
+            raise ValueError(f"{fn}: every row of `attention_mask` needs a token; rows "
+                             f"{(~mask.any(1)).nonzero().flatten().tolist()} have none")
+        return mask
+
+    def _forward(self, idx: Tensor, targets: Tensor | None = None, *, states=None, pos_offset: int = 0,
+                 return_states: bool = False, mask: Tensor | None = None, positions: Tensor | None = None):
+        """`forward` without the input checks (for `generate`, whose inputs were checked once).
+        mask: the checked `attention_mask`; positions: (B, T) positions of the tokens when
+        they differ per row (decoding after a padded prompt), else pos_offset + 0 .. T-1."""
         B, T = idx.shape
         if pos_offset + T > self.cfg.block_size:
             raise ValueError(
                 f"TinyLM: positions up to {pos_offset + T} (`pos_offset`={pos_offset} + T={T}) exceed "
                 f"block_size={self.cfg.block_size}"
             )
-        pos = torch.arange(pos_offset, pos_offset + T, device=idx.device)
-        x = self.tok(idx) + self.pos(pos)
+        if mask is not None:  # each row's tokens at 0, 1, ...; padding anywhere (it is no key)
+            positions = (mask.long().cumsum(1) - 1).clamp(min=0)
+        if positions is None:
+            positions = torch.arange(pos_offset, pos_offset + T, device=idx.device)
+        x = self.tok(idx) + self.pos(positions)
         states = [None] * len(self.blocks) if states is None else states
         new_states = []
         for block, st in zip(self.blocks, states):
-            x, st = block(x, state=st, pos_offset=pos_offset)
+            x, st = block(x, state=st, pos_offset=pos_offset, mask=mask)
             new_states.append(st)
         logits = self.head(self.ln_f(x))
         out = (logits,)
         if targets is not None:
+            if mask is not None:  # padding is no target
+                targets = targets.masked_fill(~mask, -100)
             out += (F.cross_entropy(logits.reshape(-1, logits.shape[-1]), targets.reshape(-1)),)
         if return_states:
             out += (new_states,)
@@ -229,11 +286,15 @@ class TinyLM(nn.Module):
         return torch.cat(outs, dim=1)
 
     @torch.no_grad()
-    def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0, greedy: bool = False, generator: torch.Generator | None = None) -> Tensor:
+    def generate(self, idx: Tensor, max_new_tokens: int, *, temperature: float = 1.0, greedy: bool = False,
+                 generator: torch.Generator | None = None, attention_mask: Tensor | None = None) -> Tensor:
         """Continue `idx` (B, T0) by `max_new_tokens` (>= 0) tokens, up to block_size in total.
 
         Samples from softmax(logits / temperature) (temperature > 0, finite), or takes the
-        argmax when greedy=True.
+        argmax when greedy=True. attention_mask: (B, T0), bool or 0/1, for prompts of
+        different lengths padded into one batch (left or right): each row continues after its
+        own last token, as it would alone. Returns (B, T0 + max_new_tokens): the prompts as
+        given, padding included, then the new tokens.
         """
         fn = "TinyLM.generate"
         self._check_idx(fn, "idx", idx)
@@ -246,14 +307,21 @@ class TinyLM(nn.Module):
             raise ValueError(
                 f"{fn}: prompt {idx.shape[1]} + {max_new_tokens} new tokens (`max_new_tokens`) exceeds block_size={self.cfg.block_size}"
             )
-        logits, states = self._forward(idx, states=None, return_states=True)
+        mask = None if attention_mask is None else self._check_mask(fn, attention_mask, idx, None, 0, True)
+        logits, states = self._forward(idx, states=None, return_states=True, mask=mask)
+        B, pos = idx.shape
+        last, lengths = logits[:, -1], None
+        if mask is not None:  # each row's last token, and how many it has
+            ends = (mask.long() * torch.arange(pos, device=idx.device)).argmax(1)
+            last, lengths = logits[torch.arange(B, device=idx.device), ends], mask.sum(1, keepdim=True)
         out = [idx]
-        pos = idx.shape[1]
-        for _ in range(max_new_tokens):
-            last = logits[:, -1] / temperature
+        for step in range(max_new_tokens):
+            last = last / temperature
             nxt = last.argmax(-1, keepdim=True) if greedy else torch.multinomial(torch.softmax(last, -1), 1, generator=generator)
             out.append(nxt)
-            logits, states = self._forward(nxt, states=states, pos_offset=pos, return_states=True)
+            positions = None if lengths is None else lengths + step
+            logits, states = self._forward(nxt, states=states, pos_offset=pos, return_states=True, positions=positions)
+            last = logits[:, -1]
             pos += 1
         return torch.cat(out, dim=1)
 
