@@ -112,3 +112,16 @@ def test_bad_masks_are_refused(case, message):
         kw = dict(position_ids=torch.arange(5).expand(2, 5))
     with pytest.raises(ValueError, match=message):
         model(idx, attention_mask=mask, **kw)
+
+
+def test_softmax_layer_mask_with_a_state_marks_the_new_tokens():
+    torch.manual_seed(0)
+    layer = SoftmaxAttention(8, 2).double()
+    x, more = torch.randn(2, 4, 8, dtype=torch.float64), torch.randn(2, 3, 8, dtype=torch.float64)
+    _, cache = layer(x, return_state=True)  # no mask: a two-part cache
+    new = torch.tensor([[1, 0, 1], [1, 1, 1]], dtype=torch.bool)
+    y, cache = layer(more, state=cache, attention_mask=new, return_state=True)
+    assert len(cache) == 3 and cache[2][:, :4].all() and torch.equal(cache[2][:, 4:], new)
+    assert (y[0, 1] == 0).all()
+    alone = layer(torch.cat([x[:1], more[:1, new[0]]], dim=1))[0, 4:]
+    torch.testing.assert_close(y[0, new[0]], alone, rtol=0, atol=1e-12)

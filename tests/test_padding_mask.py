@@ -115,3 +115,38 @@ def test_generation_continues_from_a_left_padded_prompt():
         for b, n in enumerate(LENGTHS):
             alone = torch.cat([prompts[b:b + 1, 21 - n:], more[b:b + 1]], 1)
             assert (layer(alone)[0, n:] - steps[b]).abs().max() < 1e-12
+
+
+@pytest.mark.parametrize("kind, options", [(k, o) for k, o in LAYERS if k != "cosformer"],
+                         ids=[k + ("-fla" if o else "") for k, o in LAYERS if k != "cosformer"])
+def test_a_mask_with_a_state_marks_the_new_tokens(kind, options):
+    """Continue padded rows from their states, with a mask over the new tokens only: a
+    second padded chunk (training's next segment), then decoding steps some of which are
+    padding (a batch whose rows finished). Each row equals its real tokens alone, and a
+    padding step leaves its state and convolution cache as they were."""
+    torch.manual_seed(0)
+    layer = LinearAttention(16, 2, kind=kind, chunk_size=8, **options).double()
+    x = torch.randn(3, 21, 16, dtype=torch.float64)
+    more, steps = torch.randn(3, 9, 16, dtype=torch.float64), torch.randn(3, 3, 16, dtype=torch.float64)
+    first, second = padded("left"), padded("inside", 9)
+    step_mask = torch.tensor([[True, False, True], [False, False, True], [True, True, True]])
+    _, state = layer(x, attention_mask=first, return_state=True)
+    y, state = layer(more, state=state, attention_mask=second, return_state=True)
+    with torch.no_grad():
+        ys = []
+        for t in range(3):
+            y_t, state = layer(steps[:, t:t + 1], state=state, attention_mask=step_mask[:, t:t + 1],
+                               return_state=True)
+            ys.append(y_t)
+    ys = torch.cat(ys, 1)
+    assert not y[~second].any() and not ys[~step_mask].any()
+    for b in range(3):
+        tokens = torch.cat([x[b, first[b]], more[b, second[b]], steps[b, step_mask[b]]])[None]
+        y_b, state_b = layer(tokens, return_state=True)
+        n1, n2 = int(first[b].sum()), int(second[b].sum())
+        assert (y[b, second[b]] - y_b[0, n1:n1 + n2]).abs().max() < 1e-12
+        assert (ys[b, step_mask[b]] - y_b[0, n1 + n2:]).abs().max() < 1e-12
+        (a, conv), (a_b, conv_b) = _attn_and_conv(state), _attn_and_conv(state_b)
+        assert (a.S[b] - a_b.S[0]).abs().max() < 1e-12
+        if conv is not None:
+            assert (conv[b] - conv_b[0]).abs().max() < 1e-12

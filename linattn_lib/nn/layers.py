@@ -85,11 +85,17 @@ def _merge_heads(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(B, T, H * dh)
 
 
-def _convolve_tokens(conv: ShortConvolution, x: Tensor, mask: Tensor) -> tuple[Tensor, Tensor]:
+def _convolve_tokens(conv: ShortConvolution, x: Tensor, mask: Tensor,
+                     cache: Tensor | None = None) -> tuple[Tensor, Tensor]:
     """`conv` over each row's tokens alone (mask True), for any padding: the tokens are moved
     to the end of their row in order, the padding before them as zeros (what an empty cache
     holds), convolved, and moved back. Returns (y, cache): y (B, T, C), garbage at padding;
-    the cache holds each row's last K - 1 tokens."""
+    the cache, each row's last K - 1 tokens. A cache to continue from: K - 1 tokens before."""
+    if cache is not None:
+        ext = torch.cat([cache.transpose(1, 2).to(x.dtype), x], dim=1)
+        ext_mask = F.pad(mask, (cache.shape[-1], 0), value=True)
+        y, cache = _convolve_tokens(conv, ext, ext_mask)
+        return y[:, cache.shape[-1]:], cache
     order = torch.argsort(mask.to(torch.uint8), dim=1, stable=True)  # padding first, tokens in order
     moved = torch.where(mask.gather(1, order)[..., None], x.gather(1, order[..., None].expand_as(x)), 0)
     y, cache = conv(moved)
@@ -344,9 +350,11 @@ class LinearAttention(nn.Module):
         state and does not decay it, and its output is 0: each row's outputs at its real
         tokens, and with return_state its state (after its last real token, the short
         convolution's cache included), are those of the row with its padding removed
-        (padding inside a row too). It takes no `state` or `cu_seqlens` (resume or pack
-        unpadded rows instead); cosFormer counts positions over real tokens, so it returns no
-        state with a mask.
+        (padding inside a row too). With a `state` it marks the new tokens only (a Hugging
+        Face mask's last T columns, as decoding passes it): a padding step leaves the state
+        and the cache as they were. It takes no `cu_seqlens` (pack unpadded rows instead);
+        cosFormer counts positions over real tokens, from pos_offset, so it returns no state
+        with a mask.
         """
         fn = "LinearAttention"
         _check_input(fn, x, self, self.d_model)
@@ -373,9 +381,8 @@ class LinearAttention(nn.Module):
         if tuple(mask.shape) != tuple(x.shape[:2]) or mask.device != x.device:
             raise ValueError(f"{fn}: `attention_mask` must be (B, T) = {tuple(x.shape[:2])} on {x.device}, "
                              f"got {V.describe(mask)}")
-        if state is not None or cu_seqlens is not None:
-            raise ValueError(f"{fn}: `attention_mask` takes no `state` or `cu_seqlens`: resume or pack the "
-                             "rows without their padding")
+        if cu_seqlens is not None:
+            raise ValueError(f"{fn}: `attention_mask` takes no `cu_seqlens`: pack the rows without their padding")
         if self.kind == "cosformer" and return_state:
             raise ValueError(f"{fn}(cosformer): with `attention_mask` every row has its own next position, "
                              "which one `pos_offset` cannot give: no state is returned")
@@ -478,7 +485,7 @@ class LinearAttention(nn.Module):
             if mask is None:
                 qkv, conv_cache = self.conv(qkv, conv_cache, cu_seqlens)
             else:  # each row's tokens convolved alone, as if its padding were not there
-                qkv, conv_cache = _convolve_tokens(self.conv, qkv, mask)
+                qkv, conv_cache = _convolve_tokens(self.conv, qkv, mask, conv_cache)
         q, k, v = qkv.chunk(3, dim=-1)
         if self.activation is not None:
             v = F.silu(v)
@@ -557,14 +564,14 @@ class SoftmaxAttention(nn.Module):
         return_state: bool = False, attention_mask: Tensor | None = None,
     ) -> Tensor | tuple[Tensor, tuple[Tensor, ...]]:
         """x (B, T, d_model) -> y (B, T, d_model) [, KV cache]. `attention_mask` (B, T), bool
-        or 0/1, marks the real tokens of a padded batch (no `state` with it): padding is no key
-        of any query, its outputs are 0, and the returned cache also holds the keys' mask, which
-        the next calls extend."""
+        or 0/1, marks the real tokens of a padded batch (with a `state`: of the new tokens):
+        padding is no key of any query, its outputs are 0, and the returned cache also holds
+        the keys' mask, which the next calls extend."""
         fn = "SoftmaxAttention"
         if attention_mask is not None:
             V.check_tensor(fn, "attention_mask", attention_mask, floating=False, layout=("B", "T"))
-            if tuple(attention_mask.shape) != tuple(x.shape[:2]) or state is not None:
-                raise ValueError(f"{fn}: `attention_mask` must be (B, T) = {tuple(x.shape[:2])}, with no `state`, "
+            if tuple(attention_mask.shape) != tuple(x.shape[:2]):
+                raise ValueError(f"{fn}: `attention_mask` must be (B, T) = {tuple(x.shape[:2])}, "
                                  f"got {V.describe(attention_mask)}")
             attention_mask = attention_mask != 0
         return self._forward(x, state=state, pos_offset=pos_offset, return_state=return_state, mask=attention_mask)
@@ -575,8 +582,9 @@ class SoftmaxAttention(nn.Module):
         keys = mask  # which keys are tokens: None when all are
         if state is not None:  # the KV cache: every past key and value (and which are tokens)
             k, v = torch.cat([state[0], k], dim=2), torch.cat([state[1], v], dim=2)
-            if len(state) == 3:
-                keys = F.pad(state[2], (0, q.shape[2]), value=True)
+            if len(state) == 3 or mask is not None:
+                past = state[2] if len(state) == 3 else q.new_ones(q.shape[0], state[0].shape[2], dtype=torch.bool)
+                keys = torch.cat([past, mask if mask is not None else past.new_ones(q.shape[0], q.shape[2])], 1)
         T, S = q.shape[2], k.shape[2]
         # query t (absolute position S - T + t) may see keys 0 .. S - T + t
         allowed = torch.ones(T, S, dtype=torch.bool, device=x.device).tril(diagonal=S - T)
