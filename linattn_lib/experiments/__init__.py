@@ -7,7 +7,7 @@
 * `python -m linattn_lib.experiments.bench`       benchmark sweep and targets (`make bench`)
 * `python -m linattn_lib.experiments.gpu_check`   the GPU check: timings, profile, self-test (`make gpu-check`;
                                                   `--dry-run` compiles its launches for sm_90 on a CPU)
-* `python -m linattn_lib.experiments.host_overhead`  launches per call and the launchers' host time
+* `python -m linattn_lib.experiments.host_overhead`  launches per call and the host time, eager and compiled
 * `python -m linattn_lib.experiments.perf_predictions`  the performance model's predictions and its
                                                   calibration on published H100 times (appendix A)
 

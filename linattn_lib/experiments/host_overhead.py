@@ -27,17 +27,21 @@ operating system; CUDA's caching allocator hands back a cached block in about a
 microsecond), and a Triton launch's own cost -- binding the arguments, the driver call,
 about 3 to 6 us each on recent Triton -- is not in the stubbed time: add it per launch.
 
-What torch.compile and CUDA graphs would remove (not measured here: that needs a GPU; the GPU
-check times the op as called and replayed from a CUDA graph, `gpu_extras.run_graph_benchmark`).
-`torch.compile(fullgraph=True)` traces through the custom ops (`torch.ops.linattn.*` have
-fake implementations), so the compiled graph drops the Python of `linear_attention`, its
-checks and the autograd.Function plumbing, but not the launchers: a custom op's body runs
-eagerly, its config lookups, allocations and launches included. Captured in a CUDA graph
-(`torch.cuda.graphs`, or compile's mode="reduce-overhead"), a replay costs one launch of the
-whole graph: all of the host time below and every per-launch cost go, leaving the kernels'
-own time; the hot path has no host syncs, makes no tensor from host data and has no
-data-dependent shapes (outside packed sequences, whose chunk count sizes the state buffers),
-which is what capture needs (tests/test_hot_path.py holds it to the first two).
+What torch.compile removes is measured too: the same call compiled with
+`torch.compile(fullgraph=True)` (inductor), timed the same way (`compiled_host_time`). The
+compiled graph drops the Python of `linear_attention` and its checks, but it calls the kernels
+through the custom ops (`torch.ops.linattn.*`, which have the fake implementations tracing
+needs), and a custom op's body runs eagerly: its launchers' config lookups, allocations and
+launches all stay. On top come the custom-op dispatch (twice, forward and backward) and
+AOTAutograd's runtime wrappers, which the eager path avoids with a plain autograd.Function
+(`triton_ops._CausalEager`). So compiling the op alone removes no host time; it adds some (the
+printout says how much). What does remove it is a CUDA graph (`torch.cuda.graphs`, or
+compile's mode="reduce-overhead"): a replay is one launch of the whole graph, so all of the
+host time below and every per-launch cost go, leaving the kernels' own time. That needs a GPU:
+the GPU check times the op as called and replayed from a CUDA graph
+(`gpu_extras.run_graph_benchmark`). The hot path allows capture: it has no host syncs, makes
+no tensor from host data and has no data-dependent shapes (outside packed sequences, whose
+chunk count sizes the state buffers); tests/test_hot_path.py holds it to the first two.
 """
 from __future__ import annotations
 
@@ -108,11 +112,18 @@ def _forward(inputs: dict) -> torch.Tensor:
     return linear_attention(**inputs)
 
 
-def _fwd_bwd(inputs: dict, do: torch.Tensor) -> None:
+def _on_kernels(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, log_decay: torch.Tensor | None,
+                normalize: bool) -> torch.Tensor:
+    # backend named: a compiled trace reads the device from its fake tensors (CPU here), which
+    # record_launches' cuda_like cannot dress up, and "auto" would pick the torch path
+    return linear_attention(q, k, v, log_decay=log_decay, normalize=normalize, backend="triton")
+
+
+def _fwd_bwd(inputs: dict, do: torch.Tensor, fn: Callable[..., torch.Tensor] = linear_attention) -> None:
     for name in ("q", "k", "v", "log_decay"):  # as optimizer.zero_grad(set_to_none=True) leaves them
         if inputs[name] is not None:
             inputs[name].grad = None
-    linear_attention(**inputs).backward(do)
+    fn(**inputs).backward(do)
 
 
 def torch_kernels(fn: Callable[[], object]) -> list[str]:
@@ -157,6 +168,23 @@ def host_time(case: str, calls: int = 200, shape: tuple[int, int, int, int] = SH
         do = torch.empty_like(_forward(inputs))
         fns = {"forward": lambda: _forward(inputs), "fwd+bwd": lambda: _fwd_bwd(inputs, do)}
         return _median_times(fns, calls, launches)
+
+
+def compiled_host_time(case: str, calls: int = 200, shape: tuple[int, int, int, int] = SHAPE,
+                       dtype: torch.dtype = DTYPE) -> dict:
+    """`host_time`'s medians for the call compiled with torch.compile(fullgraph=True) (inductor;
+    compiled before the clock starts), and "launches": the names of the Triton kernels one
+    compiled forward+backward launches (the same as eager's: the custom ops run the same
+    launchers)."""
+    inputs = make_inputs(case, shape, dtype)
+    compiled = torch.compile(_on_kernels, fullgraph=True)
+    with record_launches(cuda_like=True, keep_args=False) as launches:
+        do = torch.empty_like(compiled(**inputs))
+        del launches[:]
+        _fwd_bwd(inputs, do, compiled)
+        names = [launch.name for launch in launches]
+        fns = {"forward": lambda: compiled(**inputs), "fwd+bwd": lambda: _fwd_bwd(inputs, do, compiled)}
+        return {**_median_times(fns, calls, launches), "launches": names}
 
 
 class _Floor(torch.autograd.Function):
@@ -231,12 +259,15 @@ def report(shape: tuple[int, int, int, int] = SHAPE, calls: int = 200) -> dict:
     for case in CASES:
         counted, timed = count(case, shape), host_time(case, calls, shape)
         floor = autograd_floor(case, calls, shape)
+        compiled = compiled_host_time(case, calls, shape)
         fwd, bwd = counted["forward"], counted["backward"]
         row = {
             "floor_us_forward": round(floor["forward"], 1), "floor_us_fwd_bwd": round(floor["fwd+bwd"], 1),
             "forward_launches": [_describe(x) for x in fwd], "backward_launches": [_describe(x) for x in bwd],
             "forward_torch_ops": counted["forward_torch"], "backward_torch_ops": counted["backward_torch"],
             "host_us_forward": round(timed["forward"], 1), "host_us_fwd_bwd": round(timed["fwd+bwd"], 1),
+            "compiled_us_forward": round(compiled["forward"], 1),
+            "compiled_us_fwd_bwd": round(compiled["fwd+bwd"], 1),
         }
         results[case] = row
         n_fwd = len(fwd) + len(counted["forward_torch"])
@@ -246,6 +277,11 @@ def report(shape: tuple[int, int, int, int] = SHAPE, calls: int = 200) -> dict:
               f"(torch's floor for an op with these inputs: {floor['forward']:.0f} / {floor['fwd+bwd']:.0f} us)")
         print("  forward   " + ", ".join(row["forward_launches"] + row["forward_torch_ops"]))
         print("  backward  " + ", ".join(row["backward_launches"] + row["backward_torch_ops"]))
+        same = compiled["launches"] == [x.name for x in fwd + bwd]
+        print(f"  compiled  (torch.compile, fullgraph) {compiled['forward']:.0f} us forward, "
+              f"{compiled['fwd+bwd']:.0f} us forward+backward: "
+              f"{compiled['fwd+bwd'] / timed['fwd+bwd']:.2f}x eager's host time, "
+              + ("the same Triton launches" if same else f"launches {compiled['launches']}"))
     return results
 
 
