@@ -195,3 +195,95 @@ def test_value_checks_still_run_outside_transforms():
     q[0, 0, 3, 1] = float("nan")
     with pytest.raises(ValueError, match="finite"):
         linear_attention(q, k, v)
+
+
+SECOND_ORDER = [(attend, form) for attend in ("linear", "delta") for form in ("chunked", "recurrent")]
+
+
+def _attention(which: str, form: str):
+    if which == "linear":
+        return lambda q, k, v: linear_attention(q, k, v, form=form, chunk_size=4)
+    beta = _rand(1, H, 10, positive=True)
+    return lambda q, k, v: delta_rule_attention(q, k / k.norm(dim=-1, keepdim=True), v, beta, form=form,
+                                                chunk_size=4)
+
+
+@pytest.mark.parametrize("which,form", SECOND_ORDER)
+def test_second_derivatives_under_func_raise_instead_of_zeros(which, form):
+    """The host op's backward is differentiable once: grad of grad and a Hessian by
+    jacrev(jacrev) through it raise (torch.func would otherwise take that backward for a
+    constant and return zeros); the quadratic form, plain torch, has them."""
+    torch.manual_seed(0)
+    q, k, v = (_rand(1, H, 10, D, positive=True) for _ in range(3))
+    attend = _attention(which, form)
+
+    def loss(q):
+        return attend(q, k, v).square().sum()
+
+    with pytest.raises(NotImplementedError, match="second derivatives"):
+        grad(lambda q: grad(loss)(q).square().sum())(q)
+    with pytest.raises(NotImplementedError, match="second derivatives"):
+        jacrev(jacrev(loss))(q)
+    quadratic = _attention(which, "quadratic")
+    hessian = jacrev(jacrev(lambda q: quadratic(q, k, v).square().sum()))(q)
+    want = torch.autograd.functional.hessian(lambda q: quadratic(q, k, v).square().sum(), q)
+    torch.testing.assert_close(hessian, want, rtol=0, atol=1e-10)
+    assert hessian.abs().max() > 1e-3  # not the zeros torch.func made of it before
+
+
+@pytest.mark.parametrize("which,form", SECOND_ORDER)
+def test_inputs_a_transform_does_not_see(which, form):
+    """q, k, v captured from outside the transformed function (constants to it): the call runs
+    as it would without the transform (torch refuses the library's own autograd Functions
+    whenever a transform is running, whatever their inputs)."""
+    q, k, v = (_rand(1, H, 10, D, positive=True) for _ in range(3))
+    w = _rand(S, D)
+    attend = _attention(which, form)
+    want = attend(q, k, v)
+    torch.testing.assert_close(vmap(lambda w: attend(q, k, v) @ w)(w), torch.stack([want @ x for x in w]),
+                               rtol=0, atol=1e-12)
+    torch.testing.assert_close(grad(lambda w: (attend(q, k, v) @ w).sum())(w[0]), want.sum((0, 1, 2)),
+                               rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_non_causal_state_through_the_host_op(packed):
+    """A non-causal call's returned state (its keys' and values' sums) through the host op:
+    under grad (has_aux) and compiled, as eager, and differentiable."""
+    q, k, v = (_rand(1, H, 12, D, positive=True) for _ in range(3))
+    cu = torch.tensor([0, 5, 12], dtype=torch.int32) if packed else None
+
+    def attend(k):
+        o, st = linear_attention(q, k, v, causal=False, cu_seqlens=cu, return_state=True)
+        return (o.sum() + st.S.square().sum() + st.z.sum()), (st.S, st.z)
+
+    S_want, z_want = attend(k)[1]
+    assert S_want.abs().max() > 0.1
+    dk, (S_got, z_got) = grad(attend, has_aux=True)(k)
+    torch.testing.assert_close((S_got, z_got), (S_want, z_want), rtol=0, atol=1e-12)
+    (dk_want,) = _eager_grads(lambda k: attend(k)[0], (k,), (0,))
+    torch.testing.assert_close(dk, dk_want, rtol=0, atol=1e-11)
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda k: attend(k)[1], backend="aot_eager", fullgraph=True)
+    torch.testing.assert_close(compiled(k), (S_want, z_want), rtol=0, atol=1e-12)
+
+
+def test_first_derivatives_in_nestings_that_look_like_second_ones():
+    """What the second-derivative refusal must let through: grad of a vmap (the backward then
+    runs under the vmap rule, below the grad level) and a jacrev (its vjp level has ended when
+    the backward runs); and what it must catch: a mixed derivative through the cotangent."""
+    q, k, v = (_rand(1, H, 10, D, positive=True) for _ in range(3))
+    gs, w = -torch.rand(S, H, dtype=torch.float64), _rand(S, 1, H, 10, D)
+
+    def attend(g):
+        return linear_attention(q, k, v, log_decay=g, normalize=False, chunk_size=4)
+
+    dg = grad(lambda gs: (vmap(attend)(gs) * w).sum())(gs)
+    for i in range(S):
+        (want,) = _eager_grads(lambda g, wi=w[i]: (attend(g) * wi).sum(), (gs[i],), (0,))
+        torch.testing.assert_close(dg[i], want, rtol=0, atol=1e-11)
+    jac = jacrev(lambda g: attend(g)[0, :, -1].sum(-1))(gs[0])
+    want = torch.autograd.functional.jacobian(lambda g: attend(g)[0, :, -1].sum(-1), gs[0])
+    torch.testing.assert_close(jac, want, rtol=0, atol=1e-11)
+    with pytest.raises(NotImplementedError, match="second derivatives"):  # d/dw of dL/dq, L = <o(q), w>
+        grad(lambda w: grad(lambda q: (linear_attention(q, k, v, chunk_size=4) * w).sum())(q).sum())(w[0])

@@ -54,7 +54,7 @@ from .. import _validate as V
 from . import delta_ops  # noqa: F401 - registers torch.ops.linattn.delta_fwd / delta_bwd for torch.compile
 from .delta_triton import delta_rule_triton
 from .masks import segsum
-from .packed_ops import make_host_op, under_func_transform
+from .packed_ops import func_transform_active, make_host_op
 from .state import LinearAttentionState, compute_dtype, expand_log_decay, sum_after
 from .triton_ops import kernels_imported, triton_supports
 from .varlen import check_cu_seqlens, sequence_spans
@@ -347,9 +347,11 @@ def delta_rule_attention(
         return _packed(fn, q, k, v, beta, cu_seqlens, initial_state, return_state, log_decay=log_decay,
                        form=form, chunk_size=chunk_size, check_unit_keys=check_unit_keys, backend=backend)
     S0 = _check_inputs(fn, q, k, v, beta, log_decay, form, chunk_size, initial_state, return_state, check_unit_keys)
-    if form != "quadratic" and under_func_transform(q, k, v, beta, log_decay, S0):
+    if form != "quadratic" and func_transform_active():
         # torch.func (grad, vmap): the loops and kernels go through the host op, which it
-        # differentiates and maps (packed_ops.py); the quadratic form is plain torch
+        # differentiates and maps (packed_ops.py); the quadratic form is plain torch. Also
+        # for inputs the transform does not see: torch refuses the library's own autograd
+        # Functions whenever a transform is running
         o, S, _ = _host_op(q, k, v, beta, log_decay, S0, None, None, True, False, form, 0.0, chunk_size, backend)
         return (o, LinearAttentionState(S, None)) if return_state else o
     if _use_triton(fn, backend, form, q, v, chunk_size):

@@ -23,7 +23,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate as V
-from .packed_ops import under_func_transform
+from .packed_ops import func_transform_active
 
 SCALINGS = ("chi", "sqrt_d")
 
@@ -242,7 +242,7 @@ def positive_random_features(
     V.check_choice(fn, "backend", backend, ("torch", "triton"))
     input_scale = V.check_finite_number(fn, "input_scale", input_scale)
     _check_stabilize(fn, stabilize)
-    if backend == "triton" and not under_func_transform(x, W):
+    if backend == "triton" and not func_transform_active():
         from .triton_ops import positive_random_features_triton
 
         return positive_random_features_triton(x, W, input_scale=input_scale, stabilize=stabilize)

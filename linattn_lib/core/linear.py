@@ -14,7 +14,7 @@ from torch import Tensor
 
 from .. import _validate as V
 from . import custom_ops  # noqa: F401  (registers torch.ops.linattn.*, which the Triton path calls)
-from .packed_ops import func_transform_active, make_host_op, under_func_transform
+from .packed_ops import func_transform_active, make_host_op
 from .reference import FORMS, reference_linear_attention
 from .state import DEFAULT_EPS, LinearAttentionState
 from .torch_chunked import chunked_linear_attention
@@ -128,8 +128,10 @@ def linear_attention(
     transform the causal chunked and recurrent paths and the kernels run as one op whose
     vmap rule folds the mapped dim into the batch (core/packed_ops.py, core/func_rules.py).
     Its backward recomputes the forward (one forward more per gradient), and the value
-    checks are skipped for the transform's tensors. vmap over packed sequences is refused,
-    and forward mode (`jvp`, `jacfwd`, `hessian`) is not implemented: torch says so.
+    checks are skipped for the transform's tensors. That backward is differentiable once:
+    a second derivative through it (grad of grad, jacrev of jacrev) raises, as forward mode
+    (`jvp`, `jacfwd`, `hessian`) does; form="quadratic" is plain torch and has both. vmap
+    over packed sequences is refused.
     """
     fn = "linear_attention"
     V.check_qkv(fn, q, k, v)
@@ -150,10 +152,11 @@ def linear_attention(
     use_triton = _use_triton(fn, backend, form, q, v)
     kw = dict(causal=causal, normalize=normalize, log_decay=log_decay, eps=eps,
               initial_state=initial_state, return_state=return_state)
-    if func_transform_active() and (packed or use_triton or (causal and form != "quadratic")) and \
-            under_func_transform(q, k, v, log_decay, *(initial_state or ())):
+    if func_transform_active() and (packed or use_triton or (causal and form != "quadratic")):
         # torch.func (grad, vmap): the paths that loop or launch kernels go through the host
-        # op, which it differentiates and maps (packed_ops.py); the quadratic form is plain torch
+        # op, which it differentiates and maps (packed_ops.py); the quadratic form is plain
+        # torch. Also for inputs the transform does not see (captured constants): torch
+        # refuses the library's own autograd Functions whenever a transform is running
         return _host_compiled(q, k, v, cu_seqlens, form=form, chunk_size=chunk_size, backend=backend, **kw)
     if use_triton and (not packed or causal):  # the kernels take packed sequences as they are
         return linear_attention_triton(q, k, v, cu_seqlens=cu_seqlens, **kw,
@@ -210,17 +213,13 @@ def _host_compiled(q, k, v, cu_seqlens, *, causal, normalize, log_decay, eps, in
 
 def _host_eager(q, k, v, beta, g, S0, z0, cu_seqlens, *, causal, normalize, form, eps, chunk_size, backend):
     """linear_attention in eager mode (packed sequences, or a batch with cu_seqlens None), as
-    (o, S, z) (S, z zero when non-causal)."""
+    (o, S, z): the state after every token (a non-causal call's too: its keys' and values'
+    sum, with the initial state), z None unless normalising."""
     state = None if S0 is None else LinearAttentionState(S0, z0)
-    kw = dict(causal=causal, normalize=normalize, log_decay=g, form=form, chunk_size=chunk_size, eps=eps,
-              initial_state=state, backend=backend, cu_seqlens=cu_seqlens)
-    if causal:
-        o, st = linear_attention(q, k, v, return_state=True, **kw)
-        return o, st.S, st.z
-    N = q.shape[0] if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    H, Dk, Dv = q.shape[1], q.shape[-1], v.shape[-1]
-    zeros = q.new_zeros(N, H, Dk, Dv)
-    return linear_attention(q, k, v, **kw), zeros, zeros[..., 0] if normalize else None
+    o, st = linear_attention(q, k, v, causal=causal, normalize=normalize, log_decay=g, form=form,
+                             chunk_size=chunk_size, eps=eps, initial_state=state, backend=backend,
+                             cu_seqlens=cu_seqlens, return_state=True)
+    return o, st.S, st.z
 
 
 _host_op = make_host_op("linear_host", _host_eager)

@@ -78,6 +78,40 @@ def under_func_transform(*tensors: Tensor | None) -> bool:
     return any(x is not None and wrapped(x) for x in tensors)
 
 
+def _outer_grad_levels(tensors) -> set[int]:
+    """The running torch.func grad levels that track one of `tensors` (the backward's saved
+    inputs and cotangents) from outside the level whose backward this is: what would
+    differentiate it. That level's wrapper is each tensor's first grad wrapper (a vmap's may
+    sit above it); a wrapper under it whose level is still running is an outer grad level.
+    (A wrapper of a level that has ended, such as a vjp's once vjp returned, is dead.)"""
+    F = torch._C._functorch
+    running = {level.level() for level in F.get_interpreter_stack() or ()
+               if level.key() in (F.TransformType.Grad, F.TransformType.Jvp)}
+    levels = set()
+    for x in tensors:
+        inner = True
+        while x is not None and F.is_functorch_wrapped_tensor(x):
+            if F.is_gradtrackingtensor(x):
+                if not inner and F.maybe_get_level(x) in running:
+                    levels.add(F.maybe_get_level(x))
+                inner = False
+            x = F.get_unwrapped(x)
+    return levels
+
+
+def _refuse_second_derivatives(name: str, tensors) -> None:
+    """Raise when a torch.func transform differentiates this backward (grad of grad, hessian,
+    jacrev of jacrev): when an outer grad level tracks one of its inputs or cotangents. The
+    backward is differentiable once: under plain autograd a second derivative raises
+    (once_differentiable), but torch.func would take it for a constant and return zeros."""
+    if func_transform_active() and _outer_grad_levels(tensors):
+        raise NotImplementedError(
+            f"linattn::{name}: second derivatives under torch.func (grad of grad, hessian, jacrev "
+            "of jacrev) are not implemented for the paths that loop or launch kernels (the chunked "
+            "and recurrent forms, the Triton backend, packed sequences): their backward is "
+            "differentiable once; form='quadratic' is plain torch and has them")
+
+
 def _refuse_packed(name: str, cu_seqlens: Tensor | None) -> None:
     if cu_seqlens is not None:
         raise NotImplementedError(
@@ -141,6 +175,7 @@ def make_host_op(name: str, eager: Eager) -> Callable[..., tuple[Tensor, Tensor,
     @torch.autograd.function.once_differentiable
     def gradients(ctx, do, dS, dz):
         *saved, cu_seqlens = ctx.saved_tensors
+        _refuse_second_derivatives(f"{name}_bwd", (*saved, do, dS, dz))
         grads = bwd(*saved, cu_seqlens, *ctx.settings, do, dS, dz if ctx.settings[1] else None)
         return (*(None if t is None else d for t, d in zip(saved, grads)), *([None] * (1 + len(ctx.settings))))
 
