@@ -31,6 +31,12 @@ def _attn_and_conv(state):
     return (state.attn, state.conv) if hasattr(state, "conv") else (state, None)
 
 
+def _close(got, want, tol) -> bool:
+    """|got - want| <= tol, relative to want's scale where that is above 1 (gradients of a
+    squared output reach ~60 in float32, where rounding differs from one CPU to another)."""
+    return bool((got - want).abs().max() <= tol * max(1.0, want.abs().max().item()))
+
+
 def check_against_unpadded(layer, x, mask, tol):
     returns_state = layer.kind != "cosformer"  # its next position differs per row
     out = layer(x, attention_mask=mask, return_state=returns_state)
@@ -42,16 +48,16 @@ def check_against_unpadded(layer, x, mask, tol):
         out_b = layer(x_b, return_state=returns_state)
         y_b, state_b = out_b if returns_state else (out_b, None)
         (grad_b,) = torch.autograd.grad(y_b.square().sum(), x_b)
-        assert (y[b, real] - y_b[0]).abs().max() < tol
-        assert (grad[b, real] - grad_b[0]).abs().max() < tol
+        assert _close(y[b, real], y_b[0], tol)
+        assert _close(grad[b, real], grad_b[0], tol)
         assert not y[b, ~real].any() and not grad[b, ~real].any()
         if returns_state:
             (a, conv), (a_b, conv_b) = _attn_and_conv(state), _attn_and_conv(state_b)
-            assert (a.S[b] - a_b.S[0]).abs().max() < tol
+            assert _close(a.S[b], a_b.S[0], tol)
             if a.z is not None:
-                assert (a.z[b] - a_b.z[0]).abs().max() < tol
+                assert _close(a.z[b], a_b.z[0], tol)
             if conv is not None:
-                assert (conv[b] - conv_b[0]).abs().max() < tol
+                assert _close(conv[b], conv_b[0], tol)
 
 
 @pytest.mark.parametrize("side", ["left", "right", "inside"])
