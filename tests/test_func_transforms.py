@@ -287,3 +287,29 @@ def test_first_derivatives_in_nestings_that_look_like_second_ones():
     torch.testing.assert_close(jac, want, rtol=0, atol=1e-11)
     with pytest.raises(NotImplementedError, match="second derivatives"):  # d/dw of dL/dq, L = <o(q), w>
         grad(lambda w: grad(lambda q: (linear_attention(q, k, v, chunk_size=4) * w).sum())(q).sum())(w[0])
+
+
+@pytest.mark.parametrize("attention", ["linear", "softmax"])
+def test_per_sample_gradients_of_tinylm_own_loss(attention):
+    """vmap(grad) of TinyLM's own loss (targets=, its value check skipped under the transform:
+    its boolean indexing cannot be mapped), on a padded batch: each row's gradients are those
+    of the row alone, unpadded."""
+    from linattn_lib.nn.models import ModelConfig, TinyLM
+
+    torch.manual_seed(3)
+    model = TinyLM(ModelConfig(vocab_size=11, block_size=16, n_layer=2, n_head=2, d_model=8,
+                               attention=attention)).double()
+    params = {name: p.detach() for name, p in model.named_parameters()}
+    idx, targets = torch.randint(0, 11, (3, 6)), torch.randint(0, 11, (3, 6))
+    mask = torch.tensor([[0, 0, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0], [1, 1, 1, 1, 1, 1]])
+
+    def loss(params, idx, targets, mask):
+        return functional_call(model, params, (idx[None], targets[None]), {"attention_mask": mask[None]})[1]
+
+    per_sample = vmap(grad(loss), in_dims=(None, 0, 0, 0))(params, idx, targets, mask)
+    for b in range(3):
+        keep = mask[b].bool()
+        model.zero_grad()
+        model(idx[b:b + 1, keep], targets[b:b + 1, keep])[1].backward()
+        for name, p in model.named_parameters():
+            torch.testing.assert_close(per_sample[name][b], p.grad, rtol=0, atol=1e-12, msg=name)

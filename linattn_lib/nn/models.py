@@ -156,9 +156,12 @@ class TinyLM(nn.Module):
         if idx.shape[0] == 0 or idx.shape[1] == 0:
             raise ValueError(f"{fn}: `{name}` must have B >= 1 and T >= 1, got {V.describe(idx)}")
         vocab = self.cfg.vocab_size
-        ids = idx[idx != -100] if allow_ignore else idx
         # a value check: on CPU in eager mode only (V.values_checked), as the layers' checks
-        if V.values_checked(ids) and ids.numel() and (bool((ids < 0).any()) or bool((ids >= vocab).any())):
+        # (so never under torch.func, which cannot map the boolean indexing below)
+        if not V.values_checked(idx):
+            return
+        ids = idx[idx != -100] if allow_ignore else idx
+        if ids.numel() and (bool((ids < 0).any()) or bool((ids >= vocab).any())):
             ignore = " (or -100, ignored by the loss)" if allow_ignore else ""
             raise ValueError(
                 f"{fn}: `{name}` holds token ids in [{int(ids.min())}, {int(ids.max())}]; expected ids in "
@@ -223,10 +226,7 @@ class TinyLM(nn.Module):
 
     def _check_mask(self, fn: str, mask, idx: Tensor, states, pos_offset: int, return_states: bool) -> Tensor:
         """`attention_mask` checked, as (B, T) bool (True: a token)."""
-        V.check_tensor(fn, "attention_mask", mask, floating=False, layout=("B", "T"))
-        if tuple(mask.shape) != tuple(idx.shape) or mask.device != idx.device:
-            raise ValueError(f"{fn}: `attention_mask` must be (B, T) = {tuple(idx.shape)} on {idx.device}, "
-                             f"got {V.describe(mask)}")
+        mask = V.check_attention_mask(fn, mask, idx)
         if states is not None or pos_offset:
             raise ValueError(f"{fn}: `attention_mask` takes no `states` or `pos_offset`: it marks a padded "
                              "prompt; continue from the states it returns")
@@ -236,9 +236,6 @@ class TinyLM(nn.Module):
         if return_states and any(getattr(b.attn, "kind", None) == "cosformer" for b in self.blocks):
             raise ValueError(f"{fn}: with `attention_mask` cosFormer's rows continue from different positions, "
                              "which its state cannot: no states are returned")
-        if V.values_checked(mask) and not bool(((mask == 0) | (mask == 1)).all()):
-            raise ValueError(f"{fn}: `attention_mask` must hold 0 (padding) and 1 (tokens), got {V.describe(mask)}")
-        mask = mask != 0
         if V.values_checked(mask) and not bool(mask.any(1).all()):
             raise ValueError(f"{fn}: every row of `attention_mask` needs a token; rows "
                              f"{(~mask.any(1)).nonzero().flatten().tolist()} have none")
