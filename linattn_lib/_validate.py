@@ -445,3 +445,15 @@ def check_all_finite(fn: str, named: Sequence[tuple[str, Tensor]]) -> None:
                 f"{fn}: `{name}` has a non-finite value ({value}) at index {where} ({describe(x)}); "
                 "expected finite values (pad with zeros, not NaN or inf)"
             )
+
+
+def check_attention_mask(fn: str, mask: object, like: Tensor) -> Tensor:
+    """An `attention_mask` for a batch shaped as `like` ((B, T, ...), or token ids (B, T)):
+    (B, T) on its device, bool or 0/1 (Hugging Face's); returned as bool (True: a token)."""
+    check_tensor(fn, "attention_mask", mask, floating=False, layout=("B", "T"))
+    if tuple(mask.shape) != tuple(like.shape[:2]) or mask.device != like.device:
+        raise ValueError(f"{fn}: `attention_mask` must be (B, T) = {tuple(like.shape[:2])} on {like.device}, "
+                         f"got {describe(mask)}")
+    if values_checked(mask) and not bool(((mask == 0) | (mask == 1)).all()):
+        raise ValueError(f"{fn}: `attention_mask` must hold 0 (padding) and 1 (tokens), got {describe(mask)}")
+    return mask != 0

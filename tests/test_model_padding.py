@@ -125,3 +125,28 @@ def test_softmax_layer_mask_with_a_state_marks_the_new_tokens():
     assert (y[0, 1] == 0).all()
     alone = layer(torch.cat([x[:1], more[:1, new[0]]], dim=1))[0, 4:]
     torch.testing.assert_close(y[0, new[0]], alone, rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("case,message", [
+    ("values", "0 \\(padding\\) and 1"), ("mask shape", r"\(B, T\)"),
+    ("cache batch", "expected \\(B=2"), ("key mask length", "key mask"), ("width", "channels"),
+])
+def test_softmax_layer_refuses_bad_masks_and_caches(case, message):
+    """SoftmaxAttention called directly checks what LinearAttention and TinyLM check: a mask
+    of 0 and 1 of the input's (B, T), and a cache that fits the input (it used to take a mask
+    of 2s as tokens and fail inside torch on a cache of another batch)."""
+    torch.manual_seed(0)
+    layer = SoftmaxAttention(8, 2).double()
+    x = torch.randn(2, 4, 8, dtype=torch.float64)
+    _, cache = layer(x, attention_mask=torch.ones(2, 4, dtype=torch.bool), return_state=True)
+    kw = dict(attention_mask=torch.tensor([[1, 1, 2, 1], [1, 1, 1, 1]]))
+    if case == "mask shape":
+        kw = dict(attention_mask=torch.ones(2, 3, dtype=torch.long))
+    elif case == "cache batch":
+        kw = dict(state=tuple(t[:1] for t in cache))
+    elif case == "key mask length":
+        kw = dict(state=(*cache[:2], cache[2][:, :3]))
+    elif case == "width":
+        x = x[..., :6]
+    with pytest.raises(ValueError, match=message):
+        layer(x, **kw)

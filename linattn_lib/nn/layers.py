@@ -377,18 +377,12 @@ class LinearAttention(nn.Module):
 
     def _check_mask(self, fn, mask, x, state, cu_seqlens, return_state) -> Tensor:
         """`attention_mask` checked, as a (B, T) bool tensor (True: a token)."""
-        V.check_tensor(fn, "attention_mask", mask, floating=False, layout=("B", "T"))
-        if tuple(mask.shape) != tuple(x.shape[:2]) or mask.device != x.device:
-            raise ValueError(f"{fn}: `attention_mask` must be (B, T) = {tuple(x.shape[:2])} on {x.device}, "
-                             f"got {V.describe(mask)}")
         if cu_seqlens is not None:
             raise ValueError(f"{fn}: `attention_mask` takes no `cu_seqlens`: pack the rows without their padding")
         if self.kind == "cosformer" and return_state:
             raise ValueError(f"{fn}(cosformer): with `attention_mask` every row has its own next position, "
                              "which one `pos_offset` cannot give: no state is returned")
-        if V.values_checked(mask) and not bool(((mask == 0) | (mask == 1)).all()):
-            raise ValueError(f"{fn}: `attention_mask` must hold 0 (padding) and 1 (tokens), got {V.describe(mask)}")
-        return mask != 0
+        return V.check_attention_mask(fn, mask, x)
 
     def _decode(self, q, k, v, beta, g, state):
         """One token from `state` with the decode-step functions (no gradient): o (B, H, 1, Dv)."""
@@ -568,12 +562,11 @@ class SoftmaxAttention(nn.Module):
         padding is no key of any query, its outputs are 0, and the returned cache also holds
         the keys' mask, which the next calls extend."""
         fn = "SoftmaxAttention"
+        _check_input(fn, x, self, self.n_heads * self.d_head)
+        if state is not None:
+            self.check_state(fn, "state", state, batch=x.shape[0], device=x.device)
         if attention_mask is not None:
-            V.check_tensor(fn, "attention_mask", attention_mask, floating=False, layout=("B", "T"))
-            if tuple(attention_mask.shape) != tuple(x.shape[:2]):
-                raise ValueError(f"{fn}: `attention_mask` must be (B, T) = {tuple(x.shape[:2])}, "
-                                 f"got {V.describe(attention_mask)}")
-            attention_mask = attention_mask != 0
+            attention_mask = V.check_attention_mask(fn, attention_mask, x)
         return self._forward(x, state=state, pos_offset=pos_offset, return_state=return_state, mask=attention_mask)
 
     def _forward(self, x: Tensor, *, state: tuple[Tensor, ...] | None = None, pos_offset: int = 0,
