@@ -25,7 +25,7 @@ METHOD_LABELS = {"hedgehog": "Hedgehog (CE on weights)", "lolcats": "LoLCATs (ou
                  "lolcats_window": "LoLCATs + window 16"}
 # Figure 11.6: colour is the student's attention, a method of the book's palette (linear
 # attention blue, the window's mix of softmax and linear attention the hybrids' grey); marker
-# and line style are the conversion recipe, which is not a method.
+# and line style tell the three conversions apart (the window student's recipe is LoLCATs').
 STUDENT_KINDS = {"hedgehog": "linear", "lolcats": "linear", "lolcats_window": "hybrid"}
 RECIPE_STYLES = {"hedgehog": ("o", "-"), "lolcats": ("s", "--"), "lolcats_window": ("^", "-.")}
 STAGES = ("swap", "transfer", "lora")
