@@ -539,8 +539,9 @@ def _draw_program_dataflow(ax1: Axes, current: int) -> None:
     ax1.add_patch(Rectangle((0.2, 5.0), 9.6, 1.7, facecolor="#e8e8e8", edgecolor="gray"))
     ax1.text(0.35, 6.45, "global memory (HBM)", fontsize=10.5, weight="bold", va="center")
     ax1.add_patch(Rectangle((0.2, 0.2), 9.6, 4.3, facecolor="#f6f1fb", edgecolor=_ON_CHIP))
+    # on a patch of the region's own colour, above the arrows that pass it
     ax1.text(0.35, 4.25, "on chip: registers / shared memory of one program", fontsize=10.5, weight="bold",
-             va="center")
+             va="center", zorder=3, bbox=dict(facecolor="#f6f1fb", edgecolor="none", pad=1.0))
 
     def box(x, y, w, h, label, color):
         ax1.add_patch(Rectangle((x, y), w, h, facecolor=color, edgecolor="black", lw=0.8))
