@@ -60,9 +60,10 @@ def _autograd_inside_op() -> contextlib.AbstractContextManager:
 
 
 def func_transform_active() -> bool:
-    """Whether a `torch.func` transform is running (one C call: a gate before the closer
-    look of `under_func_transform`); never while torch.compile traces (the traced host ops
-    are the ones compile already uses)."""
+    """Whether a `torch.func` transform is running (one C call); never while torch.compile
+    traces (the traced host ops are the ones compile already uses). linear.py, delta.py and
+    features.py route every call through the host ops then, whatever its inputs: torch
+    refuses the library's own autograd Functions under any running transform."""
     return not torch.compiler.is_compiling() and torch._C._functorch.peek_interpreter_stack() is not None
 
 
