@@ -75,6 +75,7 @@ from .chunk_grad_prep import chunk_bwd_prep, decay_grad
 from .chunk_state import chunk_states, state_config
 from .configs import dot_precision, launchable, max_registers, rounds_operands
 from .sequences import (
+    as_f32,
     cdiv,
     chunk_of_program,
     dim_mask,
@@ -654,8 +655,7 @@ def chunk_bwd_two_phase(
     # once for every launch (no host sync)
     kw["layout"] = packed_layout(cu_seqlens, T, B, H, cfg_s["BT"])
     layout = kw["layout"][:4]
-    g = (log_decay.to(torch.float32).contiguous()
-         if log_decay is not None else None)
+    g = as_f32(log_decay)
     if g is not None:  # both walks' decays in one launch
         kw["decays"] = chunk_decays(g, B, H, T, cfg_s["BT"], layout=layout,
                                     lengths=lengths, to_start=True,

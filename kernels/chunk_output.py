@@ -53,6 +53,7 @@ from .chunk_fwd import _gap
 from .chunk_state import chunk_states, state_config
 from .configs import dot_precision, launchable, max_registers, rounds_operands
 from .sequences import (
+    as_f32,
     cdiv,
     chunk_of_program,
     dim_mask,
@@ -236,8 +237,7 @@ def chunk_output(
     o = torch.empty(B, H, T, Dv, dtype=v.dtype, device=q.device)
     den = (torch.empty(B, H, T, dtype=torch.float32, device=q.device)
            if normalize else None)
-    g = (log_decay.to(torch.float32).contiguous()
-         if log_decay is not None else None)
+    g = as_f32(log_decay)
     if B * H * NT == 0:
         return o, den
     prefix = (None, None)
@@ -318,7 +318,7 @@ def chunk_fwd_two_phase(
     layout = packed_layout(cu_seqlens, q.shape[2], B, H, cfg_out["BT"])
     # the state walk's decays and the outputs' prefix sums in one launch
     if log_decay is not None:
-        decays = chunk_decays(log_decay.to(torch.float32).contiguous(),
+        decays = chunk_decays(as_f32(log_decay),
                               B, H, q.shape[2], cfg_out["BT"],
                               layout=layout, prefix=True)
     h, hz, S_T, z_T = chunk_states(

@@ -70,7 +70,7 @@ import triton.language as tl
 from . import configs
 from .chunk_decay import ChunkDecays, _launch_config, chunk_decays
 from .configs import dot_precision, launchable, multiprocessor_count
-from .sequences import cdiv, first_chunk, packed_layout, sequence_rows
+from .sequences import as_f32, cdiv, first_chunk, packed_layout, sequence_rows
 
 
 @triton.jit
@@ -435,10 +435,6 @@ def chunk_state_merge_kernel(
                     DECAY, STORE_ST, REVERSE)
 
 
-def _f32(x: torch.Tensor | None) -> torch.Tensor | None:
-    return None if x is None else x.to(torch.float32).contiguous()
-
-
 def chunk_states(
     k: torch.Tensor,
     v: torch.Tensor,
@@ -497,9 +493,9 @@ def chunk_states(
     hz = torch.empty(B, H, NT, Dk, **f32) if track_z else None
     S0 = z0 = None
     if initial_state is not None:
-        S0 = _f32(initial_state[0])
+        S0 = as_f32(initial_state[0])
         if track_z:
-            z0 = (_f32(initial_state[1]) if initial_state[1] is not None
+            z0 = (as_f32(initial_state[1]) if initial_state[1] is not None
                   else torch.zeros(n_seq, H, Dk, **f32))
     # one more column of programs for z: a program walks a state tile or z
     tiles = (cdiv(Dk, cfg["BK"]), cdiv(Dv, cfg["BV"]) + int(track_z))
@@ -512,7 +508,7 @@ def chunk_states(
            if (ends and track_z) else None)
     if n_seq * H == 0:
         return h, hz, S_T, z_T
-    g, r, w = _f32(log_decay), _f32(key_scale), _f32(z_weights)
+    g, r, w = as_f32(log_decay), as_f32(key_scale), as_f32(z_weights)
     walked = ((torch.empty(B * H * NT, **f32),
                torch.empty(B * H * splits, **f32))
               if split and g is not None else (None, None))

@@ -11,6 +11,7 @@ a config, and its answers always come from `CONFIGS`.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -377,10 +378,28 @@ Capability = tuple | None
 
 def device_capability(device: torch.device | str | None) -> Capability:
     """(major, minor) of a CUDA device; None for CPU (the interpreter)."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
+    props = _cuda_properties(device)
+    return None if props is None else props[0]
+
+
+def _cuda_properties(device: torch.device | str | None) -> tuple[tuple[int, int], int] | None:
+    """((major, minor), SMs) of a CUDA device, None for any other. A tensor's CUDA device
+    (which has its index) is asked once: every launcher looks its device up, a dozen times a
+    training step's forward+backward, and torch.cuda's query costs a few microseconds of
+    Python each time (fla caches it the same way)."""
+    if not isinstance(device, torch.device):
+        device = torch.device(device) if device is not None else torch.device("cpu")
     if device.type != "cuda":
         return None
-    return tuple(torch.cuda.get_device_capability(device))
+    if device.index is None:  # "cuda": the current device, which may change
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _cuda_properties_of(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _cuda_properties_of(device: torch.device) -> tuple[tuple[int, int], int]:
+    props = torch.cuda.get_device_properties(device)
+    return (props.major, props.minor), props.multi_processor_count
 
 
 # Triton releases that miscompile a tl.dot of the transpose of another tl.dot's result on Hopper
@@ -427,10 +446,8 @@ def refuse_transposed_dots(what: str, device) -> None:
 
 def multiprocessor_count(device: torch.device | str | None) -> int | None:
     """SMs of a CUDA device; None for CPU (the interpreter) and meta tensors."""
-    device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type != "cuda":
-        return None
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    props = _cuda_properties(device)
+    return None if props is None else props[1]
 
 
 def select_config(kernel: str, d_whole: int, dtype: torch.dtype, device_or_capability=None) -> dict:

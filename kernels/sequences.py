@@ -91,6 +91,15 @@ def even_dims(*pairs: tuple[int, int]) -> bool:
     return all(D % width == 0 for D, width in pairs)
 
 
+def as_f32(x: torch.Tensor | None) -> torch.Tensor | None:
+    """x as the kernels read it, float32 and contiguous; x itself when it already
+    is. `x.to(torch.float32)` would return x too, but only after torch's argument
+    parsing, about a microsecond a call on the launch path (None stays None)."""
+    if x is None or (x.dtype == torch.float32 and x.is_contiguous()):
+        return x
+    return x.to(torch.float32).contiguous()
+
+
 def cdiv(a: int, b: int) -> int:
     """ceil(a / b) for ints: what `triton.cdiv` gives, without its constexpr wrapper (which
     costs a few microseconds a call on the launch path in Triton 3.6+)."""

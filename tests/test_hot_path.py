@@ -12,6 +12,7 @@ a GPU each of those is a device-to-host synchronisation. So must it with `torch.
 from __future__ import annotations
 
 import contextlib
+import types
 
 import pytest
 import torch
@@ -124,6 +125,38 @@ def test_record_launches_device_parameters():
     with record_launches(capability=(9, 0)) as hopper:
         linear_attention(q.half(), k.half(), v.half(), backend="triton")
     assert [launch.kwargs for launch in turing] != [launch.kwargs for launch in hopper]
+
+
+def test_device_queries_are_cached_per_cuda_device(monkeypatch):
+    """The launchers' capability and SM count come from one torch.cuda query per device,
+    and a stubbed device (record_launches) is never remembered as a real one."""
+    from linattn_lib import kernels as K
+
+    configs = K.configs
+    asked = []
+
+    def properties(device=None):
+        asked.append(device)
+        index = torch.device(device).index
+        return types.SimpleNamespace(major=9, minor=index, multi_processor_count=100 + index)
+
+    configs._cuda_properties_of.cache_clear()
+    monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
+    try:
+        with record_launches(capability=(8, 0), sm_count=7):
+            assert configs.device_capability(torch.device("cuda", 0)) == (8, 0)
+            assert configs.multiprocessor_count("cuda:0") == 7
+        assert asked == []
+        for _ in range(3):
+            assert configs.device_capability(torch.device("cuda", 0)) == (9, 0)
+            assert configs.multiprocessor_count(torch.device("cuda", 0)) == 100
+            assert configs.device_capability("cuda:2") == (9, 2)
+        assert configs.multiprocessor_count("cuda") == 101  # the current device
+        assert [torch.device(d).index for d in asked] == [0, 2, 1]
+        assert configs.device_capability("cpu") is None and configs.multiprocessor_count(None) is None
+    finally:
+        configs._cuda_properties_of.cache_clear()
 
 
 def test_the_sync_guard_catches_a_sync(monkeypatch):
