@@ -396,7 +396,7 @@ def _cuda_properties(device: torch.device | str | None) -> tuple[tuple[int, int]
     return _cuda_properties_of(device)
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _cuda_properties_of(device: torch.device) -> tuple[tuple[int, int], int]:
     props = torch.cuda.get_device_properties(device)
     return (props.major, props.minor), props.multi_processor_count
