@@ -101,6 +101,20 @@ def test_orthogonal_matrix_structure():
     assert torch.allclose(Wd.norm(dim=1), torch.full((m,), 4.0, dtype=D64))
 
 
+def test_sqrt_d_scaling_is_biased_as_its_docstring_says():
+    """At d = 1 a sqrt_d row is +1 or -1, each with probability 1/2 (Haar on O(1)): the
+    positive map's expectation is exact, cosh(x + y) exp(-(x^2 + y^2)/2), not exp(x y)."""
+    rows = {orthogonal_gaussian_matrix(1, 1, scaling="sqrt_d", seed=s, dtype=D64).item()
+            for s in range(40)}
+    assert rows == {1.0, -1.0}
+    x, y = torch.tensor([[1.0]], dtype=D64), torch.tensor([[0.5]], dtype=D64)
+    mean = sum(positive_random_features(x, torch.tensor([[w]], dtype=D64))
+               @ positive_random_features(y, torch.tensor([[w]], dtype=D64)).T for w in rows) / 2
+    want = math.cosh(1.5) * math.exp(-(1.0 + 0.25) / 2)
+    assert abs(mean.item() - want) < 1e-12
+    assert mean.item() < 0.8 * math.exp(0.5)  # low by 24%: biased
+
+
 def test_orthogonal_features_have_lower_mse():
     d, m, trials = 16, 16, 400
     g = torch.Generator().manual_seed(7)

@@ -75,11 +75,14 @@ def orthogonal_gaussian_matrix(
 
     A d x d matrix has at most d orthogonal rows, so m > d rows are ceil(m/d) independent
     orthogonal blocks stacked (the last one truncated). Each block is the Q factor of a Gaussian
-    matrix, sign-corrected so that it is exactly Haar distributed. Rows are then rescaled so each
-    has the marginal law of a Gaussian vector, which keeps the estimator unbiased:
+    matrix, sign-corrected so that it is exactly Haar distributed. Rows are then rescaled:
 
-    * scaling="chi": norms drawn from chi_d (the norms of fresh N(0, I_d) vectors),
-    * scaling="sqrt_d": every norm is sqrt(d) (Performer's regularised variant).
+    * scaling="chi": norms drawn from chi_d (the norms of fresh N(0, I_d) vectors), so each row
+      has the marginal law of a Gaussian vector and the feature maps' estimates stay unbiased;
+    * scaling="sqrt_d": every norm is sqrt(d) (Performer's regularised variant). The rows are
+      then uniform on a sphere, not Gaussian, and the estimates are biased: they estimate
+      Performer's regularised kernel SMREG, which agrees with exp(x^T y) to second order in the
+      norms (E[w w^T] = I still holds) but not beyond (chapter 3, exercise 3).
     """
     fn = "orthogonal_gaussian_matrix"
     V.check_positive_int(fn, "m", m)
