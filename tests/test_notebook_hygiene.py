@@ -151,3 +151,14 @@ def test_figure_text_is_readable(path):
     wide = [m.group(0) for m in WIDE_FIGURE.finditer(source) if float(m.group(1)) > MAX_FIGURE_INCHES]
     assert not small, f"{path.name}: text below 10 pt: {small}"
     assert not wide, f"{path.name}: figures wider than {MAX_FIGURE_INCHES} inches: {wide}"
+
+
+def test_every_method_has_one_colour_and_one_label():
+    """Figures name a method as the prose does ("Gated DeltaNet"), never by its identifier."""
+    from linattn_lib.chapters.plots import METHOD_COLORS, METHOD_LABELS, method_label
+
+    assert METHOD_LABELS.keys() == METHOD_COLORS.keys()
+    assert method_label("gated_deltanet") == "Gated DeltaNet"
+    assert method_label(" Mamba-2 ") == "SSD (Mamba-2)"  # an alias, as method_color takes it
+    with pytest.raises(KeyError, match="no colour"):
+        method_label("gated-deltanet")

@@ -45,7 +45,8 @@ def draw_rank_scan(world_size: int = 4, *, ax: Axes | None = None, mode: str = "
         for r in range(W):
             ax.add_patch(FancyArrowPatch((r * 1.5 + 0.6, 1.0), (r * 1.5 + 0.6, 0.82), arrowstyle="->", mutation_scale=8))
             ax.add_patch(FancyArrowPatch((r * 1.5 + 0.6, 0.5), (r * 1.5 + 0.6, 0.4), arrowstyle="->", mutation_scale=8))
-        title = r"all-gather: one collective; rank $r$ adds $e^{G_{s+1}+\dots+G_{r-1}} S_s$ over $s<r$"
+        # no nested exponent (its sub-subscripts were ~7 px on the page): §9.2 has the formula
+        title = r"all-gather: one collective; rank $r$ sums the decayed $S_s$ of ranks $s<r$"
     ax.set_xlim(-0.2, 1.5 * W)
     ax.set_ylim(0.0, 2.6)
     ax.set_title(title, fontsize=11)

@@ -56,6 +56,23 @@ def method_color(name: str) -> str:
     return METHOD_COLORS[key]
 
 
+# How the prose names each kind, for legends and tick labels (the keys of METHOD_COLORS).
+METHOD_LABELS: dict[str, str] = {
+    "softmax": "softmax", "hybrid": "hybrid", "sliding_window": "sliding window",
+    "linear": "linear", "performer": "Performer", "cosformer": "cosFormer",
+    "taylor": "Based (Taylor)", "retnet": "RetNet", "ssd": "SSD (Mamba-2)", "gla": "GLA",
+    "rwkv6": "RWKV-6", "deltanet": "DeltaNet", "gated_deltanet": "Gated DeltaNet", "kda": "KDA",
+}
+
+
+def method_label(name: str) -> str:
+    """The book's name for a method on a figure (a kind name such as "gated_deltanet", or a
+    common alias): "Gated DeltaNet", not the identifier."""
+    method_color(name)  # the same names, the same error for an unknown one
+    key = name.lower().strip()
+    return METHOD_LABELS[_ALIASES.get(key, key)]
+
+
 def use_book_style() -> None:
     """Set matplotlib's defaults to the book's style (text sizes, resolution); in a notebook,
     show inline figures as retina PNGs (twice the pixels at the same size)."""
