@@ -26,6 +26,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from .once import once_differentiable
 from .triton_ops import require_kernels
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -121,6 +122,8 @@ class _DeltaRuleTriton(torch.autograd.Function):
         return o, S_T
 
     @staticmethod
+    @once_differentiable("delta_rule_attention(backend='triton')", "backend='torch' is plain torch "
+                         "and has them.")
     def backward(ctx, do: Tensor | None, dS_T: Tensor | None) -> tuple:
         q, k, v, beta, log_decay, initial_state = ctx.saved_tensors
         if do is None:

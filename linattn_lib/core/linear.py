@@ -75,7 +75,8 @@ def linear_attention(
             w_ij = exp(log_decay[j+1] + ... + log_decay[i]). Needs causal=True.
         form: "quadratic", "recurrent" or "chunked" (all three agree). Second derivatives
             (a gradient penalty, MAML) need "quadratic" or "recurrent": the chunked form's
-            backward, torch's and the kernels', is written by hand and differentiable once.
+            backward, torch's and the kernels', is written by hand and differentiable once,
+            and a backward with create_graph=True through it raises NotImplementedError.
         chunk_size: chunk length of the chunked form on the torch path (the Triton kernels use
             the chunk length of their launch config, `linattn_lib.kernels.select_config`).
         eps: added to the denominator when normalize=True.
@@ -116,7 +117,9 @@ def linear_attention(
     environment), because each would cost a pass over its input and a device-to-host sync
     on every training step; unchecked, the kernels give NaN in exactly the outputs that
     depend on a non-finite input, and a bad cu_seqlens gives wrong outputs, not an access
-    outside the tensors (the kernels clamp its starts). Under torch.compile they are off.
+    outside the tensors (the kernels clamp its starts). Under torch.compile they are not traced:
+    a compiled CUDA call is never checked; on CPU the causal chunked and recurrent forms and
+    packed sequences, which the compiled graph calls as one library op, still check inside it.
     The causal CUDA path (forward and backward) makes no host synchronisation, packed
     sequences included (tests/test_hot_path.py): the kernels size their per-chunk buffers by
     the bound ceil(T_total / BT) + N - 1, not by the chunk count. With cu_seqlens and

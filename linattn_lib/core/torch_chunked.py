@@ -52,6 +52,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from .masks import decay_mask
+from .once import once_differentiable
 from .state import (
     LinearAttentionState,
     compute_dtype,
@@ -376,7 +377,8 @@ class _ChunkedLinearAttention(torch.autograd.Function):
         return o, S_out, z_out
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable("linear_attention(form='chunked')", "form='quadratic' and form='recurrent' "
+                         "are plain torch and have them.")
     def backward(ctx, do, dS_T, dz_T):
         qc, kc, vc, out, den, log_decay, S0, z0 = ctx.saved_tensors
         B, H, T, Dk, Dv, C, N = ctx.shape

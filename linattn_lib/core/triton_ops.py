@@ -36,6 +36,7 @@ from types import ModuleType
 import torch
 from torch import Tensor
 
+from .once import once_differentiable
 from .state import DEFAULT_EPS, LinearAttentionState
 
 SUPPORTED_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -255,7 +256,8 @@ class _CausalEager(torch.autograd.Function):
         return o, S_T, z_T
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable("linear_attention(backend='triton')", "backend='torch' with form='quadratic' "
+                         "or form='recurrent' is plain torch and has them.")
     def backward(ctx, do, dS_T, dz_T):
         q, k, v, g, S0, z0, o, den, S_T, z_T, cu_seqlens, h, hz = ctx.saved_tensors
         inputs = (q, k, v, g, S0, z0)
@@ -345,7 +347,8 @@ class _PositiveRandomFeatures(torch.autograd.Function):
         return phi
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable("positive_random_features(backend='triton')", "backend='torch' is plain torch "
+                         "and has them.")
     def backward(ctx, dphi):
         x, W, phi = ctx.saved_tensors
         s = ctx.input_scale
