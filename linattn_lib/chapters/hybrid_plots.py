@@ -98,8 +98,10 @@ def draw_decode_cost(decode: Mapping) -> Figure:
         ax.set_ylabel(label)
         ax.grid(alpha=0.3, which="both")
         plain_log_labels(ax)
-    a.legend(fontsize=10, ncol=2, loc="upper left")
-    fig.tight_layout()
+    # below both panels: inside, it covered the softmax stack's line
+    handles, labels = a.get_legend_handles_labels()
+    fig.legend(handles, labels, fontsize=10, ncol=min(len(labels), 6), loc="lower center", frameon=False)
+    fig.tight_layout(rect=(0, 0.07, 1, 1))
     return fig
 
 

@@ -523,7 +523,7 @@ def _draw_mixing_matrix(ax0: Axes, n: int, current: int) -> None:
     ax0.set_xlabel("key chunk")
     ax0.set_ylabel("query chunk")
     ax0.set_title("mixing matrix, chunk by chunk")
-    ax0.text(n * 0.97, n * 0.93, "diagonal blocks: masked\nBT×BT matmuls, on chip\n\n"
+    ax0.text(n * 0.97, n * 0.93, "diagonal blocks: masked\n$C\\times C$ matmuls, on chip\n\n"
              "blocks below: never formed;\nthey reach the query\nthrough the state S",
              ha="right", va="top", fontsize=10)
 
@@ -550,14 +550,15 @@ def _draw_program_dataflow(ax1: Axes, current: int) -> None:
     def arrow(x0, y0, x1, y1, color="black"):
         ax1.add_patch(FancyArrowPatch((x0, y0), (x1, y1), arrowstyle="-|>", mutation_scale=11, color=color, lw=1.2))
 
-    for x, lab in [(0.5, "q chunk\nBT×Dk"), (2.3, "k chunk\nBT×Dk"), (4.1, "v tile\nBT×BV")]:
+    for x, lab in [(0.5, "q chunk\n$C\\times d_k$"), (2.3, "k chunk\n$C\\times d_k$"),
+                   (4.1, "v tile\n$C\\times B_V$")]:
         box(x, 5.2, 1.5, 0.95, lab, "white")
         arrow(x + 0.75, 5.2, x + 0.75, 3.75, "dimgray")
-    box(6.4, 5.2, 1.5, 0.95, "o tile\nBT×BV", "white")
-    box(8.1, 5.2, 1.5, 0.95, "den\nBT (fp32)", "white")
-    box(0.5, 2.75, 3.3, 0.95, "A = (q kᵀ) ∘ decay\nBT×BT, masked", "#dccbee")
+    box(6.4, 5.2, 1.5, 0.95, "o tile\n$C\\times B_V$", "white")
+    box(8.1, 5.2, 1.5, 0.95, "den\n$C$ (fp32)", "white")
+    box(0.5, 2.75, 3.3, 0.95, "A = (q kᵀ) ∘ decay\n$C\\times C$, masked", "#dccbee")
     box(4.1, 2.75, 1.5, 0.95, "o = A v\n+ q S", "#dccbee")
-    box(0.5, 0.55, 4.2, 1.25, "state S: Dk×BV fp32  (and z: Dk)\nkept for the whole sequence\n"
+    box(0.5, 0.55, 4.2, 1.25, "state S: $d_k\\times B_V$ fp32  (and z: $d_k$)\nkept for the whole sequence\n"
         "S ← exp(g) S + kᵀ v  after each chunk", _STATE)
     arrow(3.8, 3.2, 4.1, 3.2)
     arrow(4.45, 1.8, 4.45, 2.75, _STATE_EDGE)

@@ -335,7 +335,8 @@ def delta_rule_attention(
 
     Checks: as `linear_attention`'s. Shapes, dtypes and devices always; the values (q, k, v
     finite, beta in [0, 2], log_decay <= 0) for CPU tensors in eager mode, for CUDA tensors
-    only when opted in, never under torch.compile. Unchecked, a NaN or inf is computed with:
+    only when opted in; not traced by torch.compile (on CPU the library op that the compiled
+    graph calls still checks). Unchecked, a NaN or inf is computed with:
     in the chunked and quadratic forms it meets the causal mask's zeros in a matmul
     (0 * NaN = NaN) and reaches outputs *before* its position too (every earlier output of
     its chunk, of the whole sequence in the quadratic form).

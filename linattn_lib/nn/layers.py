@@ -168,10 +168,11 @@ class LinearAttention(nn.Module):
     `torch.no_grad()`) runs the library's decode step instead of the chunked form: the same
     output, a fraction of the work. `reset_parameters()` restores the initial weights after a
     host model's own initialisation (nanoGPT's `_init_weights` would reset the decay's bias).
-    Under `torch.compile` the value checks are skipped (see `linear_attention`): a NaN or inf
-    in the input is then not refused. `torch.func` transforms work (per-sample gradients:
-    `vmap(grad(loss))` of a `functional_call`; see `linear_attention`). `fla_layer(...)`
-    builds the layer as fla defines it.
+    Under `torch.compile` the value checks are not traced (see `linear_attention`): on CUDA a NaN
+    or inf in the input is then not refused (on CPU the library op the graph calls checks it).
+    `torch.func` transforms work (per-sample gradients: `vmap(grad(loss))` of a
+    `functional_call`; see `linear_attention`). `fla_layer(...)` builds the layer as fla
+    defines it.
     """
 
     def __init__(
