@@ -68,6 +68,22 @@ def test_one_token_decode_leaves_the_callers_state_alone():
     assert torch.equal(state.S, S) and torch.equal(state.z, z)
 
 
+@pytest.mark.parametrize("kind", ["linear", "gated_deltanet"])
+def test_returned_state_has_one_dtype_on_every_path(kind):
+    """A float64 state given to a float32 layer comes back float32 from the one-token step
+    too (it came back float64 there, float32 from the chunked form)."""
+    layer = _layer(kind).float()
+    x = torch.randn(2, 6, 16)
+    _, state = layer(x[:, :3], return_state=True)
+    wide = type(state)(*(None if s is None else s.double() for s in state))
+    for grad in (False, True):
+        with torch.set_grad_enabled(grad):
+            for T in (1, 3):
+                y, new = layer(x[:, 3:3 + T], state=wide, pos_offset=3, return_state=True)
+                assert y.dtype == torch.float32 and new.S.dtype == torch.float32
+                assert new.z is None or new.z.dtype == torch.float32
+
+
 @pytest.mark.parametrize("kind", ["linear", "retnet", "gated_deltanet"])
 def test_triton_backend_equals_torch(kind):
     pytest.importorskip("triton")

@@ -388,10 +388,13 @@ class LinearAttention(nn.Module):
     def _decode(self, q, k, v, beta, g, state):
         """One token from `state` with the decode-step functions (no gradient): o (B, H, 1, Dv)."""
         g_t = None if g is None else (g if g.dim() == 1 else g[:, :, 0])
+        # the state comes back as from the chunked form (float64 for float64 inputs, else float32),
+        # whatever came in; the linear step updates it in place: a copy (the delta rule's: a new one)
+        dtype, copy = (torch.float64 if q.dtype == torch.float64 else torch.float32), not self._delta
+        new = LinearAttentionState(*(None if s is None else s.to(dtype, copy=copy) for s in state[:2]))
         if self._delta:
-            o, new = delta_rule_decode_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], beta[:, :, 0], state, log_decay=g_t)
+            o, new = delta_rule_decode_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], beta[:, :, 0], new, log_decay=g_t)
             return o.unsqueeze(2), new
-        new = LinearAttentionState(state[0].clone(), None if state[1] is None else state[1].clone())
         o = linear_attention_decode_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], new, log_decay_t=g_t,
                                          normalize=self.normalize, backend=self.backend)
         return o.unsqueeze(2), new
