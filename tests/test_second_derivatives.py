@@ -105,3 +105,30 @@ def test_triton_ops_refuse_a_second_derivative():
         positive_random_features(x, gaussian_matrix(8, 16, seed=0), backend="triton").sum(), x)
     (want,) = torch.autograd.grad(positive_random_features(x, gaussian_matrix(8, 16, seed=0)).sum(), x)
     torch.testing.assert_close(gx, want, rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("kind", ["linear", "retnet", "gated_deltanet"])
+def test_layer_forms_agree_and_the_plain_ones_have_second_derivatives(kind):
+    torch.manual_seed(0)
+    forms = ("chunked", "recurrent", "quadratic")
+    layers = {f: LinearAttention(16, 2, kind=kind, form=f, chunk_size=4).double() for f in forms}
+    for layer in layers.values():
+        layer.load_state_dict(layers["chunked"].state_dict())
+    x = torch.randn(2, 9, 16, dtype=D64, requires_grad=True)
+    want = layers["chunked"](x)
+    for f in forms[1:]:
+        torch.testing.assert_close(layers[f](x), want, rtol=1e-10, atol=1e-12)
+    # the delta rule's torch forms are all plain autograd; linear attention's chunked walk is not
+    twice = forms if kind == "gated_deltanet" else forms[1:]
+    penalty = {}
+    for f in twice:  # a gradient penalty on the input, through the layer's weights
+        (gx,) = torch.autograd.grad(layers[f](x).sum(), x, create_graph=True)
+        (penalty[f],) = torch.autograd.grad(gx.pow(2).sum(), layers[f].qkv.weight)
+    assert penalty["recurrent"].abs().max() > 0
+    for f in twice:
+        torch.testing.assert_close(penalty[f], penalty["quadratic"], rtol=1e-9, atol=1e-11)
+    if "chunked" not in twice:
+        with pytest.raises(NotImplementedError, match=r"LinearAttention\(form=\.\.\.\)"):
+            torch.autograd.grad(layers["chunked"](x).sum(), x, create_graph=True)
+    with pytest.raises(ValueError, match="form"):
+        LinearAttention(16, 2, kind=kind, form="fast")

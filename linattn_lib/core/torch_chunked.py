@@ -378,7 +378,7 @@ class _ChunkedLinearAttention(torch.autograd.Function):
 
     @staticmethod
     @once_differentiable("linear_attention(form='chunked')", "form='quadratic' and form='recurrent' "
-                         "are plain torch and have them.")
+                         "(also LinearAttention(form=...)) are plain torch and have them.")
     def backward(ctx, do, dS_T, dz_T):
         qc, kc, vc, out, den, log_decay, S0, z0 = ctx.saved_tensors
         B, H, T, Dk, Dv, C, N = ctx.shape

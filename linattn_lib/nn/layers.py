@@ -136,6 +136,8 @@ class LinearAttention(nn.Module):
         max_len: cosFormer's M, the longest sequence the re-weighting is defined for.
         seed: seed of the Performer projection.
         chunk_size: chunk length of the chunked algorithm.
+        form: "chunked" (the fast one), "recurrent" or "quadratic", passed on as `chunk_size` is:
+            the two plain-torch forms also have second derivatives (a gradient penalty).
         backend: "auto" (the Triton kernels for CUDA inputs they support, torch otherwise),
             "torch" or "triton"; passed to `linear_attention` / `delta_rule_attention`.
         activation: None (the bare mechanism: nothing), or fla's `qk_activation`: "silu",
@@ -185,6 +187,7 @@ class LinearAttention(nn.Module):
         max_len: int = 1024,
         seed: int | None = 0,
         chunk_size: int = 64,
+        form: str = "chunked",
         backend: str = "auto",
         activation: str | None = None,
         gate: str = "softplus",
@@ -201,13 +204,14 @@ class LinearAttention(nn.Module):
         fn = "LinearAttention"
         V.check_choice(fn, "kind", kind, LINEAR_KINDS)
         V.check_choice(fn, "backend", backend, ("auto", "torch", "triton"))
+        V.check_choice(fn, "form", form, ("chunked", "recurrent", "quadratic"))
         V.check_choice(fn, "activation", activation, ACTIVATIONS)
         V.check_choice(fn, "gate", gate, ("softplus", "mamba"))
         V.check_choice(fn, "write", write, ("delta", "additive"))
         if write == "additive" and kind not in DELTA_KINDS:
             raise ValueError(f"{fn}: write='additive' applies to the delta kinds {DELTA_KINDS}; kind={kind!r} "
                              "adds to its state already")
-        self.backend, self.activation, self.gate, self.write = backend, activation, gate, write
+        self.backend, self.form, self.activation, self.gate, self.write = backend, form, activation, gate, write
         self.output_gate, self.short_conv, self.q_scale, self.keep_chunk_states = (
             V.check_flag(fn, name, flag) for name, flag in (
                 ("output_gate", output_gate), ("short_conv", short_conv), ("q_scale", q_scale),
@@ -454,14 +458,12 @@ class LinearAttention(nn.Module):
         elif self._delta:
             o, new_state = delta_rule_attention(
                 phi_q, phi_k, v, beta, log_decay=g, chunk_size=self.chunk_size, initial_state=state,
-                return_state=True, backend=self.backend, cu_seqlens=cu_seqlens,
-            )
+                return_state=True, backend=self.backend, cu_seqlens=cu_seqlens, form=self.form)
         else:
             o, new_state = linear_attention(
                 phi_q, phi_k, v, causal=True, normalize=self.normalize, log_decay=g, chunk_size=self.chunk_size,
                 initial_state=state, return_state=True, backend=self.backend, cu_seqlens=cu_seqlens,
-                keep_chunk_states=self.keep_chunk_states,
-            )
+                keep_chunk_states=self.keep_chunk_states, form=self.form)
         if mask is not None:
             o = torch.where(mask[:, None, :, None], o, 0)
         if not self.normalize or self.output_gate:
