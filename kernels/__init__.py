@@ -25,6 +25,7 @@ wrappers live in `linattn_lib/core/triton_ops.py`.
                                            UT transform, the state walk, the outputs; delta_rule_fwd
     favor.py         favor_kernel          FAVOR+ positive features: projection, stabiliser, exp fused
     configs.py       CONFIGS (every config a launcher can pick), select_config, launchable
+    devices.py       device_capability, multiprocessor_count: torch.cuda asked once per device
 
 `KERNELS` maps each kernel name to its JITFunction and a `compile_spec(config, dtype)` that
 gives the signature of its heaviest variant: tests/test_kernels_compile.py compiles, for every

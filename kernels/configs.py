@@ -11,10 +11,12 @@ a config, and its answers always come from `CONFIGS`.
 from __future__ import annotations
 
 import contextlib
-import functools
 from collections.abc import Iterator
 
 import torch
+
+# where a kernel runs: re-exported, the launchers import them from here
+from .devices import Capability, device_capability, multiprocessor_count  # noqa: F401
 
 # Head dims above this need a different tiling (the "whole" dim would not fit registers).
 MAX_HEAD_DIM = 256
@@ -373,35 +375,6 @@ def whole_dim(d: int) -> int:
     return next(b for b in WHOLE_DIMS if d <= b)
 
 
-Capability = tuple | None
-
-
-def device_capability(device: torch.device | str | None) -> Capability:
-    """(major, minor) of a CUDA device; None for CPU (the interpreter)."""
-    props = _cuda_properties(device)
-    return None if props is None else props[0]
-
-
-def _cuda_properties(device: torch.device | str | None) -> tuple[tuple[int, int], int] | None:
-    """((major, minor), SMs) of a CUDA device, None for any other. A tensor's CUDA device
-    (which has its index) is asked once: every launcher looks its device up, a dozen times a
-    training step's forward+backward, and torch.cuda's query costs a few microseconds of
-    Python each time (fla caches it the same way)."""
-    if not isinstance(device, torch.device):
-        device = torch.device(device) if device is not None else torch.device("cpu")
-    if device.type != "cuda":
-        return None
-    if device.index is None:  # "cuda": the current device, which may change
-        device = torch.device("cuda", torch.cuda.current_device())
-    return _cuda_properties_of(device)
-
-
-@functools.cache
-def _cuda_properties_of(device: torch.device) -> tuple[tuple[int, int], int]:
-    props = torch.cuda.get_device_properties(device)
-    return (props.major, props.minor), props.multi_processor_count
-
-
 # Triton releases that miscompile a tl.dot of the transpose of another tl.dot's result on Hopper
 # (fla-org/flash-linear-attention#640: wrong gradients at BK = 64; fixed in 3.7.1). The kernels
 # that still hold the pattern (tests/test_kernels_dot_transpose.py finds them) refuse there:
@@ -442,12 +415,6 @@ def refuse_transposed_dots(what: str, device) -> None:
             f"{what}: Triton {triton.__version__} miscompiles this kernel on sm_{cap[0]}{cap[1]} (Hopper): a "
             "tl.dot of a transposed tl.dot result gives wrong gradients for Triton 3.4 <= v < 3.7.1 "
             "(flash-linear-attention issue #640). Install triton>=3.7.1, or use the torch backend.")
-
-
-def multiprocessor_count(device: torch.device | str | None) -> int | None:
-    """SMs of a CUDA device; None for CPU (the interpreter) and meta tensors."""
-    props = _cuda_properties(device)
-    return None if props is None else props[1]
 
 
 def select_config(kernel: str, d_whole: int, dtype: torch.dtype, device_or_capability=None) -> dict:

@@ -140,7 +140,7 @@ def test_device_queries_are_cached_per_cuda_device(monkeypatch):
         index = torch.device(device).index
         return types.SimpleNamespace(major=9, minor=index, multi_processor_count=100 + index)
 
-    configs._cuda_properties_of.cache_clear()
+    K.devices._cuda_properties_of.cache_clear()
     monkeypatch.setattr(torch.cuda, "get_device_properties", properties)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 1)
     try:
@@ -156,7 +156,7 @@ def test_device_queries_are_cached_per_cuda_device(monkeypatch):
         assert [torch.device(d).index for d in asked] == [0, 2, 1]
         assert configs.device_capability("cpu") is None and configs.multiprocessor_count(None) is None
     finally:
-        configs._cuda_properties_of.cache_clear()
+        K.devices._cuda_properties_of.cache_clear()
 
 
 def test_the_sync_guard_catches_a_sync(monkeypatch):

@@ -550,8 +550,7 @@ def _draw_program_dataflow(ax1: Axes, current: int) -> None:
     def arrow(x0, y0, x1, y1, color="black"):
         ax1.add_patch(FancyArrowPatch((x0, y0), (x1, y1), arrowstyle="-|>", mutation_scale=11, color=color, lw=1.2))
 
-    for x, lab in [(0.5, "q chunk\n$C\\times d_k$"), (2.3, "k chunk\n$C\\times d_k$"),
-                   (4.1, "v tile\n$C\\times B_V$")]:
+    for x, lab in [(0.5, "q chunk\n$C\\times d_k$"), (2.3, "k chunk\n$C\\times d_k$"), (4.1, "v tile\n$C\\times B_V$")]:
         box(x, 5.2, 1.5, 0.95, lab, "white")
         arrow(x + 0.75, 5.2, x + 0.75, 3.75, "dimgray")
     box(6.4, 5.2, 1.5, 0.95, "o tile\n$C\\times B_V$", "white")

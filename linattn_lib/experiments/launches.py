@@ -141,7 +141,7 @@ def _launcher_patches(sm_count: int, capability: tuple[int, int]) -> list[tuple[
         configs.device_capability: lambda device: tuple(capability),
         configs.multiprocessor_count: lambda device: sm_count,
         # the cached query behind both: a stubbed device must not be remembered as a real one
-        configs._cuda_properties: lambda device: (tuple(capability), sm_count),
+        sys.modules[f"{K.__name__}.devices"]._cuda_properties: lambda device: (tuple(capability), sm_count),
     }
     patches = []
     for name, module in list(sys.modules.items()):

@@ -1,0 +1,45 @@
+"""Where a kernel runs: a device's compute capability and SM count, asked of torch.cuda once.
+
+Every launcher looks its device up (`configs.select_config` by capability, the state walks'
+split-T by SM count), a dozen times a training step's forward+backward, and torch.cuda's query
+costs a few microseconds of Python each time: a tensor's CUDA device (which has its index) is
+asked once and remembered (fla caches it the same way). `configs` re-exports both functions,
+which is where the launchers and the tests (monkeypatching them) find them.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+Capability = tuple | None
+
+
+def device_capability(device: torch.device | str | None) -> Capability:
+    """(major, minor) of a CUDA device; None for CPU (the interpreter)."""
+    props = _cuda_properties(device)
+    return None if props is None else props[0]
+
+
+def _cuda_properties(device: torch.device | str | None) -> tuple[tuple[int, int], int] | None:
+    """((major, minor), SMs) of a CUDA device (torch.cuda asked once per device), None for
+    any other."""
+    if not isinstance(device, torch.device):
+        device = torch.device(device) if device is not None else torch.device("cpu")
+    if device.type != "cuda":
+        return None
+    if device.index is None:  # "cuda": the current device, which may change
+        device = torch.device("cuda", torch.cuda.current_device())
+    return _cuda_properties_of(device)
+
+
+@functools.cache
+def _cuda_properties_of(device: torch.device) -> tuple[tuple[int, int], int]:
+    props = torch.cuda.get_device_properties(device)
+    return (props.major, props.minor), props.multi_processor_count
+
+
+def multiprocessor_count(device: torch.device | str | None) -> int | None:
+    """SMs of a CUDA device; None for CPU (the interpreter) and meta tensors."""
+    props = _cuda_properties(device)
+    return None if props is None else props[1]
