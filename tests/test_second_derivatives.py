@@ -91,6 +91,10 @@ def test_triton_ops_refuse_a_second_derivative():
     q, k, v = _inputs(torch.float32, T=16, d=16)
     with pytest.raises(NotImplementedError, match=r"backend='triton'.*second derivatives"):
         _penalty(lambda a, b, c: linear_attention(a, b, c, backend="triton"), q, k, v)
+    # the non-causal kernels run as the custom op even in eager mode: its backward is guarded too
+    with pytest.raises(NotImplementedError, match=r"causal=False, backend='triton'"):
+        _penalty(lambda a, b, c: linear_attention(a, b, c, causal=False, backend="triton"), *_inputs(
+            torch.float32, T=16, d=16))
     beta = torch.rand(1, 2, 16).requires_grad_()
     kn = torch.nn.functional.normalize(k.detach(), dim=-1).requires_grad_()
     o = delta_rule_attention(q, kn, v, beta, backend="triton")

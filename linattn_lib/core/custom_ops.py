@@ -20,8 +20,8 @@ op cannot return None, so an output that does not exist (den without the normali
 states without return_state, a gradient nobody asked for) is an empty float32 tensor of shape
 (0,); the flags that decide it (normalize, return_state, needs) are arguments, so the fake
 knows too. The forward ops are differentiable through `register_autograd`, whose backward calls
-the backward op once: it is marked once-differentiable, so asking for a second derivative
-raises instead of silently treating the gradients as constants. This is what lets
+the backward op once: it is differentiable once (core/once.py), so asking for a second
+derivative raises instead of silently treating the gradients as constants. This is what lets
 `torch.compile` trace a model through the kernels without a graph break (fla instead wraps its
 ops in `torch.compiler.disable`, which breaks the graph at every call).
 
@@ -34,6 +34,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from .once import once_differentiable
 from .triton_ops import _state_grads, causal_backward, causal_forward, require_kernels
 
 
@@ -178,7 +179,8 @@ def _causal_setup(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)  # unused outputs get None (the backward skips them), not zeros
 
 
-@torch.autograd.function.once_differentiable
+@once_differentiable("linear_attention(backend='triton')", "backend='torch' with form='quadratic' or "
+                     "form='recurrent' is plain torch and has them.")
 def _causal_backward(ctx, do, _dden, dS_T, dz_T, *_dstates):
     q, k, v, g, S0, z0, o, den, S_T, z_T, cu_seqlens, *states = ctx.saved_tensors
     normalize, state = ctx.normalize, ctx.return_state
@@ -283,7 +285,8 @@ def _noncausal_setup(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-@torch.autograd.function.once_differentiable
+@once_differentiable("linear_attention(causal=False, backend='triton')", "backend='torch' is plain "
+                     "torch and has them.")
 def _noncausal_backward(ctx, do, _dden, dS_T, dz_T):
     q, k, v, S0, z0, o, den, S, z = ctx.saved_tensors
     normalize = ctx.normalize

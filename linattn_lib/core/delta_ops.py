@@ -16,6 +16,7 @@ import torch
 from torch import Tensor
 
 from .delta_triton import _kernels, delta_rule_bwd
+from .once import once_differentiable
 
 
 def _absent(like: Tensor) -> Tensor:
@@ -66,7 +67,7 @@ def _setup(ctx, inputs, output) -> None:
     ctx.set_materialize_grads(False)
 
 
-@torch.autograd.function.once_differentiable
+@once_differentiable("delta_rule_attention(backend='triton')", "backend='torch' is plain torch and has them.")
 def _backward(ctx, do, dS_T):
     q, k, v, beta, g, S0 = ctx.saved_tensors
     dq, dk, dv, dbeta, dg, dS0 = torch.ops.linattn.delta_bwd(q, k, v, beta, g, S0, do, dS_T, ctx.chunk_size)
