@@ -11,6 +11,7 @@ a config, and its answers always come from `CONFIGS`.
 from __future__ import annotations
 
 import contextlib
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -575,10 +576,18 @@ def launchable(kernel, device):
     tests). This works whether or not TRITON_INTERPRET=1 was set before Triton was imported,
     and leaves the JITFunction itself untouched for ahead-of-time compilation.
     """
-    from triton.runtime.interpreter import InterpretedFunction
-
-    if isinstance(kernel, InterpretedFunction):  # TRITON_INTERPRET=1 at import: already one
+    if isinstance(kernel, _interpreted_type()):  # TRITON_INTERPRET=1 at import: already one
         return kernel
-    if torch.device(device).type == "cuda":
+    # a tensor's .device is a torch.device already (torch.device() of one: ~1 us a launch)
+    if (device if isinstance(device, torch.device) else torch.device(device)).type == "cuda":
         return kernel
     return _Interpreted(kernel)
+
+
+@functools.cache
+def _interpreted_type() -> type:
+    """Triton's InterpretedFunction, imported on first use (an import statement in
+    `launchable` cost about 1 us a launch on the CUDA path)."""
+    from triton.runtime.interpreter import InterpretedFunction
+
+    return InterpretedFunction
