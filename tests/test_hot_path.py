@@ -362,3 +362,18 @@ def test_compiled_call_runs_the_eager_launchers():
     compiled = compiled_host_time(case, calls=3, shape=shape)
     assert compiled["launches"] == eager and "decay_grad_kernel" in eager
     assert compiled["forward"] > 0 and compiled["fwd+bwd"] > 0
+
+
+def test_stub_time_replays_the_recorded_launches():
+    """The stub's own cost that host_overhead prints is the recorded launches replayed under
+    the stub: each replay records the same kernel and grid again, nothing for no launches,
+    and a positive median that grows with the launches replayed."""
+    from linattn_lib.experiments import host_overhead as ho
+
+    counted = ho.count("unnormalised, per-token decay", (1, 2, 256, 32))
+    launches = counted["forward"] + counted["backward"]
+    with ho.record_launches(cuda_like=True, keep_args=False) as again:
+        for x in launches:
+            x.fn[x.grid](*(None,) * sum(p not in x.kwargs for p in x.fn.arg_names), **x.kwargs)
+    assert [(x.name, x.grid) for x in again] == [(x.name, x.grid) for x in launches]
+    assert ho.stub_time([], calls=5) < ho.stub_time(launches * 20, calls=5)

@@ -17,7 +17,10 @@ style); unnormalised with a per-head decay (RetNet) -- it prints
 * beside it, torch's floor for the same inputs: a custom autograd op that only allocates its
   output and gradients (`_Floor`), timed the same way. That much any autograd op with these
   inputs pays (Function.apply, the graph, the engine, `Tensor.backward`); the rest is the
-  library's.
+  library's, less
+* what the stubbed launches themselves cost (`stub_time`: the recorded launches replayed
+  under the stub), which is in the host time too; on a GPU machine Triton's own launch cost
+  takes its place.
 
 Everything runs on CPU tensors dressed as CUDA ones (`record_launches(cuda_like=True)`: the
 launchers see an H100/H200, 132 SMs, sm_90; the library takes its CUDA branches). The data
@@ -246,6 +249,20 @@ def _median_times(fns: dict[str, Callable[[], object]], calls: int, launches: li
     return result
 
 
+def stub_time(launches: list[Launch], calls: int = 200) -> float:
+    """Microseconds that stubbed launches of `launches` cost by themselves: each replayed
+    (`kernel[grid](...)` with as many positional arguments and the same keywords) under
+    `record_launches`, the median over `calls` rounds of all of them. That much of
+    `host_time` is the stub's own recording (on a GPU, Triton's launch costs instead)."""
+    def replay():
+        for launch in launches:
+            launch.fn[launch.grid](*args[launch.name], **launch.kwargs)
+
+    args = {x.name: (None,) * sum(p not in x.kwargs for p in x.fn.arg_names) for x in launches}
+    with record_launches(cuda_like=True, keep_args=False) as recorded:
+        return _median_times({"stub": replay}, calls, recorded)["stub"]
+
+
 def _describe(launch: Launch) -> str:
     return f"{launch.name}{list(launch.grid)}"
 
@@ -259,10 +276,12 @@ def report(shape: tuple[int, int, int, int] = SHAPE, calls: int = 200) -> dict:
     for case in CASES:
         counted, timed = count(case, shape), host_time(case, calls, shape)
         floor = autograd_floor(case, calls, shape)
+        stub = stub_time(counted["forward"], calls), stub_time(counted["forward"] + counted["backward"], calls)
         compiled = compiled_host_time(case, calls, shape)
         fwd, bwd = counted["forward"], counted["backward"]
         row = {
             "floor_us_forward": round(floor["forward"], 1), "floor_us_fwd_bwd": round(floor["fwd+bwd"], 1),
+            "stub_us_forward": round(stub[0], 1), "stub_us_fwd_bwd": round(stub[1], 1),
             "forward_launches": [_describe(x) for x in fwd], "backward_launches": [_describe(x) for x in bwd],
             "forward_torch_ops": counted["forward_torch"], "backward_torch_ops": counted["backward_torch"],
             "host_us_forward": round(timed["forward"], 1), "host_us_fwd_bwd": round(timed["fwd+bwd"], 1),
@@ -274,7 +293,8 @@ def report(shape: tuple[int, int, int, int] = SHAPE, calls: int = 200) -> dict:
         n_all = n_fwd + len(bwd) + len(counted["backward_torch"])
         print(f"\n{case}: {n_fwd} kernels forward, {n_all} forward+backward; host "
               f"{timed['forward']:.0f} us forward, {timed['fwd+bwd']:.0f} us forward+backward "
-              f"(torch's floor for an op with these inputs: {floor['forward']:.0f} / {floor['fwd+bwd']:.0f} us)")
+              f"(torch's floor for an op with these inputs: {floor['forward']:.0f} / {floor['fwd+bwd']:.0f} us; "
+              f"the recording stub's own launches: {stub[0]:.0f} / {stub[1]:.0f} us)")
         print("  forward   " + ", ".join(row["forward_launches"] + row["forward_torch_ops"]))
         print("  backward  " + ", ".join(row["backward_launches"] + row["backward_torch_ops"]))
         same = compiled["launches"] == [x.name for x in fwd + bwd]
