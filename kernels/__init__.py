@@ -16,8 +16,10 @@ wrappers live in `linattn_lib/core/triton_ops.py`.
     chunk_grad_prep.py chunk_bwd_prep_kernel (live_length_kernel), decay_grad_kernel
                                            around it: 1 / den, dL/dden, live lengths from dO; the
                                            log-decay's gradient
+    chunk_grad_specs.py                    the backward kernels' ahead-of-time compile specs
     sequences.py     where a program's tokens and states are: batched or packed (cu_seqlens)
-    chunk_fwd.py     chunk_fwd_kernel      causal forward in one pass; run backwards in time it gives dV
+    chunk_fwd.py     chunk_fwd_kernel      causal forward in one pass (the book's
+                                           one-pass kernel; run backwards in time it gives dV)
     noncausal.py     noncausal_state_kernel, noncausal_output_kernel
     decode.py        decode_kernel         one token, state updated in place
     delta_rule.py    delta_wy_kernel, delta_state_kernel, delta_output_kernel and their backward

@@ -32,7 +32,7 @@ of BV value columns, where the recurrence would spoil only the value's own colum
 before position t never depend on the inputs at t. (Finding the first bad row per column
 instead cost the tensor-core configs 20-40 spill instructions.)
 
-With HAS_LEN (the backward pass) the tokens from len[b, h] on are read as zeros and their
+With HAS_LEN (reverse mode, below) the tokens from len[b, h] on are read as zeros and their
 outputs are exactly 0: the tail of a sequence that no loss term depends on is left out.
 
 One program owns one (batch, head) and one tile of BV value columns. It keeps its slice of
@@ -48,12 +48,14 @@ Reverse mode. Run backwards in time (REVERSE=True), the same kernel computes
 
 which is exactly dV of linear attention with (a, b, c) = (k, q, dO) and R the gradient of the
 final state; its own final state is then the gradient of the initial state. So the backward
-pass of linear attention is linear attention again, run from the end.
+pass of linear attention is linear attention again, run from the end. (The library's backward
+is now two-phase, chunk_grad.py; reverse mode, HAS_LEN and HAS_W stay here for the book and
+the tests, which check them against float64.)
 
 The normaliser is fused: z (Dk, fp32) travels with S, and d_i is computed from the same
 masked score matrix as the numerator, so no second pass over the sequence is needed.
 With HAS_W the keys' contribution to z is weighted per token (z = sum_j w_j k_j, decayed):
-the backward pass uses this to accumulate the gradient of the initial z.
+reverse mode uses this to accumulate the gradient of the initial z.
 """
 from __future__ import annotations
 
@@ -260,7 +262,7 @@ def chunk_fwd_kernel(
         t = i_n * BT + o_t
         m_t = t < T                         # the last chunk may be partial: mask its tail
         # With HAS_LEN the tokens from len[b, h] on are read as zeros and their outputs are 0:
-        # the backward pass leaves out the tail of a sequence that no loss term depends on, so
+        # reverse mode (a backward) leaves out the tail of a sequence that no loss term depends on, so
         # that garbage there (right-padding, NaN) cannot reach the gradients before it. (Loaded
         # here rather than once before the loop: one scalar, and fewer registers held.)
         if HAS_LEN:
@@ -362,10 +364,10 @@ def chunk_fwd(
     kernel can run on (CUDA, or CPU through the Triton interpreter). log_decay: None, (H,) or
     (B, H, T). initial_state: (S0 (B, H, Dk, Dv), z0 (B, H, Dk) or None). den is the fp32
     (B, H, T) tensor d + eps when normalize, else None; S_final/z_final are fp32 or None.
-    track_z (default: normalize) carries z without normalising (used by the backward pass).
+    track_z (default: normalize) carries z without normalising (for reverse mode).
     o has dtype `out_dtype` (default: the dtype of v). lengths: None or (B, H) integers: the
-    tokens from lengths[b, h] on are read as zeros and get o = 0 (the backward pass uses it to
-    leave out a tail that no loss term depends on).
+    tokens from lengths[b, h] on are read as zeros and get o = 0 (reverse mode uses it to leave
+    out a tail that no loss term depends on).
     """
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
@@ -410,7 +412,7 @@ def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:
 
     Every feature of the forward pass switched on (normaliser, per-token decay, initial and
     final state): the variant with the most live values, hence the largest shared-memory and
-    register needs. (REVERSE and HAS_LEN are the backward pass's dv, which has no normaliser.)
+    register needs. (REVERSE and HAS_LEN are reverse mode's dv, which has no normaliser.)
     """
     signature = {
         "q_ptr": f"*{dtype}", "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",

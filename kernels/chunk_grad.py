@@ -1,7 +1,8 @@
 """Two-phase causal backward: the state gradient per chunk, then every chunk's
 dq, dk, dv.
 
-The autograd wrapper is `causal_backward` in linattn_lib/core/triton_ops.py; the
+The autograd wrappers call it through `causal_backward` in
+linattn_lib/core/triton_ops.py; the
 tests are tests/test_kernels_two_phase.py (each phase against float64) and
 tests/test_kernels_interpret.py (gradients of the whole op). The forward
 (chunk_state.py, chunk_output.py) computes, per chunk with entry state

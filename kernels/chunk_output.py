@@ -1,9 +1,10 @@
 """Two-phase causal forward, phase 2: every chunk's outputs, all chunks in
 parallel.
 
-The autograd wrapper is `_CausalLinearAttention` in
-linattn_lib/core/triton_ops.py, whose forward calls `chunk_fwd_two_phase` below
-(phase 1, `chunk_states`, is in chunk_state.py); the tests are
+The autograd wrappers (`_CausalEager` in linattn_lib/core/triton_ops.py, and
+the custom op of custom_ops.py under torch.compile) call `causal_forward`,
+which calls `chunk_fwd_two_phase` below (phase 1, `chunk_states`, is in
+chunk_state.py); the tests are
 tests/test_kernels_two_phase.py and, through the forward,
 tests/test_kernels_interpret.py.
 
@@ -214,8 +215,8 @@ def chunk_output(
     den = d + eps (fp32, (B, H, T)) when normalize, else None.
 
     h, hz: the entry states from `chunk_states` (hz needed when normalize),
-    computed with the chunk length of `config` (the chunk length is read off h:
-    NT = h.shape[2] must be ceil(T / BT)). cu_seqlens: packed sequences
+    computed with the chunk length of `config` (h's shape is checked against
+    it: NT = h.shape[2] must be ceil(T / BT)). cu_seqlens: packed sequences
     (sequences.py), h from `chunk_states` with the same cu_seqlens
     (NT = ceil(T / BT) + N - 1, the bound on the chunk count). decays:
     `chunk_decays` of a per-token log_decay with these chunks, its prefix sums

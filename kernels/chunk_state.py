@@ -15,7 +15,8 @@ then `chunk_fwd_o`) splits that walk in two:
                                                   + sum_j exp(a_j) k_j v_j^T
                      z_0 = z0 (or 0),   z_{n+1} = exp(g_last) z_n
                                                   + sum_j exp(a_j) k_j
-                     storing every entry state S_n (Dk x Dv) and z_n (Dk), fp32
+                     storing every entry state S_n (Dk x Dv; `state_dtype`,
+                     bf16 for bf16 inputs) and z_n (Dk, fp32)
     phase 2          every chunk on its own, in parallel (chunk_output.py)
 
 with a_j = g_{j+1} + ... + g_last summed from its own terms and g_last the sum

@@ -1,7 +1,8 @@
 """Launch configurations of every kernel, the rule that picks one, and where a kernel runs.
 
-Every kernel but the two of the two-phase forward holds one head dimension whole in a program
-(padded to a power of two) and tiles the other; those two walk both in blocks. Head dims are
+The kernels of the two-phase engine (forward and backward) and the delta rule's parallel kernels
+walk both head dimensions in blocks; the others hold one whole in a program (padded to a power
+of two) and tile the other. Head dims are
 rounded up to one of a few buckets so that the set of configs a launcher can pick stays small
 and finite: `CONFIGS` lists all of them, and
 tests/test_kernels_compile.py compiles each one for every GPU target ahead of time and checks
@@ -59,8 +60,9 @@ DIM_NAMES = {
 }
 
 # Configs: kernel -> class -> {whole dim: (BT, tile, num_warps)}. The classes:
-#   "mma16"  fp16 / bf16 on sm_80 and newer: every tl.dot on tensor cores, loads double-buffered
-#   "sm90"   fp16 / bf16 on sm_90 (Hopper): mma16's configs but wider blocks in two kernels
+#   "mma16"  fp16 / bf16 on sm_80 to sm_89: every tl.dot on tensor cores, loads double-buffered
+#   "sm90"   fp16 / bf16 on sm_90 (Hopper): mma16's configs but wider blocks in the parallel
+#            kernels (chunk_output, chunk_dqk, chunk_dv), the wide state walks and chunk_fwd
 #   "fp32"   float32 on sm_80+: tl.dot in true fp32 (FMA loops, no tensor cores), one stage
 #   "sm75"   every dtype on sm_75 (the T4): 64 KiB of shared memory, tl.dot lowered to FMAs
 # Chosen without a GPU, from an ahead-of-time sweep (BT in {16, 32, 64}, tiles {16, 32, 64},
@@ -291,11 +293,11 @@ MAXNREG = {("chunk_dqk", "sm90"): 128, ("chunk_dv", "sm90"): 128, ("chunk_output
 # product, for bf16 inputs (`rounds_operands`; fla does it in all its kernels). On an H200 the
 # parallel kernels' times follow the warp instructions they issue (~1.9 a cycle per SM,
 # linattn_lib/experiments/kernel_fit.py: fitted on 38 measured launches, leave-one-out median
-# error 9%): rounded, chunk_dqk issues 18-41% fewer and chunk_dv 19-34% fewer (sm_90, D = 128),
-# predicted 11-25% faster. chunk_output's products barely change (-1 to -3%): left as it was.
+# error 9%): rounded, chunk_dqk issued 18-41% fewer and chunk_dv 19-34% fewer when adopted (sm_90,
+# D = 128; 21-40% and 29-42% with the later cuts, kernel_fit.json), predicted 11-25% faster. chunk_output's products barely change (-1 to -3%): left as it was.
 ROUNDED = {("chunk_dqk", "sm90"), ("chunk_dv", "sm90")}
 
-# class -> num_stages of a plain state walk (`chunk_state.plain_walk`: no decay, no key scales or z
+# class -> num_stages of a plain state walk (`plain_walk` below: no decay, no key scales or z
 # weights), whose two operands are both copied to shared memory asynchronously (no load in the
 # loop goes through registers): 3 keeps two chunks in flight. The H200 timed every walk at 1.2-1.5
 # us a chunk whatever its tiles and no faster at 3 or 4 stages than at 2 (1.9 at 1), its keys then
@@ -422,7 +424,7 @@ def select_config(kernel: str, d_whole: int, dtype: torch.dtype, device_or_capab
     """The launch config of `kernel` when the head dim it holds whole is `d_whole`.
 
     `device_or_capability` is a torch device or a (major, minor) pair; None and CPU devices
-    (the interpreter) get the sm_80+ choice. The answer is always an entry of CONFIGS[kernel].
+    (the interpreter) get the sm_80 (pre-Hopper) choice. The answer is always an entry of CONFIGS[kernel].
     """
     if kernel not in CONFIGS:
         raise KeyError(f"unknown kernel {kernel!r}; expected one of {sorted(CONFIGS)}")

@@ -4,7 +4,8 @@ Every launcher looks its device up (`configs.select_config` by capability, the s
 split-T by SM count), a dozen times a training step's forward+backward, and torch.cuda's query
 costs a few microseconds of Python each time: a tensor's CUDA device (which has its index) is
 asked once and remembered (fla caches it the same way). `configs` re-exports both functions,
-which is where the launchers and the tests (monkeypatching them) find them.
+which is where the launchers find them; chunk_state imports `multiprocessor_count` by name, so
+a test that patches it patches it there too (or in every module, as `record_launches` does).
 """
 from __future__ import annotations
 

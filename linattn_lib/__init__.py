@@ -9,7 +9,8 @@ The package, by folder (the arrows run one way: experiments and chapters use cor
 * `nn/`: modules and the small model zoo;
 * `distributed/`: sequence parallelism on torch.distributed;
 * `chapters/`: helpers only the book uses (plots, widgets, cost models, estimators, ...);
-* `experiments/`: every `python -m` command (MQAR, char-LM, complexity, bench, gpu_check);
+* `experiments/`: the `python -m` commands (MQAR, char-LM, complexity, bench, gpu_check; the
+  distributed demo is `python -m linattn_lib.distributed`);
 * `kernels` (the top-level `kernels/` folder): the Triton kernels.
 
 Bad input raises an exception naming the argument. Shapes, dtypes and devices are always

@@ -21,4 +21,8 @@
     gla.py            GLA's chunkwise form with secondary chunking
     delta.py          the delta rule (DeltaNet, Gated DeltaNet): recurrent, chunked (WY/UT), quadratic
     delta_triton.py   the delta rule's Triton kernels (kernels/delta_rule.py) under autograd
+    delta_ops.py      those as torch custom ops (torch.compile)
+    packed_ops.py     the host paths as one op for torch.compile and torch.func
+    func_rules.py     the vmap rule the library's autograd Functions share (torch.func)
+    once.py           `once_differentiable`: a computed backward refuses create_graph=True
 """

@@ -4,9 +4,10 @@
 does too for CUDA tensors. On CUDA the kernels are compiled; on CPU tensors they run in the
 Triton interpreter (numpy, one program at a time: slow, but the very same kernel source, so
 the CPU tests check the code a GPU would run). bfloat16 needs a GPU: the interpreter has no
-bfloat16 arithmetic. The kernels run as torch custom ops (custom_ops.py: autograd, fake
-implementations, `torch.compile(fullgraph=True)` without a graph break), which call
-`causal_forward` / `causal_backward` here.
+bfloat16 arithmetic. Under torch.compile the kernels run as torch custom ops (custom_ops.py:
+autograd, fake implementations, `torch.compile(fullgraph=True)` without a graph break), which
+call `causal_forward` / `causal_backward` here; in eager mode the causal op calls the same two
+functions through `_CausalEager`, without the dispatcher.
 
 What runs where (the maths is in the headers of kernels/chunk_state.py, chunk_output.py and
 chunk_grad.py):
@@ -14,11 +15,12 @@ chunk_grad.py):
     causal forward    chunk_state            every chunk's entry state, sequential over chunks
                       chunk_output           every chunk's outputs, in parallel -> o, den, state
     causal backward   chunk_bwd_prep         1 / den and dL/dden per token (fp32)
-                      chunk_state            the entry states again (recomputed, not stored)
+                      chunk_state            the entry states again (recomputed, unless
+                                             keep_chunk_states kept them)
                       chunk_state, reversed  the state gradient of every chunk, from the end;
                                              the gradient of the initial state
                       chunk_dqk, chunk_dv    dq, dk, dv of every chunk, in parallel
-                      torch, O(B H T)        the log-decay's gradient (a suffix sum)
+                      decay_grad             the log-decay's gradient (a suffix sum)
     non-causal        noncausal_state + noncausal_output, forward and backward (custom_ops.py)
     decoding          decode (one token, state updated in place; wrapper in decode.py)
 

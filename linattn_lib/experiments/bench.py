@@ -87,13 +87,14 @@ SWEPT_CHUNK = ("linattn-torch",)  # the one that takes any chunk size; the kerne
 
 
 def _own_chunk(name: str, D: int, dtype: torch.dtype, device: torch.device | str) -> int | None:
-    """The chunk length a kernel provider really uses: the Triton launcher's config (CUDA only:
-    Triton is never imported without it), or fla's 64."""
+    """The chunk length a kernel provider really uses: the two-phase launchers' config (their
+    state and output kernels share it; CUDA only: Triton is never imported without it), or
+    fla's 64."""
     if name == "fla":
         return 64
     if name == "linattn-triton" and torch.device(device).type == "cuda":
         K = load_kernels()
-        return None if K is None else K.select_config("chunk_fwd", D, dtype, device)["BT"]
+        return None if K is None else K.select_config("chunk_output", D, dtype, device)["BT"]
     return None
 
 

@@ -160,8 +160,8 @@ class LinearAttention(nn.Module):
         write: the delta kinds' write rule: "delta" (S <- S + beta k (v - S^T k)^T) or
             "additive" (S <- S + beta k v^T: the same unit keys, beta, decay and output norm,
             a running sum instead of the correction; chapter 10's control for the write rule).
-        keep_chunk_states: passed to `linear_attention` (the kinds that run on it, not the
-            delta kinds): on the Triton path, keep every chunk's state from the forward for
+        keep_chunk_states: passed to `linear_attention` (the layers that run on it: not
+            a delta kind with write="delta"): on the Triton path, keep every chunk's state from the forward for
             the backward instead of recomputing it; one pass fewer, more memory.
 
     `forward(x, cu_seqlens=...)` takes packed sequences (B = 1, the sequences end to end, as
