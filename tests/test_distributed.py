@@ -322,3 +322,30 @@ def test_command_line_check(capsys):
 def test_comm_log_sums():
     log = CommLog()
     assert log.sent == 0 and log.os_sent == 0 and log.summary()["calls"] == 0
+
+
+def _penalty_rank(rank, world, scans):
+    """Rank function: a gradient penalty (create_graph=True, loss linear in the output)
+    through sequence-parallel attention on 3 tokens, once per scan; what each raised here."""
+    out = []
+    for scan in scans:
+        start, stop = split_sequence(3, world)[rank]
+        q, k, v = (torch.rand(1, 2, stop - start, 4, dtype=F64, requires_grad=True) for _ in range(3))
+        g = torch.full((1, 2, stop - start), -0.1, dtype=F64)
+        o = sequence_parallel_linear_attention(q, k, v, log_decay=g, scan=scan)
+        try:
+            torch.autograd.grad(o.sum(), (q, k, v), create_graph=True)
+            out.append("no error")
+        except NotImplementedError as e:
+            out.append(str(e).split(":")[0])
+    return out
+
+
+def test_second_derivatives_are_refused_on_every_rank():
+    """A rank whose slice is empty (T=3 on 4 ranks) meets the state scan alone in its
+    backward; the scan refuses create_graph=True as the local chunked calls do, so every
+    rank raises at once (none waits in a collective for a peer that already failed)."""
+    results = launch(_penalty_rank, 4, ["all_gather", "ring"], timeout=60)
+    for rank, said in enumerate(results):
+        expected = "sequence_parallel_linear_attention" if rank == 3 else "linear_attention(form='chunked')"
+        assert said == [expected, expected], (rank, said)

@@ -50,6 +50,7 @@ from torch import Tensor
 
 from .. import _validate as V
 from ..core.linear import linear_attention
+from ..core.once import once_differentiable
 from ..core.state import (
     DEFAULT_EPS,
     LinearAttentionState,
@@ -235,7 +236,8 @@ class _StateScan(torch.autograd.Function):
         return S_r, z_r
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable("sequence_parallel_linear_attention", "On one device, linear_attention with "
+                         "form='quadratic' or form='recurrent' has them.")
     def backward(ctx, dS_r, dz_r):
         S_in, G_all, z_in = ctx.saved_tensors
         rank = ctx.rank
@@ -275,7 +277,8 @@ class _RingStateScan(torch.autograd.Function):
         return S_in, z_in
 
     @staticmethod
-    @torch.autograd.function.once_differentiable
+    @once_differentiable("sequence_parallel_linear_attention", "On one device, linear_attention with "
+                         "form='quadratic' or form='recurrent' has them.")
     def backward(ctx, dS_in, dz_in):
         S_in, G, z_in = ctx.saved_tensors
         rank, world, has_z, group, comm = ctx.rank, ctx.world, ctx.has_z, ctx.group, ctx.comm
