@@ -36,7 +36,7 @@ def draw_rank_scan(world_size: int = 4, *, ax: Axes | None = None, mode: str = "
             ax.add_patch(FancyArrowPatch((x0 + 0.75, 1.0), (x0 + 1.3, 0.3), arrowstyle="->", mutation_scale=8,
                                          color="0.4", linestyle="--"))
             ax.text(x0 + 1.32, 0.12, f"step {r + 1}", ha="center", fontsize=10)
-        title = rf"ring: {W - 1} sequential sends; rank $r$ sends $e^{{G_r}} S^{{in}}_r + S_r$ to rank $r+1$"
+        title = rf"chain: {W - 1} sequential sends; rank $r$ sends $e^{{G_r}} S^{{in}}_r + S_r$ to rank $r+1$"
     else:
         # a band tall enough for its label: the arrows end at its edges, clear of the text
         ax.add_patch(Rectangle((-0.1, 0.5), 1.5 * W - 0.1, 0.32, color="0.6", alpha=0.35))

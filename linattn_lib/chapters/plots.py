@@ -6,7 +6,7 @@ from typing import TYPE_CHECKING
 
 import matplotlib.pyplot as plt
 import numpy as np
-from matplotlib.ticker import FuncFormatter, LogFormatterSciNotation
+from matplotlib.ticker import FixedLocator, FuncFormatter, LogFormatterSciNotation, NullLocator
 
 if TYPE_CHECKING:
     from matplotlib.axes import Axes
@@ -140,21 +140,17 @@ def plain_log_labels(ax: Axes) -> None:
 
 
 def byte_log_labels(axis: Axis) -> None:
-    """Label a log axis of byte counts in decimal units: 10 MB, 100 MB, 1 GB at the decades,
-    and 30 halfway between them (on the log scale), so that a line between two decades can be
-    read."""
+    """Label a log axis of byte counts in binary units, as the text counts them (KiB, MiB, GiB):
+    ticks every factor of 4 (1 MiB, 4 MiB, 16 MiB, 64 MiB, 256 MiB, 1 GiB, ...)."""
+    units = ((2**40, "TiB"), (2**30, "GiB"), (2**20, "MiB"), (2**10, "KiB"), (1, "B"))
 
     def label(x: float, pos: int | None = None) -> str:
-        mantissa = x / 10 ** np.floor(np.log10(x) + 1e-9)
-        if x <= 0 or min(abs(mantissa - m) for m in (1, 3)) > 1e-6:
-            return ""
-        for scale, unit in ((1e12, "TB"), (1e9, "GB"), (1e6, "MB"), (1e3, "kB")):
-            if x >= scale:
-                return f"{x / scale:g} {unit}"
-        return f"{x:g} B"
+        scale, unit = next((s, u) for s, u in units if x >= s)
+        return f"{x / scale:g} {unit}"
 
+    axis.set_major_locator(FixedLocator([4.0**i for i in range(21)]))
     axis.set_major_formatter(FuncFormatter(label))
-    axis.set_minor_formatter(FuncFormatter(label))
+    axis.set_minor_locator(NullLocator())
 
 
 def plot_scaling(
