@@ -126,3 +126,19 @@ def test_committed_charlm_sweep_is_complete():
     assert [(r["stack"], r["config"]["seed"]) for r in lm["results"]] == [(s, seed) for seed in (0, 1, 2) for s in stacks]
     assert lm["meta"]["settings"] == hybrid.CHARLM_SETTINGS
     assert all(r["config"]["steps"] == hybrid.CHARLM_SETTINGS["steps"] for r in lm["results"])
+
+
+@pytest.mark.parametrize("task", ["mqar", "charlm", "decode"])
+def test_each_task_writes_its_own_results_file(task, monkeypatch):
+    """Without --out a task writes book/results/hybrid_<task>.json, the file the book reads
+    for it (the decode sweep used to overwrite hybrid_mqar.json)."""
+    seen = {}
+
+    def sweep(args, argv):
+        seen["out"] = str(args.out)
+        return {"results": []}
+
+    for name in ("sweep_mqar", "sweep_charlm", "sweep_decode"):
+        monkeypatch.setattr(hybrid, name, sweep)
+    hybrid.main(["--task", task])
+    assert seen["out"].replace("\\", "/").endswith(f"book/results/hybrid_{task}.json")

@@ -279,9 +279,16 @@ def sweep_charlm(args: argparse.Namespace, argv: list[str] | None) -> dict:
     return payload
 
 
+TASKS = ("mqar", "charlm", "decode")
+
+
 def main(argv: list[str] | None = None) -> dict:
+    # each task has its own results file (hybrid_mqar.json, ...): --task is read first
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--task", choices=TASKS, default="mqar")
+    task = pre.parse_known_args(argv)[0].task
     p = argparse.ArgumentParser(prog="python -m linattn_lib.experiments.hybrid", description=__doc__.split("\n\n")[0])
-    p.add_argument("--task", choices=("mqar", "charlm", "decode"), default="mqar")
+    p.add_argument("--task", choices=TASKS, default="mqar")
     p.add_argument("--stacks", nargs="+", default=list(STACKS),
                    help="names in STACKS or patterns of S (softmax) and L (linear) layers")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
@@ -291,7 +298,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--decode-width", type=int, default=256, help="decode: d_model of the untrained stacks")
     p.add_argument("--jobs", type=int, default=min(2, os.cpu_count() or 1), help="mqar: runs in parallel, one thread each")
     p.add_argument("--no-progress", action="store_true")
-    args = parse_cli(p, argv, "book/results/hybrid_mqar.json")
+    args = parse_cli(p, argv, f"book/results/hybrid_{task}.json")
     for name in args.stacks:
         softmax_positions(STACKS.get(name, name))
     if args.quick:
