@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 
 # where a kernel runs: re-exported, the launchers import them from here
-from .devices import Capability, device_capability, multiprocessor_count  # noqa: F401
+from .devices import Capability, device_capability, interpreter_check, multiprocessor_count  # noqa: F401
 
 # Head dims above this need a different tiling (the "whole" dim would not fit registers).
 MAX_HEAD_DIM = 256
@@ -578,10 +578,11 @@ def launchable(kernel, device):
     tests). This works whether or not TRITON_INTERPRET=1 was set before Triton was imported,
     and leaves the JITFunction itself untouched for ahead-of-time compilation.
     """
-    if isinstance(kernel, _interpreted_type()):  # TRITON_INTERPRET=1 at import: already one
+    if (device if isinstance(device, torch.device) else torch.device(device)).type == "cuda" and (
+            not isinstance(kernel, _interpreted_type())):  # (a tensor's .device is a torch.device)
         return kernel
-    # a tensor's .device is a torch.device already (torch.device() of one: ~1 us a launch)
-    if (device if isinstance(device, torch.device) else torch.device(device)).type == "cuda":
+    interpreter_check()  # this Triton and NumPy can run the interpreter (once)
+    if isinstance(kernel, _interpreted_type()):  # TRITON_INTERPRET=1 at import: already one
         return kernel
     return _Interpreted(kernel)
 

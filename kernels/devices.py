@@ -44,3 +44,43 @@ def multiprocessor_count(device: torch.device | str | None) -> int | None:
     """SMs of a CUDA device; None for CPU (the interpreter) and meta tensors."""
     props = _cuda_properties(device)
     return None if props is None else props[1]
+
+
+# Triton's interpreter (the kernels on CPU tensors) in Triton 3.6.0 and older reads a
+# runtime scalar as int() of a one-element numpy array; NumPy 2.4 made that an error, so
+# every kernel with a loop fails there with an InterpreterError that names neither cause
+# (Triton 3.7.1 squeezes the array first). The check reads the interpreter's own line.
+_OLD_INDEX = 'lambda self: int(self.handle.data))'
+
+
+def interpreter_problem(interpreter_source: str, numpy_int_of_array_fails: bool) -> str | None:
+    """Why Triton's interpreter cannot run the kernels here, or None: given its source and
+    whether int() of a one-element numpy array raises (NumPy >= 2.4)."""
+    if numpy_int_of_array_fails and _OLD_INDEX in interpreter_source:
+        import numpy
+        import triton
+
+        return (f"Triton {triton.__version__}'s interpreter, which runs the kernels on CPU "
+                f"tensors, fails with NumPy {numpy.__version__} (it calls int() on one-element "
+                "arrays, an error since NumPy 2.4; Triton 3.7.1 fixed it): install "
+                "triton>=3.7.1 or numpy<2.4, or use backend='torch' on CPU")
+    return None
+
+
+@functools.cache
+def interpreter_check() -> None:
+    """Raise RuntimeError (`interpreter_problem`) once, before the first interpreted launch,
+    if this Triton and NumPy cannot run the interpreter."""
+    import inspect
+
+    import numpy
+    from triton.runtime import interpreter
+
+    try:
+        int(numpy.zeros(1))
+        fails = False
+    except TypeError:
+        fails = True
+    problem = interpreter_problem(inspect.getsource(interpreter), fails)
+    if problem:
+        raise RuntimeError(problem)

@@ -1051,3 +1051,31 @@ def test_gpu_check_selftest_reports_a_failure(monkeypatch):
     assert any(p.startswith("o: rel") for p in res["checks"][0]["problems"])
     assert "KeyError" in res["checks"][1]["problems"][0]
     assert gpu_check.exit_status({"kernel self-test": res}) == 1
+
+
+def test_an_interpreter_that_cannot_run_says_why(monkeypatch):
+    """Triton <= 3.6's interpreter calls int() on one-element arrays, an error from NumPy 2.4
+    on: every kernel failed with an InterpreterError naming neither. The check reads the
+    interpreter's line; launchable raises its message before an interpreted launch (CPU
+    tensors), never on the CUDA path."""
+    import inspect
+
+    from triton.runtime import interpreter
+
+    from linattn_lib.kernels import configs, devices
+
+    old = "    scope.set_attr(tensor, \"__index__\", lambda self: int(self.handle.data))\n"
+    assert "triton>=3.7.1" in devices.interpreter_problem(old, True)
+    assert devices.interpreter_problem(old, False) is None  # NumPy < 2.4: a warning only
+    # the installed Triton's own interpreter (CI: 3.7.1, which squeezes the array first)
+    if "squeeze()" in inspect.getsource(interpreter):
+        assert devices.interpreter_problem(inspect.getsource(interpreter), True) is None
+
+    def broken():
+        raise RuntimeError("cannot interpret")
+
+    monkeypatch.setattr(configs, "interpreter_check", broken)
+    kernel = configs._interpreted_type  # any object: the check comes first
+    with pytest.raises(RuntimeError, match="cannot interpret"):
+        configs.launchable(kernel, "cpu")
+    assert configs.launchable(kernel, torch.device("cuda", 0)) is kernel
