@@ -81,6 +81,10 @@ def interpreter_check() -> None:
         fails = False
     except TypeError:
         fails = True
-    problem = interpreter_problem(inspect.getsource(interpreter), fails)
+    try:
+        source = inspect.getsource(interpreter)
+    except (OSError, TypeError):  # no source installed: nothing to read, nothing to say
+        return
+    problem = interpreter_problem(source, fails)
     if problem:
         raise RuntimeError(problem)
