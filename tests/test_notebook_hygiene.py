@@ -9,6 +9,8 @@ markup that renders.
 * A backtick fence cannot open with a title that contains backticks (CommonMark): such an
   admonition renders as raw text, and neither Sphinx's -W nor the browser notices. Colon
   fences (`:::{admonition}`) can.
+* Every code cell was run when the notebook was saved (an execution count): a cell added
+  or edited by hand and saved unrun has outputs that no run produced.
 * Code cells compile without a SyntaxWarning (an invalid escape in a non-raw string warns on
   Python 3.12+, which Colab runs).
 """
@@ -162,3 +164,11 @@ def test_every_method_has_one_colour_and_one_label():
     assert method_label(" Mamba-2 ") == "SSD (Mamba-2)"  # an alias, as method_color takes it
     with pytest.raises(KeyError, match="no colour"):
         method_label("gated-deltanet")
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
+def test_every_code_cell_was_run(path):
+    unrun = [i for i, cell in enumerate(_cells(path))
+             if cell["cell_type"] == "code" and cell.get("execution_count") is None]
+    assert not unrun, (f"{path.name}: code cells {unrun} have no execution count (saved unrun): "
+                       f"re-execute it (make execute NB=book/{path.name})")
