@@ -483,6 +483,41 @@ def test_static_sliders_move(reports, name):
     assert not failed, f"{name}: sliders that did not change the shown image: {failed}"
 
 
+def _bib_entries() -> dict[str, tuple[str, str]]:
+    """key -> (author field, year field) of every entry of references.bib."""
+    text = (ROOT / "book" / "references.bib").read_text(encoding="utf-8")
+    entries = {}
+    for match in re.finditer(r"^@\w+\{([^,\s]+),(.*?)^\}", text, re.M | re.S):
+        fields = dict(re.findall(r"^\s*(\w+)\s*=\s*\{(.*?)\},?\s*$", match.group(2), re.M | re.S))
+        entries[match.group(1)] = (fields.get("author", ""), fields.get("year", ""))
+    return entries
+
+
+def test_citations_link_to_their_entries(html_dir):
+    """Every citation on every page links to its own entry of the bibliography: the anchor
+    is the cited key (`bibtex_cite_id`), the entry exists, and the link's author and year are
+    that entry's. Positional anchors (#id26) had sent an incrementally built page's citations
+    to the entries that moved into their places after an edit of the .bib."""
+    entries = _bib_entries()
+    ids = set(re.findall(r'id="([^"]+)"', (html_dir / "book" / "bibliography.html").read_text()))
+    link = re.compile(r'href="(?:[./]*book/)?bibliography\.html#([^"]+)"[^>]*>(.*?)</a>', re.S)
+    wrong, seen = [], 0
+    for page in sorted((html_dir / "book").glob("*.html")):
+        for fragment, label in link.findall(page.read_text(encoding="utf-8")):
+            seen += 1
+            key = fragment.removeprefix("cite-")
+            text = re.sub(r"<[^>]+>", "", label)
+            author, year = entries.get(key, ("", ""))
+            # "Zhang et al., 2024" (cite:p), or the year alone after the authors' names (cite:t)
+            first = text.split()[0] if text.split() else ""
+            named = first == text or first.lower() in author.lower()
+            if (not fragment.startswith("cite-") or fragment not in ids or key not in entries
+                    or not named or not year or not text.endswith(year)):
+                wrong.append(f"{page.name}: '{text}' -> #{fragment}")
+    assert seen > 50, f"only {seen} citation links found: has the citation markup changed?"
+    assert not wrong, "citations linked to the wrong entry or to none:\n" + "\n".join(wrong[:20])
+
+
 def test_root_redirects_to_the_introduction(server, browser_context, html_dir):
     context, blocked = browser_context
     page = context.new_page()
