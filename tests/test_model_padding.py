@@ -51,6 +51,10 @@ def test_padded_batch_equals_each_row_alone(attention, softmax_layers, options, 
     if attention == "cosformer":  # its rows would continue from different positions
         with pytest.raises(ValueError, match="cosFormer"):
             model.generate(idx, 3, greedy=True, attention_mask=mask)
+        # prompts of one length: an all-ones mask (as a tokenizer returns it) is no padding
+        same = idx[:, :LENGTHS[-1]]
+        want = model.generate(same, 3, greedy=True)
+        assert torch.equal(model.generate(same, 3, greedy=True, attention_mask=torch.ones_like(same)), want)
         return
     out = model.generate(idx, 6, greedy=True, attention_mask=mask)
     assert torch.equal(out[:, :idx.shape[1]], idx)

@@ -156,3 +156,24 @@ def test_a_mask_with_a_state_marks_the_new_tokens(kind, options):
         assert (a.S[b] - a_b.S[0]).abs().max() < 1e-12
         if conv is not None:
             assert (conv[b] - conv_b[0]).abs().max() < 1e-12
+
+
+def test_cosformer_max_len_bounds_each_sequence_not_the_row():
+    """cosFormer's positions restart in every packed sequence and count a padded row's own
+    tokens, so max_len bounds those: two packed sequences of 6 and 5 tokens, or a row of 6
+    tokens padded to 9, fit max_len = 8 (and equal the sequences alone); a sequence of 9 does
+    not, packed, padded or alone."""
+    torch.manual_seed(0)
+    layer = LinearAttention(16, 2, kind="cosformer", max_len=8).double()
+    a, b = (torch.randn(1, n, 16, dtype=torch.float64) for n in (6, 5))
+    cu = torch.tensor([0, 6, 11], dtype=torch.int32)
+    packed = layer(torch.cat([a, b], 1), cu_seqlens=cu)
+    assert _close(packed, torch.cat([layer(a), layer(b)], 1), 1e-12)
+    mask = torch.arange(9)[None] >= 3  # 3 padding tokens, then 6
+    row = torch.cat([torch.randn(1, 3, 16, dtype=torch.float64), a], 1)
+    assert _close(layer(row, attention_mask=mask)[:, 3:], layer(a), 1e-12)
+    long = torch.randn(1, 9, 16, dtype=torch.float64)
+    for call in (lambda: layer(long), lambda: layer(torch.cat([a, long], 1), cu_seqlens=torch.tensor([0, 6, 15])),
+                 lambda: layer(torch.cat([long, long], 1), attention_mask=torch.arange(18)[None] >= 9)):
+        with pytest.raises(ValueError, match="position 9 exceeds max_len=8"):
+            call()

@@ -11,6 +11,7 @@ It is depthwise (one K-tap filter per channel) and causal, so it costs O(T C K) 
 recurrent state is just the last K - 1 inputs: a (B, C, K-1) cache, carried beside the
 attention state when generating (`ConvLayerState`). With `cu_seqlens` (packed sequences, B = 1)
 every sequence starts from its own cache row and nothing crosses a sequence boundary.
+`convolve_tokens` convolves each row of a padded batch over its own tokens alone.
 
 `ShiftedEmbedding` is the cheapest mixing of all, RWKV's token shift on the embeddings
 (chapter 7's MQAR models have it in front of their first layer).
@@ -112,6 +113,24 @@ class ShortConvolution(nn.Module):
         n = torch.arange(N, device=x.device)[:, None]
         new = torch.where((rel >= 0)[..., None], xs[idx], past[n, :, (rel + K - 1).clamp(0, K - 2)])
         return y.unsqueeze(0), new.transpose(1, 2).contiguous()
+
+
+def convolve_tokens(conv: ShortConvolution, x: Tensor, mask: Tensor,
+                     cache: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """`conv` over each row's tokens alone (mask True), for any padding: the tokens are moved
+    to the end of their row in order, the padding before them as zeros (what an empty cache
+    holds), convolved, and moved back. Returns (y, cache): y (B, T, C), garbage at padding;
+    the cache, each row's last K - 1 tokens. A cache to continue from: K - 1 tokens before."""
+    if cache is not None:
+        ext = torch.cat([cache.transpose(1, 2).to(x.dtype), x], dim=1)
+        ext_mask = F.pad(mask, (cache.shape[-1], 0), value=True)
+        y, cache = convolve_tokens(conv, ext, ext_mask)
+        return y[:, cache.shape[-1]:], cache
+    order = torch.argsort(mask.to(torch.uint8), dim=1, stable=True)  # padding first, tokens in order
+    moved = torch.where(mask.gather(1, order)[..., None], x.gather(1, order[..., None].expand_as(x)), 0)
+    y, cache = conv(moved)
+    back = torch.argsort(order, dim=1)[..., None].expand_as(y)
+    return y.gather(1, back), cache
 
 
 class ShiftedEmbedding(nn.Module):

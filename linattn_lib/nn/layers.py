@@ -37,7 +37,7 @@ from ..core.linear import linear_attention
 from ..core.ssm import retnet_log_decay
 from ..core.state import LinearAttentionState
 from ..core.varlen import check_cu_seqlens
-from .conv import ConvLayerState, ShortConvolution
+from .conv import ConvLayerState, ShortConvolution, convolve_tokens
 
 # what one layer carries between calls: a linear layer's state (with its convolution's cache
 # when short_conv=True), a softmax layer's KV cache
@@ -85,24 +85,6 @@ def _merge_heads(x: Tensor) -> Tensor:
     return x.transpose(1, 2).reshape(B, T, H * dh)
 
 
-def _convolve_tokens(conv: ShortConvolution, x: Tensor, mask: Tensor,
-                     cache: Tensor | None = None) -> tuple[Tensor, Tensor]:
-    """`conv` over each row's tokens alone (mask True), for any padding: the tokens are moved
-    to the end of their row in order, the padding before them as zeros (what an empty cache
-    holds), convolved, and moved back. Returns (y, cache): y (B, T, C), garbage at padding;
-    the cache, each row's last K - 1 tokens. A cache to continue from: K - 1 tokens before."""
-    if cache is not None:
-        ext = torch.cat([cache.transpose(1, 2).to(x.dtype), x], dim=1)
-        ext_mask = F.pad(mask, (cache.shape[-1], 0), value=True)
-        y, cache = _convolve_tokens(conv, ext, ext_mask)
-        return y[:, cache.shape[-1]:], cache
-    order = torch.argsort(mask.to(torch.uint8), dim=1, stable=True)  # padding first, tokens in order
-    moved = torch.where(mask.gather(1, order)[..., None], x.gather(1, order[..., None].expand_as(x)), 0)
-    y, cache = conv(moved)
-    back = torch.argsort(order, dim=1)[..., None].expand_as(y)
-    return y.gather(1, back), cache
-
-
 class _SoftplusGate(nn.Linear):
     """The decay's projection for gate="softplus", log a_t = -softplus(w . x_t + b). It starts
     at w = 0 and softplus(b) = -log(0.95): every token keeps 95% of the state (it remembers
@@ -133,7 +115,8 @@ class LinearAttention(nn.Module):
         kind: one of "performer", "linear", "cosformer", "retnet", "ssd", "deltanet",
             "gated_deltanet" (see the module doc).
         num_features: random features per head for "performer" (default floor(d ln d)).
-        max_len: cosFormer's M, the longest sequence the re-weighting is defined for.
+        max_len: cosFormer's M, the longest sequence the re-weighting is defined for (packed
+            sequences and padded rows count each sequence's own tokens).
         seed: seed of the Performer projection.
         chunk_size: chunk length of the chunked algorithm.
         form: "chunked" (the fast one), "recurrent" or "quadratic", passed on as `chunk_size` is:
@@ -303,8 +286,7 @@ class LinearAttention(nn.Module):
             return fm(q, is_query=True, stabilize=True), fm(k, is_query=False, stabilize=False)
         if self.kind == "cosformer":
             T = q.shape[2]
-            if pos_offset + T > self.max_len:
-                raise ValueError(f"LinearAttention(cosformer): position {pos_offset + T} exceeds max_len={self.max_len} (M)")
+            self._check_cosformer_positions(pos_offset, T, cu_seqlens, mask)
             i = torch.arange(pos_offset + 1, pos_offset + T + 1, device=q.device, dtype=torch.float64)
             if cu_seqlens is not None:  # positions restart at every packed sequence
                 starts = cu_seqlens[:-1].to(q.device)
@@ -319,6 +301,22 @@ class LinearAttention(nn.Module):
             q = F.normalize(q, dim=-1)
             return (q * self.d_head**-0.5 if self.q_scale else q), F.normalize(k, dim=-1)
         return q * self.d_head**-0.5, k  # retnet / ssd: no feature map, scaled like softmax
+
+    def _check_cosformer_positions(self, pos_offset: int, T: int, cu_seqlens: Tensor | None,
+                                   mask: Tensor | None) -> None:
+        """Refuse positions past max_len. A row of T tokens ends at pos_offset + T; packed
+        sequences restart at 1 and a padded row counts its own tokens, so there the longest
+        sequence, or the most tokens in a row, is read from the values where values are checked
+        (CPU tensors; CUDA ones when opted in: `_validate.values_checked`)."""
+        longest = T
+        if cu_seqlens is not None or mask is not None:
+            counts = cu_seqlens.diff() if mask is None else mask.sum(1)
+            if not (V.values_checked(counts) and counts.numel()):
+                return
+            longest = int(counts.max())
+        if pos_offset + longest > self.max_len:
+            raise ValueError(f"LinearAttention(cosformer): position {pos_offset + longest} exceeds "
+                             f"max_len={self.max_len} (M)")
 
     def _decay(self, x: Tensor) -> Tensor | None:
         if self.kind == "retnet":
@@ -485,7 +483,7 @@ class LinearAttention(nn.Module):
             if mask is None:
                 qkv, conv_cache = self.conv(qkv, conv_cache, cu_seqlens)
             else:  # each row's tokens convolved alone, as if its padding were not there
-                qkv, conv_cache = _convolve_tokens(self.conv, qkv, mask, conv_cache)
+                qkv, conv_cache = convolve_tokens(self.conv, qkv, mask, conv_cache)
         q, k, v = qkv.chunk(3, dim=-1)
         if self.activation is not None:
             v = F.silu(v)

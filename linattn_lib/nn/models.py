@@ -195,7 +195,7 @@ class TinyLM(nn.Module):
         take positions 0, 1, ... in order, padding is no key of any layer, and padded
         positions are left out of the loss (their logits mean nothing). Not with `states`;
         the returned states continue each row after its last token (cosFormer, whose
-        positions would differ per row, returns none).
+        rows would continue from different positions, returns none for a padded batch).
         position_ids: (B, T) positions of the tokens, for rows that continue from different
         positions: after a padded prompt, row b's next token is at its token count
         (`attention_mask.sum(1)`), not at pos_offset. Default: pos_offset + 0 .. T-1.
@@ -224,8 +224,9 @@ class TinyLM(nn.Module):
         return self._forward(idx, targets, states=states, pos_offset=pos_offset, return_states=return_states,
                              mask=attention_mask, positions=position_ids)
 
-    def _check_mask(self, fn: str, mask, idx: Tensor, states, pos_offset: int, return_states: bool) -> Tensor:
-        """`attention_mask` checked, as (B, T) bool (True: a token)."""
+    def _check_mask(self, fn: str, mask, idx: Tensor, states, pos_offset: int, return_states: bool) -> Tensor | None:
+        """`attention_mask` checked, as (B, T) bool (True: a token); None where it marks no
+        padding and cosFormer layers return states."""
         mask = V.check_attention_mask(fn, mask, idx)
         if states is not None or pos_offset:
             raise ValueError(f"{fn}: `attention_mask` takes no `states` or `pos_offset`: it marks a padded "
@@ -234,8 +235,12 @@ class TinyLM(nn.Module):
         if other:
             raise ValueError(f"{fn}: `attention_mask` needs LinearAttention or SoftmaxAttention layers, got {other}")
         if return_states and any(getattr(b.attn, "kind", None) == "cosformer" for b in self.blocks):
-            raise ValueError(f"{fn}: with `attention_mask` cosFormer's rows continue from different positions, "
-                             "which its state cannot: no states are returned")
+            # its layers continue every row from one position (read here: generation, not training)
+            if torch.compiler.is_compiling() or not bool(mask.all()):
+                raise ValueError(f"{fn}: cosFormer continues all rows from one position, so a padded batch "
+                                 "(rows with different token counts) returns no states; pass prompts of one "
+                                 "length (an all-ones mask, or none)")
+            return None  # no padding: the same as no mask
         if V.values_checked(mask) and not bool(mask.any(1).all()):
             raise ValueError(f"{fn}: every row of `attention_mask` needs a token; rows "
                              f"{(~mask.any(1)).nonzero().flatten().tolist()} have none")
@@ -290,8 +295,9 @@ class TinyLM(nn.Module):
         Samples from softmax(logits / temperature) (temperature > 0, finite), or takes the
         argmax when greedy=True. attention_mask: (B, T0), bool or 0/1, for prompts of
         different lengths padded into one batch (left or right): each row continues after its
-        own last token, as it would alone. Returns (B, T0 + max_new_tokens): the prompts as
-        given, padding included, then the new tokens.
+        own last token, as it would alone (cosFormer models: prompts of one length only, an
+        all-ones mask). Returns (B, T0 + max_new_tokens): the prompts as given, padding
+        included, then the new tokens.
         """
         fn = "TinyLM.generate"
         self._check_idx(fn, "idx", idx)
