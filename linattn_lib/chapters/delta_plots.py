@@ -94,7 +94,7 @@ def draw_recall_by_age(
         ax.axhline(1.0, color="k", ls=":", lw=1, label="forgotten (answers 0)")
         ax.plot(ages, err, color=method_color("deltanet" if alpha == 1 else "gated_deltanet"), lw=2,
                 label=f"delta rule, β = {beta:g}" + ("" if alpha == 1 else ", gated"))
-        ax.axvline(DK, color="0.4", ls="--", lw=0.8, label=f"age $= d_k = {DK}$")
+        ax.axvline(DK, color="0.4", ls="--", lw=0.8, label=f"age = $d_k$ = {DK}")
         name = "DeltaNet" if alpha == 1 else "Gated DeltaNet"
         ax.set_title(f"{name}, α = {alpha:g}")
         ax.set_xlabel("age of the pair (writes since)")
