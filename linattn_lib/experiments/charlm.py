@@ -12,10 +12,10 @@ perplexity on the whole validation split (bits per character are log2 of it). Ev
 single-threaded, so its numbers do not depend on how many runs share the machine.
 
 CLI: `python -m linattn_lib.experiments.charlm --out book/results/charlm.json` runs the full
-sweep: 5 kinds x 2 context lengths x 3 seeds, 5000 steps of 1024 characters each, about 45
-CPU-minutes of single-thread runs, so about 25 minutes on an idle 2-core machine with the
-default two workers (the committed run took 36 minutes on a shared one). `--quick` is a smoke
-run of a few seconds.
+sweep: 5 kinds x 2 context lengths x 3 seeds, 5000 steps of 1024 characters each, about 85
+CPU-minutes of single-thread runs (the committed run: 5096 CPU-seconds, 60 minutes on a
+shared 2-core machine with the default two workers; its meta records both). `--quick` is a
+smoke run of a few seconds.
 """
 from __future__ import annotations
 
