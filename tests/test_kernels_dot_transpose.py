@@ -306,3 +306,33 @@ def test_the_scan_sees_the_kernels_dots(name):
     tree = ast.parse(text)
     jit = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and _is_jit(n)]
     assert jit and any(_is_dot(n) for f in jit for n in ast.walk(f))
+
+
+def test_auto_keeps_the_delta_rule_on_torch_where_its_backward_would_be_refused(monkeypatch):
+    """backend="auto" on a Hopper GPU whose Triton miscompiles the backward: a call that needs a
+    gradient runs torch (no kernel launched, no RuntimeError at the backward), one that does not
+    still runs the kernels. The GPU is simulated: record_launches(cuda_like=True) shows CPU tensors
+    as an sm_90 device's and stubs the launches; the installed Triton is declared bad."""
+    import torch
+    import torch.nn.functional as F
+
+    pytest.importorskip("triton")
+    from linattn_lib import delta_rule_attention
+    from linattn_lib.core.triton_ops import load_kernels
+    from linattn_lib.experiments.launches import record_launches
+
+    configs = load_kernels().configs
+    q, k = (F.normalize(torch.randn(1, 2, 64, 16), dim=-1) for _ in range(2))
+    v, beta = torch.randn(1, 2, 64, 16), torch.rand(1, 2, 64)
+    for bad in (False, True):
+        monkeypatch.setattr(configs, "TRANSPOSED_DOT_BAD",
+                            ((3, 4, 0), (99, 0, 0)) if bad else ((3, 4, 0), (3, 7, 1)))
+        with record_launches(cuda_like=True) as launches:
+            delta_rule_attention(q, k, v.requires_grad_(), beta)
+            trained = [x.name for x in launches]
+            del launches[:]
+            with torch.no_grad():
+                delta_rule_attention(q, k, v, beta)
+            inferred = [x.name for x in launches]
+        assert inferred and inferred[0].startswith("delta_"), inferred
+        assert (trained == []) if bad else (trained == inferred), (bad, trained)

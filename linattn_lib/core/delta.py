@@ -35,7 +35,8 @@ Three forms, agreeing to rounding in float64:
 Backends: ``backend="torch"`` runs the forms above in torch (any dtype, autograd through the
 ops); ``backend="triton"`` runs the chunked form on the Triton kernels of kernels/delta_rule.py
 with their own backward (core/delta_triton.py; on CPU tensors in the Triton interpreter);
-``"auto"`` (the default) picks Triton for CUDA tensors of fp32/fp16/bf16, torch otherwise.
+``"auto"`` (the default) picks Triton for CUDA tensors of fp32/fp16/bf16, torch otherwise (and
+where a gradient is needed on Hopper with a Triton that miscompiles the backward, 3.4 to 3.7.0).
 
 Decays follow the numerics rule of `state.py`: a decay between positions j < i is
 exp(g_{j+1} + ... + g_i), summed over the interval (`segsum`, `sum_after`, cumulative sums
@@ -56,7 +57,7 @@ from .delta_triton import delta_rule_triton
 from .masks import segsum
 from .packed_ops import func_transform_active, make_host_op
 from .state import LinearAttentionState, compute_dtype, expand_log_decay, sum_after
-from .triton_ops import kernels_imported, triton_supports
+from .triton_ops import kernels_imported, load_kernels, triton_supports
 from .varlen import check_cu_seqlens, sequence_spans
 
 FORMS = ("recurrent", "chunked", "quadratic")
@@ -133,12 +134,17 @@ def _check_inputs(fn, q, k, v, beta, log_decay, form, chunk_size, initial_state,
     return _check_state(fn, "initial_state", initial_state, B=B, H=H, Dk=Dk, Dv=v.shape[-1], device=q.device)
 
 
-def _use_triton(fn: str, backend: str, form: str, q: Tensor, v: Tensor, chunk_size: int | None) -> bool:
-    """Whether `backend` runs on the Triton kernels; refuses what backend="triton" cannot do."""
+def _use_triton(fn: str, backend: str, form: str, q: Tensor, v: Tensor, chunk_size: int | None,
+                needs_grad: bool = False) -> bool:
+    """Whether `backend` runs on the Triton kernels; refuses what backend="triton" cannot do.
+    "auto" also keeps to torch where a gradient is needed and this Triton miscompiles the
+    kernels' backward on the GPU (`_backward_miscompiled`): "triton" refuses it there, at the
+    backward, naming the fix."""
     V.check_choice(fn, "backend", backend, BACKENDS)
     if backend == "auto":
         ok_chunk = chunk_size is None or (chunk_size >= 16 and chunk_size & (chunk_size - 1) == 0)
-        return q.is_cuda and form == "chunked" and ok_chunk and kernels_imported() and triton_supports(q, v)
+        return (q.is_cuda and form == "chunked" and ok_chunk and kernels_imported() and triton_supports(q, v)
+                and not (needs_grad and _backward_miscompiled(q)))
     if backend == "torch":
         return False
     if form != "chunked":
@@ -152,6 +158,13 @@ def _use_triton(fn: str, backend: str, form: str, q: Tensor, v: Tensor, chunk_si
         raise TypeError(f"{fn}: bfloat16 on CPU would run in the Triton interpreter, which has no bfloat16 "
                         "arithmetic; use a CUDA device, float16/float32, or backend='torch'")
     return True
+
+
+def _backward_miscompiled(q: Tensor) -> bool:
+    """Whether the installed Triton miscompiles the delta rule's backward kernels on q's GPU:
+    Hopper with Triton 3.4 <= v < 3.7.1 (fla issue #640; kernels/configs.py)."""
+    configs = load_kernels().configs
+    return configs.miscompiles_transposed_dots(configs.device_capability(q.device))
 
 
 # --- the three forms (inputs already checked and cast to the compute dtype) ----------------
@@ -315,7 +328,8 @@ def delta_rule_attention(
         backend: "torch" (the forms above in torch), "triton" (the chunked form on the Triton
             kernels, forward and backward: fp32 / fp16 / bf16, head dims up to 256; compiled
             on CUDA, interpreted on CPU) or "auto" (Triton for CUDA tensors it supports with
-            form="chunked", torch otherwise). Gradients reach q, k, v, beta, log_decay and
+            form="chunked", torch otherwise, and torch where a gradient is needed on Hopper
+            with Triton 3.4 to 3.7.0, which miscompiles the kernels' backward). Gradients reach q, k, v, beta, log_decay and
             initial_state on every backend.
         cu_seqlens: packed variable-length sequences, as in `linear_attention`: B = 1, the N
             sequences laid end to end along T, cu_seqlens the (N + 1,) int32/int64 cumulative
@@ -355,7 +369,9 @@ def delta_rule_attention(
         # Functions whenever a transform is running
         o, S, _ = _host_op(q, k, v, beta, log_decay, S0, None, None, True, False, form, 0.0, chunk_size, backend)
         return (o, LinearAttentionState(S, None)) if return_state else o
-    if _use_triton(fn, backend, form, q, v, chunk_size):
+    needs_grad = torch.is_grad_enabled() and any(
+        x is not None and x.requires_grad for x in (q, k, v, beta, log_decay, S0))
+    if _use_triton(fn, backend, form, q, v, chunk_size, needs_grad):
         o, S = delta_rule_triton(q, k, v, beta, log_decay=log_decay, initial_state=S0, chunk_size=chunk_size)
         return (o, LinearAttentionState(S, None)) if return_state else o
     if torch.compiler.is_compiling() and form != "quadratic":
