@@ -388,8 +388,10 @@ TRANSPOSED_DOT_BAD = ((3, 4, 0), (3, 7, 1))
 TRANSPOSED_DOT_KERNELS = ("delta_bwd_state", "delta_bwd_dqk", "delta_bwd_wy")
 
 
+@functools.cache
 def triton_version() -> tuple[int, int, int]:
-    """(major, minor, patch) of the installed Triton ("3.6.0+git..." -> (3, 6, 0))."""
+    """(major, minor, patch) of the installed Triton ("3.6.0+git..." -> (3, 6, 0)), read once:
+    `delta_rule_attention(backend="auto")` asks at every call that needs a gradient on Hopper."""
     import re
 
     import triton
