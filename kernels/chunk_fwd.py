@@ -385,8 +385,10 @@ def chunk_fwd(
     S0 = z0 = None
     if initial_state is not None:
         S0 = initial_state[0].to(torch.float32).contiguous()
-        if track_z:
-            z0 = initial_state[1].to(torch.float32).contiguous()
+        if track_z:  # no z0 given: the keys before summed to 0
+            z0 = (initial_state[1].to(torch.float32).contiguous()
+                  if initial_state[1] is not None
+                  else torch.zeros(B, H, Dk, **f32))
     w = weights.to(torch.float32).contiguous() if weights is not None else None
     lens = lengths.to(device=q.device, dtype=torch.int32).contiguous() if lengths is not None else None
 

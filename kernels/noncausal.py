@@ -149,8 +149,10 @@ def noncausal_state(
     S0 = z0 = None
     if initial_state is not None:
         S0 = initial_state[0].to(torch.float32).contiguous()
-        if track_z:
-            z0 = initial_state[1].to(torch.float32).contiguous()
+        if track_z:  # no z0 given: the keys before summed to 0
+            z0 = (initial_state[1].to(torch.float32).contiguous()
+                  if initial_state[1] is not None
+                  else torch.zeros(B, H, Dk, **f32))
     dummy = S
     grid = (triton.cdiv(Dv, cfg["BV"]), B * H)
     launchable(noncausal_state_kernel, k.device)[grid](

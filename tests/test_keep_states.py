@@ -161,3 +161,27 @@ def test_compiled_layer_keeps_states():
     (gx,) = torch.autograd.grad(out.sum(), x)
     torch.testing.assert_close(out, eager, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(gx, gx_eager, rtol=1e-5, atol=1e-6)
+
+
+def test_compiled_kept_states_take_a_new_batch_size():
+    """torch.compile with dynamic shapes: the keeping op's fake took its chunk length from
+    state_config, whose cache hashes B * H, a SymInt once the batch size changes (a smaller
+    last batch); now from the output pass's config, which every state config shares (checked
+    here on every GPU target and head dim)."""
+    K = load_kernels()
+    names = ("chunk_state", "chunk_state_few", "chunk_state_few_wide", "chunk_state_wide")
+    for cap in K.configs.TARGETS.values():
+        for dtype in (torch.float32, torch.float16, torch.bfloat16):
+            if cap < (8, 0) and dtype == torch.bfloat16:
+                continue
+            for d in (16, 32, 64, 128, 256):
+                bt = K.chunk_decay._launch_config("chunk_output", d, dtype, cap)["BT"]
+                assert {K.chunk_decay._launch_config(n, d, dtype, cap)["BT"] for n in names} == {bt}
+    f = torch.compile(lambda q, k, v: linear_attention(q, k, v, backend="triton", keep_chunk_states=True),
+                      fullgraph=True)
+    for B in (3, 2):
+        x = _inputs(True, None, B=B, T=20, D=8)
+        o = f(x["q"], x["k"], x["v"])
+        o.sum().backward()
+        want = linear_attention(*(x[n].detach() for n in ("q", "k", "v")), backend="torch")
+        assert (o - want).abs().max() < 1e-5, B

@@ -171,6 +171,24 @@ def test_two_phase_matches_the_one_pass_forward():
     assert den is None and S_T is None and z_T is None and o.shape == (1, 2, 50, 24)
 
 
+def test_an_initial_state_without_z0_reads_as_zeros():
+    """initial_state=(S0, None) with a normaliser, as the docstrings allow (z0 "or None"): the
+    one-pass forward and the non-causal state pass read it as z0 = 0, like the two-phase
+    forward (chunk_fwd and noncausal_state had called None.to())."""
+    x = _on_device(make_inputs(1, 2, 40, 16, 16, None, True, True, torch.float32, seed=4))
+    args = (x["q"], x["k"], x["v"])
+    zeros = torch.zeros_like(x["z0"])
+    for fwd in (K.chunk_fwd, K.chunk_fwd_two_phase):
+        got = fwd(*args, initial_state=(x["S0"], None), store_final_state=True)
+        want = fwd(*args, initial_state=(x["S0"], zeros), store_final_state=True)
+        for a, b in zip(got, want):
+            assert (a is None and b is None) or torch.equal(a, b)
+    noncausal_state = K.noncausal.noncausal_state
+    got = noncausal_state(x["k"], x["v"], track_z=True, initial_state=(x["S0"], None))
+    want = noncausal_state(x["k"], x["v"], track_z=True, initial_state=(x["S0"], zeros))
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
 def test_states_stored_in_the_input_dtype():
     """Entry states stored in 16 bits between the phases (what bf16 inputs get by default; fp16
     here, the interpreter has no bf16): the outputs stay within the 16-bit tolerance of

@@ -161,7 +161,10 @@ def _fake_entry_states(q: Tensor, v: Tensor, normalize: bool, cu_seqlens: Tensor
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
     N = B if cu_seqlens is None else cu_seqlens.shape[0] - 1
-    BT = K.chunk_state.state_config(Dk, Dv, H * N, q.dtype, q.device, normalize)["BT"]
+    # every state config shares the output pass's chunk length (chunk_fwd_two_phase refuses
+    # two), which depends on no shape but Dk: state_config would hash B * H, a SymInt
+    # under dynamic shapes
+    BT = K.chunk_decay.launch_config("chunk_output", Dk, q.dtype, q.device)["BT"]
     NT = -(-T // BT) + (0 if cu_seqlens is None else max(N - 1, 0))
     state_dtype = torch.bfloat16 if q.dtype == torch.bfloat16 else torch.float32
     h = torch.empty(B, H, NT, Dk, Dv, dtype=state_dtype, device=q.device)

@@ -230,7 +230,12 @@ def cuda_peak_gbps() -> float | None:
 
 
 def _ints(s: str) -> list[int]:
-    return [int(x) for x in s.split(",") if x]
+    """Comma-separated positive ints (T, D and chunk sizes: 0 would fall back to a default
+    while the record kept the 0)."""
+    out = [int(x) for x in s.split(",") if x]
+    if not out or min(out) < 1:
+        raise argparse.ArgumentTypeError(f"expected comma-separated positive ints, got {s!r}")
+    return out
 
 
 def _names(s: str) -> list[str]:

@@ -311,6 +311,8 @@ def main(argv: list[str] | None = None) -> dict:
     parser.add_argument("--calls", type=int, default=200)
     parser.add_argument("--json", default=None, help="also write the numbers here")
     args = parser.parse_args(argv)
+    if args.calls < 1:
+        parser.error(f"--calls must be a positive int, got {args.calls}")
     if not cache_cpu_allocations():
         print("(could not switch glibc to cached allocations: the times include fresh pages per buffer)")
     results = report(tuple(args.shape), args.calls)
