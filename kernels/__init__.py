@@ -18,6 +18,8 @@ wrappers live in `linattn_lib/core/triton_ops.py`.
                                            log-decay's gradient
     chunk_grad_specs.py                    the backward kernels' ahead-of-time compile specs
     sequences.py     where a program's tokens and states are: batched or packed (cu_seqlens)
+    shapes.py        the launchers' shape checks (metadata only): a wrong shape is refused, not
+                     read or written outside its tensor
     chunk_fwd.py     chunk_fwd_kernel      causal forward in one pass (the book's
                                            one-pass kernel; run backwards in time it gives dV)
     noncausal.py     noncausal_state_kernel, noncausal_output_kernel

@@ -45,6 +45,7 @@ from .sequences import (
     packed_layout,
     sequence_rows,
 )
+from .shapes import check_decay
 
 
 @triton.jit
@@ -160,6 +161,7 @@ def chunk_decays(
     token only), for the chunks of BT tokens of every (batch, head) row. layout:
     `sequences.packed_layout` of packed sequences (B = 1), None when batched.
     lengths: (B, H) int32, tokens from there on read as padding."""
+    check_decay("chunk_decays", g, B, H, T, g.device)
     cu, offsets, indices, NT = (layout or packed_layout(None, T, B, H, BT))[:4]
     f32 = dict(dtype=torch.float32, device=g.device)
     n = B * H * NT

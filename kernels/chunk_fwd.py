@@ -64,6 +64,7 @@ import triton
 import triton.language as tl
 
 from .configs import dot_precision, launchable, select_config
+from .shapes import check_causal
 
 
 @triton.jit
@@ -369,6 +370,8 @@ def chunk_fwd(
     tokens from lengths[b, h] on are read as zeros and get o = 0 (reverse mode uses it to leave
     out a tail that no loss term depends on).
     """
+    check_causal("chunk_fwd", q, k, v, log_decay=log_decay, initial_state=initial_state,
+                 per_token={"weights": weights}, lengths=lengths)
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()

@@ -86,6 +86,8 @@ from .sequences import (
     packed_layout,
     sequence_rows,
 )
+from .shapes import check_backward
+from .shapes import entry_states as checked_states
 
 
 @triton.jit
@@ -518,6 +520,8 @@ def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
     cu, offsets, indices, NT = layout
+    states, grads = (checked_states("chunk_dqk", x, (B, H, NT, Dk, Dv),
+                                    r is not None) for x in (states, grads))
     dq, dk = torch.empty_like(q), torch.empty_like(k)
     NK = cdiv(Dk, cfg["BK"])
     dg = (torch.empty(NK, B, H, T, dtype=torch.float32, device=q.device)
@@ -569,6 +573,7 @@ def chunk_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor,
     B, H, T, Dk = q.shape
     Dv = do.shape[-1]
     cu, offsets, indices, NT = layout
+    dh = checked_states("chunk_dv", (dh, None), (B, H, NT, Dk, Dv), False)[0]
     dv = torch.empty(do.shape, dtype=q.dtype, device=q.device)
     ptrs = [*_decay_tables(g, decays, cfg["BT"], layout, lengths), r, dh, dv,
             cu, offsets, indices, lengths]
@@ -630,6 +635,8 @@ def chunk_bwd_two_phase(
     they are not recomputed, one pass over k and v fewer (a dead tail's tokens
     still get gradients of exactly 0: dq's rows past it are selected out).
     """
+    check_backward("chunk_bwd_two_phase", q, k, v, do, o, den, log_decay,
+                   initial_state, final_state_grad, log_decay_end, cu_seqlens)
     B, H, T, Dk = q.shape
     cfg_s = state_config(
         Dk, v.shape[-1],
@@ -665,7 +672,8 @@ def chunk_bwd_two_phase(
         h, hz, _, _ = chunk_states(
             k, v, initial_state=initial_state, state_dtype=state_dtype, **kw)
     else:
-        h, hz = _checked_entry_states(entry_states, layout[3], k, v, normalize)
+        h, hz = checked_states("chunk_bwd_two_phase", entry_states,
+                               (B, H, layout[3], Dk, v.shape[-1]), normalize)
     dh, dhz, dS0, dz0 = chunk_states(
         q, do, initial_state=final_state_grad, reverse=True, key_scale=r,
         z_weights=e, store_final_state=need_initial_state_grad,
@@ -680,18 +688,3 @@ def chunk_bwd_two_phase(
     dG = decay_grad(dg, log_decay_end, cu_seqlens) if dg is not None else None
     return {"dq": dq, "dk": dk, "dv": dv, "dG": dG, "dS0": dS0, "dz0": dz0}
 
-
-def _checked_entry_states(states: tuple, NT: int, k: torch.Tensor,
-                          v: torch.Tensor, normalize: bool) -> tuple:
-    """(h, hz) given to `chunk_bwd_two_phase`, contiguous, after checking that
-    they are the entry states of these chunks (shapes only: no host sync)."""
-    h, hz = states
-    B, H, _, Dk = k.shape
-    want = (B, H, NT, Dk, v.shape[-1])
-    if tuple(h.shape) != want or (normalize and (
-            hz is None or tuple(hz.shape) != want[:4])):
-        raise ValueError(
-            f"chunk_bwd_two_phase: entry_states of shapes {tuple(h.shape)}, "
-            f"{None if hz is None else tuple(hz.shape)} are not the entry "
-            f"states {want} of these chunks (the forward's configs differ)")
-    return h.contiguous(), (hz.contiguous() if normalize else None)

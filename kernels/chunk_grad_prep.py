@@ -14,6 +14,7 @@ import triton.language as tl
 from .chunk_decay import launch_config
 from .configs import launchable
 from .sequences import cdiv, packed_starts, sequence_rows
+from .shapes import expect, sequences
 
 
 @triton.jit
@@ -116,13 +117,17 @@ def decay_grad(parts: torch.Tensor, end: torch.Tensor | None,
     partials (NK, B, H, T) of q . dq - k . dk, summed after each token within
     its sequence; end (sequences, H) fp32 or None: the final state's term, added
     to every token of its sequence."""
+    if parts.dim() != 4:
+        raise ValueError(f"decay_grad: `parts` must be (NK, B, H, T), got "
+                         f"shape {tuple(parts.shape)}")
     NK, B, H, T = parts.shape
+    rows = sequences("decay_grad", cu_seqlens, B, parts.device)
+    expect("decay_grad", "end", end, (rows, H), parts.device)
     cfg = config or launch_config("decay_grad", 1, torch.float32, parts.device)
     dg = torch.empty(B, H, T, dtype=torch.float32, device=parts.device)
-    n_seq = B if cu_seqlens is None else cu_seqlens.numel() - 1
     cu = None if cu_seqlens is None else packed_starts(cu_seqlens, T)
-    if dg.numel() and n_seq:
-        launchable(decay_grad_kernel, parts.device)[(n_seq, H)](
+    if dg.numel() and rows:
+        launchable(decay_grad_kernel, parts.device)[(rows, H)](
             parts.contiguous(), end.contiguous() if end is not None else dg,
             dg, cu if cu is not None else dg, T, H, B * H * T, NK,
             BT=cfg["BT"], HAS_END=end is not None, IS_VARLEN=cu is not None,
@@ -144,6 +149,8 @@ def chunk_bwd_prep(do: torch.Tensor, o: torch.Tensor | None,
     once for both; for the lengths alone, from the end of each row
     (`live_length_kernel`, LIVE_LENGTH_PROGRAMS programs a row)."""
     B, H, T, Dv = do.shape
+    expect("chunk_bwd_prep", "o", o, do.shape, do.device)
+    expect("chunk_bwd_prep", "den", den, (B, H, T), do.device)
     normalize = den is not None
     cfg = config or launch_config(
         "chunk_bwd_prep" if normalize else "live_length",

@@ -64,6 +64,7 @@ from .sequences import (
     packed_layout,
     sequence_rows,
 )
+from .shapes import check_causal, entry_states
 
 
 @triton.jit
@@ -221,20 +222,18 @@ def chunk_output(
     (NT = ceil(T / BT) + N - 1, the bound on the chunk count). decays:
     `chunk_decays` of a per-token log_decay with these chunks, its prefix sums
     included, if already computed; layout: `sequences.packed_layout` of these
-    chunks, if already computed.
+    chunks, if already computed (by a caller that has checked the shapes).
     """
+    if layout is None:
+        check_causal("chunk_output", q, k, v, log_decay=log_decay,
+                     cu_seqlens=cu_seqlens)
     B, H, T, Dk = q.shape
     Dv = v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     cfg = config or launch_config("chunk_output", Dk, q.dtype, q.device)
     cu, offsets, indices, NT, _ = (
         layout or packed_layout(cu_seqlens, T, B, H, cfg["BT"]))
-    if h.shape != (B, H, NT, Dk, Dv) or (
-            normalize and (hz is None or hz.shape != (B, H, NT, Dk))):
-        raise ValueError(
-            f"chunk_output: entry states of shape {tuple(h.shape)} do not "
-            f"match (B, H, NT, Dk, Dv) = {(B, H, NT, Dk, Dv)} for chunks "
-            f"of {cfg['BT']}")
+    h, hz = entry_states("chunk_output", (h, hz), (B, H, NT, Dk, Dv), normalize)
     o = torch.empty(B, H, T, Dv, dtype=v.dtype, device=q.device)
     den = (torch.empty(B, H, T, dtype=torch.float32, device=q.device)
            if normalize else None)
@@ -250,8 +249,7 @@ def chunk_output(
         prefix, g = (decays.hi, decays.lo), None
     dummy = o
     grid = (cdiv(Dv, cfg["BV"]), NT, B * H)
-    ptrs = [g, *prefix, h.contiguous(), hz.contiguous() if normalize else None,
-            o, den, cu, offsets, indices]
+    ptrs = [g, *prefix, h, hz, o, den, cu, offsets, indices]
     launchable(chunk_output_kernel, q.device)[grid](
         q, k, v, *(p if p is not None else dummy for p in ptrs),
         T, H, Dk, Dv, NT, float(eps),
@@ -300,9 +298,11 @@ def chunk_fwd_two_phase(
     backward recomputes its states in fp32), fp32 otherwise (fp16 has too little
     range for a state summed over thousands of tokens).
     """
+    n_seq = check_causal("chunk_fwd_two_phase", q, k, v, log_decay=log_decay,
+                         initial_state=initial_state, cu_seqlens=cu_seqlens)
     B, H, _, Dk = q.shape
     if configs is None:
-        rows = H * (B if cu_seqlens is None else cu_seqlens.numel() - 1)
+        rows = H * n_seq
         configs = (
             state_config(Dk, v.shape[-1], rows, q.dtype, q.device, normalize),
             launch_config("chunk_output", Dk, q.dtype, q.device))

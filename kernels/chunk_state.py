@@ -72,6 +72,7 @@ from . import configs
 from .chunk_decay import ChunkDecays, _launch_config, chunk_decays
 from .configs import dot_precision, launchable, multiprocessor_count
 from .sequences import as_f32, cdiv, first_chunk, packed_layout, sequence_rows
+from .shapes import check_causal
 
 
 @triton.jit
@@ -481,12 +482,16 @@ def chunk_states(
     `chunk_decays` of log_decay with this pass's chunks and lengths (its kr
     reversed, else its ka), if already computed. layout: the config's BT's
     `sequences.packed_layout(cu_seqlens, T, B, H, BT)`, if already computed
-    (packed: NT is then the bound on the chunk count, sequences.py).
+    (packed: NT is then the bound on the chunk count, sequences.py), by a
+    caller that has checked the shapes.
     """
+    n_seq = layout[4] if layout else check_causal(
+        "chunk_states", k, k, v, log_decay=log_decay,
+        initial_state=initial_state, cu_seqlens=cu_seqlens, lengths=lengths,
+        per_token={"key_scale": key_scale, "z_weights": z_weights})
     (B, H, T, Dk), Dv = k.shape, v.shape[-1]
     k, v = k.contiguous(), v.contiguous()
-    rows = H * (B if cu_seqlens is None else cu_seqlens.numel() - 1)
-    cfg = config or state_config(Dk, Dv, rows, k.dtype, k.device, track_z)
+    cfg = config or state_config(Dk, Dv, H * n_seq, k.dtype, k.device, track_z)
     cu, offsets, indices, NT, n_seq = (
         layout or packed_layout(cu_seqlens, T, B, H, cfg["BT"]))
     f32 = dict(dtype=torch.float32, device=k.device)
@@ -659,12 +664,9 @@ def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:
     initial and final state, split."""
     signature = {
         "k_ptr": f"*{dtype}", "v_ptr": f"*{dtype}",
-        "ka_ptr": "*fp32", "gl_ptr": "*fp32",
-        "r_ptr": "*fp32", "w_ptr": "*fp32",
-        "h_ptr": "*fp32", "hz_ptr": "*fp32",
-        "s0_ptr": "*fp32", "z0_ptr": "*fp32",
-        "st_ptr": "*fp32", "zt_ptr": "*fp32",
-        "lg_ptr": "*fp32", "lr_ptr": "*fp32",
+        **dict.fromkeys(("ka_ptr", "gl_ptr", "r_ptr", "w_ptr", "h_ptr",
+                         "hz_ptr", "s0_ptr", "z0_ptr", "st_ptr", "zt_ptr",
+                         "lg_ptr", "lr_ptr"), "*fp32"),
         "cu_ptr": "*i32", "co_ptr": "*i32", "len_ptr": "*i32",
         "T": "i32", "H": "i32", "Dk": "i32", "Dv": "i32", "NT": "i32",
         "NS": "i32", "n_splits": "i32",
@@ -675,8 +677,7 @@ def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:
                   "HAS_LEN": False, "IS_VARLEN": False, "IS_SPLIT": True,
                   "KEYS_T": False, "EVEN_D": False,
                   "DOT_PREC": dot_precision(dtype)}
-    for name in constexprs:
-        signature[name] = "constexpr"
+    signature.update(dict.fromkeys(constexprs, "constexpr"))
     return signature, constexprs
 
 

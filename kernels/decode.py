@@ -18,6 +18,7 @@ import triton
 import triton.language as tl
 
 from .configs import launchable, select_config
+from .shapes import expect
 
 
 @triton.jit
@@ -80,6 +81,7 @@ def decode_step(
     q, k: (B, H, Dk), v: (B, H, Dv); S: (B, H, Dk, Dv) and z: (B, H, Dk), contiguous (the
     kernel writes into them); log_decay: None, (H,) or (B, H). z = None means unnormalised.
     """
+    _check_step(q, k, v, S, z, log_decay)
     B, H, Dk = q.shape
     Dv = v.shape[-1]
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -93,6 +95,24 @@ def decode_step(
         NORMALIZE=z is not None, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )
     return o
+
+
+def _check_step(q, k, v, S, z, log_decay) -> None:
+    """decode_step's arguments have the shapes it documents, and S and z, which the kernel
+    updates in place, are contiguous: it addresses them from (B, H, Dk, Dv), ignoring strides."""
+    fn = "decode_step"
+    if q.dim() != 3:
+        raise ValueError(f"{fn}: `q` must be (B, H, Dk), one token, got shape {tuple(q.shape)}")
+    B, H, Dk = q.shape
+    Dv = v.shape[-1]
+    for name, x, shape in (("k", k, (B, H, Dk)), ("v", v, (B, H, Dv)), ("S", S, (B, H, Dk, Dv)),
+                           ("z", z, (B, H, Dk))):
+        expect(fn, name, x, shape, q.device)
+    if not S.is_contiguous() or (z is not None and not z.is_contiguous()):
+        raise ValueError(f"{fn}: the state S (and z) must be contiguous: it is updated in place")
+    if log_decay is not None and (log_decay.shape not in ((H,), (B, H)) or log_decay.device != q.device):
+        raise ValueError(f"{fn}: `log_decay` has shape {tuple(log_decay.shape)} on {log_decay.device}; "
+                         f"expected (H,) = {(H,)} or (B, H) = {(B, H)} on {q.device}")
 
 
 def compile_spec(cfg: dict, dtype: str) -> tuple[dict, dict]:

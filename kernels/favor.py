@@ -114,8 +114,8 @@ def favor_features(
         raise ValueError(f"favor_features: `x` must be (..., T, d), got shape {tuple(x.shape)}")
     *lead, T, d = x.shape
     m = W.shape[0]
-    if tuple(W.shape) != (m, d):
-        raise ValueError(f"favor_features: `W` has shape {tuple(W.shape)}; expected (m, d) with d={d}")
+    if tuple(W.shape) != (m, d) or m == 0:
+        raise ValueError(f"favor_features: `W` has shape {tuple(W.shape)}; expected (m, d) with d={d}, m >= 1")
     BH = math.prod(lead)
     xf = x.reshape(BH, T, d).contiguous()
     Wx = W.to(device=x.device, dtype=x.dtype).contiguous()

@@ -25,6 +25,7 @@ import triton
 import triton.language as tl
 
 from .configs import dot_precision, launchable, select_config
+from .shapes import check_causal, expect
 
 
 @triton.jit
@@ -137,6 +138,8 @@ def noncausal_state(
     """S = S0 + sum_t r_t k_t v_t^T and z = z0 + sum_t w_t k_t, both fp32 (r = key_scales,
     w = weights, (B, H, T), 1 when None; with r the product is taken in fp32/tf32). Returns
     (S, z or None)."""
+    check_causal("noncausal_state", k, k, v, initial_state=initial_state,
+                 per_token={"weights": weights, "key_scales": key_scales})
     B, H, T, Dk = k.shape
     Dv = v.shape[-1]
     k, v = k.contiguous(), v.contiguous()
@@ -185,8 +188,14 @@ def noncausal_output(
     `X.transpose(-1, -2)` to multiply by X^T without a copy); z: (B, H, Da) normaliser;
     u: (B, H, Dc) with optional per-token e: (B, H, T) (e = 1 when None).
     """
+    if a.dim() != 4 or S.dim() != 4:
+        raise ValueError(f"noncausal_output: `a` and `S` must be (B, H, T, Da) and (B, H, Da, Dc), got shapes "
+                         f"{tuple(a.shape)} and {tuple(S.shape)}")
     B, H, T, Da = a.shape
     Dc = S.shape[-1]
+    for name, x, shape in (("S", S, (B, H, Da, Dc)), ("z", z, (B, H, Da)), ("u", u, (B, H, Dc)),
+                           ("e", e, (B, H, T)), ("row_scales", row_scales, (B, H, T))):
+        expect("noncausal_output", name, x, shape, a.device)
     a = a.contiguous()
     if S.stride(0) != H * Da * Dc or S.stride(1) != Da * Dc:
         S = S.contiguous()
