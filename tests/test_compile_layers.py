@@ -281,3 +281,30 @@ def test_opcheck_packed_ops(rule):
         args = (q, k, v, beta, g, S0, None, cu, True, False, "chunked", 0.0, 8, "torch")
         op = delta._host_op.op
     torch.library.opcheck(op, args)
+
+
+def test_checkpointed_layers_compile_with_dynamic_shapes_and_specialized_floats(monkeypatch):
+    """The quickstart's workaround for pytorch#193194: two checkpointed layers under
+    torch.compile(dynamic=True) fail to compile in torch 2.13 (a Python float, the default
+    eps, reused by sibling checkpoint regions); with specialize_float = True they compile,
+    equal to eager mode (aot_eager: the graph inductor would get)."""
+    from torch.utils.checkpoint import checkpoint
+
+    class Stack(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.layers = torch.nn.ModuleList(LinearAttention(16, 2, chunk_size=16) for _ in range(2))
+
+        def forward(self, x):
+            for layer in self.layers:
+                x = x + checkpoint(layer, x, use_reentrant=False)
+            return x
+
+    torch.manual_seed(0)
+    model = Stack().double()
+    x = torch.randn(2, 40, 16, dtype=torch.float64, requires_grad=True)
+    monkeypatch.setattr(torch._dynamo.config, "specialize_float", True)
+    torch._dynamo.reset()
+    y, g = _run(model, x)
+    yc, gc = _run(torch.compile(model, dynamic=True, backend="aot_eager"), x)
+    assert (yc - y).abs().max() < 1e-12 and (gc - g).abs().max() < 1e-12

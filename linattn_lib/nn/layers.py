@@ -151,8 +151,10 @@ class LinearAttention(nn.Module):
     flash-attn's varlen functions do; cosFormer's positions restart at each sequence), with one
     state row per sequence. A one-token call with a state and no gradient (generation under
     `torch.no_grad()`) runs the library's decode step instead of the chunked form: the same
-    output, a fraction of the work. `reset_parameters()` restores the initial weights after a
-    host model's own initialisation (nanoGPT's `_init_weights` would reset the decay's bias).
+    output, a fraction of the work. A host model's own initialisation (nanoGPT's `_init_weights`,
+    normal(0.02) for every nn.Linear) also reaches the decay's projection and sets every token
+    to forget half of the state: `decay_proj.reset_parameters()` restores it (a decay of 0.95),
+    as `TinyLM` leaves it out; `reset_parameters()` redraws every weight of the layer.
     Under `torch.compile` the value checks are not traced (see `linear_attention`): on CUDA a NaN
     or inf in the input is then not refused (on CPU the library op the graph calls checks it).
     `torch.func` transforms work (per-sample gradients: `vmap(grad(loss))` of a
@@ -435,7 +437,8 @@ class LinearAttention(nn.Module):
         """`forward` without the input checks (for callers that checked already); mask: the
         checked `attention_mask`, (B, T) bool. Padding is selected out (torch.where), never
         multiplied by 0: padding whose features overflow (inf * 0 = NaN) or that the caller
-        filled with NaN changes nothing."""
+        filled with NaN changes no output (the projections' weight gradients do take NaN
+        from NaN inputs, as any linear layer's would: pad with zeros)."""
         conv_cache = None
         if self.short_conv and state is not None:
             state, conv_cache = state
