@@ -306,3 +306,19 @@ def test_cosformer_refuses_to_resume_packed_sequences():
     for kwargs in (dict(state=state), dict(pos_offset=2)):
         with pytest.raises(ValueError, match="restart at 0 in every packed sequence"):
             layer(step, cu_seqlens=torch.tensor([0, 1, 2]), **kwargs)
+
+
+@pytest.mark.parametrize("short_conv", [False, True])
+def test_a_saved_state_loads_with_torch_loads_defaults(short_conv, tmp_path):
+    """torch.load reads only allow-listed types by default (weights_only=True since torch 2.6):
+    a prompt's state, saved to continue later, loads as the state types it was saved as, and
+    continuing from it equals continuing from the one in memory."""
+    torch.manual_seed(0)
+    layer = LinearAttention(16, 2, short_conv=short_conv)
+    x = torch.randn(2, 9, 16)
+    with torch.no_grad():
+        _, state = layer(x[:, :6], return_state=True)
+        torch.save({"state": state}, tmp_path / "state.pt")
+        loaded = torch.load(tmp_path / "state.pt")["state"]
+        assert type(loaded) is type(state)
+        assert torch.equal(layer(x[:, 6:], state=loaded), layer(x[:, 6:], state=state))

@@ -35,6 +35,12 @@ class LinearAttentionState(NamedTuple):
     z: Tensor | None = None
 
 
+# torch.load reads only tensors and allow-listed types by default (weights_only=True, torch
+# >= 2.6): a saved state (a prompt's, to continue later) loads as it was saved. A named tuple of
+# tensors runs no code when it is rebuilt.
+torch.serialization.add_safe_globals([LinearAttentionState])
+
+
 def compute_dtype(x: Tensor) -> torch.dtype:
     """The dtype the library accumulates in: float64 for float64 input, else float32."""
     return torch.float64 if x.dtype == torch.float64 else torch.float32

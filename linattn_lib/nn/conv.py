@@ -39,6 +39,9 @@ class ConvLayerState(NamedTuple):
     conv: Tensor
 
 
+torch.serialization.add_safe_globals([ConvLayerState])  # as LinearAttentionState (core/state.py)
+
+
 class ShortConvolution(nn.Module):
     """Causal depthwise convolution over time on (B, T, C), kernel `kernel_size`.
 
