@@ -283,7 +283,7 @@ def test_opcheck_packed_ops(rule):
     torch.library.opcheck(op, args)
 
 
-def test_checkpointed_layers_compile_with_dynamic_shapes_and_specialized_floats(monkeypatch):
+def test_checkpointed_layers_compile_with_dynamic_shapes_and_specialized_floats():
     """The quickstart's workaround for pytorch#193194: two checkpointed layers under
     torch.compile(dynamic=True) fail to compile in torch 2.13 (a Python float, the default
     eps, reused by sibling checkpoint regions); with specialize_float = True they compile,
@@ -303,8 +303,11 @@ def test_checkpointed_layers_compile_with_dynamic_shapes_and_specialized_floats(
     torch.manual_seed(0)
     model = Stack().double()
     x = torch.randn(2, 40, 16, dtype=torch.float64, requires_grad=True)
-    monkeypatch.setattr(torch._dynamo.config, "specialize_float", True)
     torch._dynamo.reset()
     y, g = _run(model, x)
-    yc, gc = _run(torch.compile(model, dynamic=True, backend="aot_eager"), x)
+    # torch's own patch, restored after (monkeypatch's undo deletes the option: dynamo's config
+    # then hides it, and every later compile in the process fails)
+    with torch._dynamo.config.patch(specialize_float=True):
+        yc, gc = _run(torch.compile(model, dynamic=True, backend="aot_eager"), x)
+    torch._dynamo.reset()
     assert (yc - y).abs().max() < 1e-12 and (gc - g).abs().max() < 1e-12
