@@ -19,6 +19,7 @@ from decode_steps import decode_stepwise
 from torch import nn
 
 from linattn_lib import LinearAttention
+from linattn_lib.nn import fla_layer
 from linattn_lib.nn.models import LINEAR_KINDS, SoftmaxAttention
 
 D64 = torch.float64
@@ -275,6 +276,21 @@ def test_production_options_are_checked_and_reset():
     dt = torch.nn.functional.softplus(layer.dt_bias)
     assert (layer.A_log != 0).all() and ((dt > 1e-3 - 1e-12) & (dt < 0.1 + 1e-12)).all()
     assert layer.gate_proj.weight.std() > 0.05
+
+
+def test_fla_spellings_and_parameter_marks():
+    """fla's qk_activation="elu" is its elu+1, so the layer takes that spelling for the same map;
+    A_log and dt_bias carry fla's `_no_weight_decay` mark, which training code reads to keep the
+    decay's parameters out of weight decay (a user porting from fla found both missing)."""
+    torch.manual_seed(0)
+    a = LinearAttention(16, 2, kind="deltanet", activation="elu")
+    b = LinearAttention(16, 2, kind="deltanet", activation="elu+1")
+    b.load_state_dict(a.state_dict())
+    x = torch.randn(2, 5, 16, dtype=torch.float64)
+    assert torch.equal(a.double()(x), b.double()(x))
+    layer = fla_layer(16, 2)
+    marked = {n for n, p in layer.named_parameters() if getattr(p, "_no_weight_decay", False)}
+    assert marked == {"A_log", "dt_bias"}
 
 
 @pytest.mark.parametrize("kind", ["retnet", "ssd", "deltanet", "gated_deltanet"])

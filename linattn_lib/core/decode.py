@@ -298,7 +298,9 @@ def linear_attention_decode_step(
 
     Returns:
         o_t of shape (B, H, Dv) in the dtype of v_t: exactly what the parallel form gives at
-        this position. Inference only: inputs that require grad are refused (RuntimeError) while
+        this position. The new state is `state` itself, updated in place (unlike
+        `delta_rule_decode_step`, which returns (o, new_state) and leaves its input as it was):
+        to keep a prompt's state for several continuations, step from a copy of it. Inference only: inputs that require grad are refused (RuntimeError) while
         gradients are recorded; call it under torch.no_grad() or torch.inference_mode().
     """
     fn = "linear_attention_decode_step"

@@ -304,6 +304,7 @@ def delta_rule_attention(
     Args:
         q, k: (B, H, T, Dk). DeltaNet L2-normalises the keys (and usually the queries):
             pass ``k = F.normalize(k, dim=-1)``; the stability argument below needs ||k_t|| = 1.
+            q is not scaled (fla's ops scale it by Dk^-0.5: pass q * Dk**-0.5 to match them).
         v: (B, H, T, Dv).
         beta: (B, H, T) write strengths in [0, 2], same dtype and device as q (DeltaNet uses
             a sigmoid, in [0, 1): in half precision sigmoid(x) is exactly 0 for x <= -18;

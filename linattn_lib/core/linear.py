@@ -66,11 +66,13 @@ def linear_attention(
     """Linear attention over feature maps: o_i = sum_j w_ij (q_i . k_j) v_j [/ sum_j w_ij (q_i . k_j)].
 
     Args:
-        q, k: (B, H, T, Dk) *features* phi(q), phi(k) (apply the feature map first).
+        q, k: (B, H, T, Dk) *features* phi(q), phi(k) (apply the feature map first). q is not
+            scaled: fla's ops scale it by Dk^-0.5 by default (pass q * Dk**-0.5 to match them).
         v: (B, H, T, Dv).
         causal: sum over j <= i (True) or over all j (False).
         normalize: divide by the kernel row sums (plus `eps`); False gives the unnormalised
-            form used by RetNet and Mamba-2 / SSD.
+            form used by RetNet and Mamba-2 / SSD (and by fla's gated and delta-rule ops). The
+            row sums need non-negative features: with signed ones they can cross zero.
         log_decay: optional log of the per-step decay, <= 0, shape (H,) or (B, H, T); then
             w_ij = exp(log_decay[j+1] + ... + log_decay[i]). Needs causal=True.
         form: "quadratic", "recurrent" or "chunked" (all three agree). Second derivatives

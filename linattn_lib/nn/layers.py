@@ -39,10 +39,9 @@ from ..core.state import LinearAttentionState
 from ..core.varlen import check_cu_seqlens
 from .conv import ConvLayerState, ShortConvolution, convolve_tokens
 
-# what one layer carries between calls: a linear layer's state (with its convolution's cache
-# when short_conv=True), a softmax layer's KV cache
+# what one layer carries between calls: a linear layer's state (and conv cache), a softmax layer's KV cache
 LayerState = LinearAttentionState | ConvLayerState | tuple[Tensor, Tensor] | None
-ACTIVATIONS = (None, "silu", "relu", "elu+1", "identity")
+ACTIVATIONS = (None, "silu", "relu", "elu+1", "elu", "identity")  # "elu": fla's name of elu+1
 
 ATTENTION_KINDS = ("softmax", "performer", "linear", "cosformer", "retnet", "ssd", "deltanet", "gated_deltanet")
 DELTA_KINDS = ("deltanet", "gated_deltanet")
@@ -124,7 +123,7 @@ class LinearAttention(nn.Module):
         backend: "auto" (the Triton kernels for CUDA inputs they support, torch otherwise),
             "torch" or "triton"; passed to `linear_attention` / `delta_rule_attention`.
         activation: None (the bare mechanism: nothing), or fla's `qk_activation`: "silu",
-            "relu", "elu+1" or "identity" on q and k, with SiLU on v in every case (fla's
+            "relu", "elu+1" (fla: "elu") or "identity" on q and k, with SiLU on v in every case (fla's
             DeltaNet). Applied after the projection (and the convolution), before the kind's
             feature map; the delta kinds then L2-normalise q and k, as fla's qk_norm="l2".
         short_conv: a causal depthwise convolution (`ShortConvolution`, kernel `conv_size`) on
@@ -153,8 +152,8 @@ class LinearAttention(nn.Module):
     `torch.no_grad()`) runs the library's decode step instead of the chunked form: the same
     output, a fraction of the work. A host model's own initialisation (nanoGPT's `_init_weights`,
     normal(0.02) for every nn.Linear) also reaches the decay's projection and sets every token
-    to forget half of the state: `decay_proj.reset_parameters()` restores it (a decay of 0.95),
-    as `TinyLM` leaves it out; `reset_parameters()` redraws every weight of the layer.
+    to forget half of the state: `decay_proj.reset_parameters()` restores it (gate="softplus": a
+    decay of 0.95), as `TinyLM` leaves it out; `reset_parameters()` redraws every weight of the layer.
     Under `torch.compile` the value checks are not traced (see `linear_attention`): on CUDA a NaN
     or inf in the input is then not refused (on CPU the library op the graph calls checks it).
     `torch.func` transforms work (per-sample gradients: `vmap(grad(loss))` of a
@@ -233,8 +232,8 @@ class LinearAttention(nn.Module):
             self.decay_proj = (_SoftplusGate if self.gate == "softplus" else nn.Linear)(
                 d_model, n_heads, bias=self.gate == "softplus")
             if self.gate == "mamba":
-                self.A_log = nn.Parameter(torch.zeros(n_heads))
-                self.dt_bias = nn.Parameter(torch.zeros(n_heads))
+                self.A_log, self.dt_bias = nn.Parameter(torch.zeros(n_heads)), nn.Parameter(torch.zeros(n_heads))
+                self.A_log._no_weight_decay = self.dt_bias._no_weight_decay = True  # as fla marks them
             self._init_decay()
         if not self.normalize or self.output_gate:
             self.out_norm = nn.Parameter(torch.ones(self.d_head))
@@ -252,12 +251,12 @@ class LinearAttention(nn.Module):
 
     def reset_parameters(self) -> None:
         """Re-initialise every parameter as the constructor did (new random weights, the decay
-        starting at 0.95 per token, output norm at one). The fixed buffers are set again:
-        RetNet's decays, and the Performer projection, redrawn from its seed (the same one;
-        a fresh draw when the seed is None). So a model built on the meta device (deferred
-        initialisation) is whole after `to_empty` and this, or after every submodule's own
-        `reset_parameters` in any order, as FSDP calls them (parents first): each submodule
-        with a special initialisation (the softplus gate, the feature map) owns it."""
+        starting at 0.95 per token or, gate="mamba", A and dt drawn as fla does, output norm at
+        one). The fixed buffers are set again: RetNet's decays, and the Performer projection,
+        redrawn from its seed (the same one; a fresh draw when the seed is None). So a model built
+        on the meta device (deferred initialisation) is whole after `to_empty` and this, or after
+        every submodule's own `reset_parameters` in any order, as FSDP calls them (parents
+        first): each submodule with a special initialisation (softplus gate, feature map) owns it."""
         self.qkv.reset_parameters()
         self.proj.reset_parameters()
         if self.kind == "performer":
@@ -494,7 +493,7 @@ class LinearAttention(nn.Module):
                 q, k = F.silu(q), F.silu(k)
             elif self.activation == "relu":
                 q, k = F.relu(q), F.relu(k)
-            elif self.activation == "elu+1":
+            elif self.activation in ("elu+1", "elu"):
                 q, k = elu_plus_one(q), elu_plus_one(k)
         return (*(_split_heads(t, self.n_heads) for t in (q, k, v)), conv_cache)
 
@@ -502,14 +501,12 @@ class LinearAttention(nn.Module):
 
 # fla's layer definitions (fla/layers/delta_net.py, gated_deltanet.py, read at commit bc3b101)
 # in this layer's options. Beside them fla keeps separate q, k, v convolutions (one here, over
-# the 3 d_model channels: the same function) and lets d_v differ from d_k (Gated DeltaNet's
-# expand_v = 2, head_dim = 256); here d_v = d_k = d_model // n_heads.
+# the 3 d_model channels: the same function).
 FLA_PRESETS = {
     # DeltaNet(use_short_conv=True, conv_size=4, qk_activation="silu", qk_norm="l2",
     # use_beta=True, use_gate=False): b_proj without bias, chunk_delta_rule(scale=K^-0.5),
     # then an RMSNorm(eps=1e-5) per head
-    "deltanet": dict(short_conv=True, conv_size=4, activation="silu", beta_bias=False, norm_eps=1e-5,
-                     q_scale=True),
+    "deltanet": dict(short_conv=True, conv_size=4, activation="silu", beta_bias=False, norm_eps=1e-5, q_scale=True),
     # GatedDeltaNet(use_short_conv=True, conv_size=4, use_gate=True): as DeltaNet, plus
     # g = -exp(A_log) softplus(a_proj(x) + dt_bias) and FusedRMSNormGated (o_norm(o, g_proj(x)))
     "gated_deltanet": dict(short_conv=True, conv_size=4, activation="silu", beta_bias=False, norm_eps=1e-5,
@@ -520,7 +517,9 @@ FLA_PRESETS = {
 def fla_layer(d_model: int, n_heads: int, kind: str = "gated_deltanet", **options: object) -> LinearAttention:
     """A `LinearAttention` configured as fla's layer of that kind (`FLA_PRESETS`): short
     convolution, SiLU, L2-normalised q and k, beta without bias, and for Gated DeltaNet
-    Mamba-2's gate and the gated output norm. `options` override single presets."""
+    Mamba-2's gate and the gated output norm. `options` override single presets. Heads are
+    d_model // n_heads wide, keys and values alike, as in fla's DeltaNet; fla's Gated DeltaNet
+    defaults to head_dim=256 with values twice as wide (expand_v=2), which this layer cannot make."""
     V.check_choice("fla_layer", "kind", kind, tuple(FLA_PRESETS))
     return LinearAttention(d_model, n_heads, kind=kind, **{**FLA_PRESETS[kind], **options})
 
