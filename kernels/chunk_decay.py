@@ -45,7 +45,7 @@ from .sequences import (
     packed_layout,
     sequence_rows,
 )
-from .shapes import check_decay
+from .shapes import check_decay, checked_grid
 
 
 @triton.jit
@@ -172,7 +172,8 @@ def chunk_decays(
     if n:
         ptrs = [lengths, *out, cu, offsets, indices]
         cfg = launch_config("chunk_decay", BT, g.dtype, g.device)
-        launchable(chunk_decay_kernel, g.device)[(NT, B * H)](
+        launchable(chunk_decay_kernel, g.device)[
+            checked_grid("chunk_decays", NT, B * H)](
             g, *(p if p is not None else out.gl for p in ptrs), T, H, NT,
             BT=BT, DECAY=1 if g.dim() == 1 else 2,
             KA=to_end, KR=to_start, PREFIX=prefix,

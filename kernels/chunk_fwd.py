@@ -64,7 +64,7 @@ import triton
 import triton.language as tl
 
 from .configs import dot_precision, launchable, select_config
-from .shapes import check_causal
+from .shapes import check_causal, checked_grid
 
 
 @triton.jit
@@ -396,7 +396,7 @@ def chunk_fwd(
     lens = lengths.to(device=q.device, dtype=torch.int32).contiguous() if lengths is not None else None
 
     dummy = o  # stands in for pointers a constexpr flag says are never read
-    grid = (triton.cdiv(Dv, cfg["BV"]), B * H)
+    grid = checked_grid("chunk_fwd", triton.cdiv(Dv, cfg["BV"]), B * H)
     launchable(chunk_fwd_kernel, q.device)[grid](
         q, k, v, w if w is not None else dummy, lens if lens is not None else dummy,
         g if g is not None else dummy, o, den if den is not None else dummy,

@@ -86,7 +86,7 @@ from .sequences import (
     packed_layout,
     sequence_rows,
 )
-from .shapes import check_backward
+from .shapes import check_backward, checked_grid
 from .shapes import entry_states as checked_states
 
 
@@ -537,7 +537,7 @@ def chunk_dqk(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         widths += [(Dk, dv_config["BK"]), (Dv, dv_config["BV"])]
     ptrs = [*_decay_tables(g, decays, cfg["BT"], layout, lengths), r, e,
             *states, *grads, *outs, cu, offsets, indices, lengths]
-    launchable(kernel, q.device)[grid](
+    launchable(kernel, q.device)[checked_grid("chunk_dqk", *grid)](
         q, k, v, do, *(p if p is not None else dq for p in ptrs),
         T, H, Dk, Dv, NT, B * H * T,
         BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"], **extra,
@@ -577,7 +577,8 @@ def chunk_dv(q: torch.Tensor, k: torch.Tensor, do: torch.Tensor,
     dv = torch.empty(do.shape, dtype=q.dtype, device=q.device)
     ptrs = [*_decay_tables(g, decays, cfg["BT"], layout, lengths), r, dh, dv,
             cu, offsets, indices, lengths]
-    launchable(chunk_dv_kernel, q.device)[(cdiv(Dv, cfg["BV"]), NT, B * H)](
+    launchable(chunk_dv_kernel, q.device)[
+            checked_grid("chunk_dv", cdiv(Dv, cfg["BV"]), NT, B * H)](
         q, k, do, *(p if p is not None else dv for p in ptrs), T, H, Dk, Dv, NT,
         BT=cfg["BT"], BK=cfg["BK"], BV=cfg["BV"],
         DECAY=0 if g is None else (1 if g.dim() == 1 else 2),
@@ -637,6 +638,9 @@ def chunk_bwd_two_phase(
     """
     check_backward("chunk_bwd_two_phase", q, k, v, do, o, den, log_decay,
                    initial_state, final_state_grad, log_decay_end, cu_seqlens)
+    if skip_dead_tail and cu_seqlens is not None:  # its lengths are per row
+        raise ValueError("chunk_bwd_two_phase: skip_dead_tail takes batched "
+                         "rows, not packed sequences (cu_seqlens)")
     B, H, T, Dk = q.shape
     cfg_s = state_config(
         Dk, v.shape[-1],
@@ -644,6 +648,9 @@ def chunk_bwd_two_phase(
         q.dtype, q.device, den is not None)
     cfg_dqk = launch_config("chunk_dqk", Dk, q.dtype, q.device)
     cfg_dv = launch_config("chunk_dv", Dk, q.dtype, q.device)
+    if not cfg_s["BT"] == cfg_dqk["BT"] == cfg_dv["BT"]:  # (configs overridden)
+        raise ValueError("chunk_bwd_two_phase: the state, dq/dk and dv "
+                         "configs must share one chunk length BT")
     q, k, v, do = (x.contiguous() for x in (q, k, v, do))
     r, e, lengths = chunk_bwd_prep(do, o, den, find_lengths=skip_dead_tail)
     normalize = den is not None

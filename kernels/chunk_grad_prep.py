@@ -14,7 +14,7 @@ import triton.language as tl
 from .chunk_decay import launch_config
 from .configs import launchable
 from .sequences import cdiv, packed_starts, sequence_rows
-from .shapes import expect, sequences
+from .shapes import checked_grid, expect, sequences
 
 
 @triton.jit
@@ -164,7 +164,7 @@ def chunk_bwd_prep(do: torch.Tensor, o: torch.Tensor | None,
     if B * H * T and normalize:
         dummy = do
         launchable(chunk_bwd_prep_kernel, do.device)[
-            (cdiv(T, cfg["BT"]), B * H)
+            checked_grid("chunk_bwd_prep", cdiv(T, cfg["BT"]), B * H)
         ](
             do.contiguous(),
             *(x.contiguous() if x is not None else dummy
@@ -174,7 +174,8 @@ def chunk_bwd_prep(do: torch.Tensor, o: torch.Tensor | None,
             num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
     elif B * H * T and find_lengths:
         P = min(cdiv(T, cfg["BT"]), LIVE_LENGTH_PROGRAMS)
-        launchable(live_length_kernel, do.device)[(P, B * H)](
+        launchable(live_length_kernel, do.device)[
+            checked_grid("chunk_bwd_prep", P, B * H)](
             do.contiguous(), lengths, T, Dv, P, BT=cfg["BT"], BV=cfg["BV"],
             num_warps=cfg["num_warps"], num_stages=1)
     return r, e, lengths

@@ -64,7 +64,7 @@ from .sequences import (
     packed_layout,
     sequence_rows,
 )
-from .shapes import check_causal, entry_states
+from .shapes import check_causal, checked_grid, entry_states
 
 
 @triton.jit
@@ -248,7 +248,7 @@ def chunk_output(
                                   to_end=False, prefix=True)
         prefix, g = (decays.hi, decays.lo), None
     dummy = o
-    grid = (cdiv(Dv, cfg["BV"]), NT, B * H)
+    grid = checked_grid("chunk_output", cdiv(Dv, cfg["BV"]), NT, B * H)
     ptrs = [g, *prefix, h, hz, o, den, cu, offsets, indices]
     launchable(chunk_output_kernel, q.device)[grid](
         q, k, v, *(p if p is not None else dummy for p in ptrs),

@@ -72,7 +72,7 @@ from . import configs
 from .chunk_decay import ChunkDecays, _launch_config, chunk_decays
 from .configs import dot_precision, launchable, multiprocessor_count
 from .sequences import as_f32, cdiv, first_chunk, packed_layout, sequence_rows
-from .shapes import check_causal
+from .shapes import check_causal, checked_grid
 
 
 @triton.jit
@@ -527,7 +527,8 @@ def chunk_states(
     ptrs = [*decays, r, w, h, hz, S0, z0, S_T, z_T, *walked,
             cu, offsets, lengths]
     keys_t = configs.walk_keys_t(cfg, decay, r)
-    launchable(chunk_state_kernel, k.device)[(*tiles, n_seq * H * splits)](
+    launchable(chunk_state_kernel, k.device)[
+        checked_grid("chunk_states", *tiles, n_seq * H * splits)](
         # h stands in for pointers never touched
         k, v, *(p if p is not None else h for p in ptrs),
         T, H, Dk, Dv, NT, NS, splits,
@@ -570,7 +571,8 @@ def _merge_runs(h, hz, ends, walked, tiles, NS, splits, cfg, decay,
              torch.empty(B, H, Dk, **f32)
              if store_final_state and hz is not None else None)
     ptrs = [hz, *ends, *walked, *final]
-    launchable(chunk_state_merge_kernel, h.device)[(*tiles, B * H * splits)](
+    launchable(chunk_state_merge_kernel, h.device)[
+        checked_grid("chunk_states", *tiles, B * H * splits)](
         h, *(p if p is not None else h for p in ptrs),
         H, Dk, Dv, NT, NS, splits, BK=cfg["BK"], BV=cfg["BV"],
         DECAY=decay, HAS_Z=hz is not None,

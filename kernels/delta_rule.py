@@ -49,6 +49,7 @@ import triton.language as tl
 from .chunk_decay import load_log_decay
 from .chunk_fwd import chunk_log_decays
 from .configs import dot_precision, launchable, select_config, signature_of
+from .shapes import checked_grid
 
 # --- configs ---
 
@@ -448,7 +449,7 @@ def launch(kernel: str, device: torch.device, grid: tuple, cfg: dict, *args, **c
         refuse_transposed_dots(f"the delta rule's backward ({kernel})", device)
     fn = DELTA_KERNELS[kernel]
     tiles = {n: cfg[n] for n in ("BT", "BK", "BV", "BKW") if n in cfg and n in fn.arg_names}
-    launchable(fn, device)[grid](*args, **tiles, **constexprs, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    launchable(fn, device)[checked_grid(kernel, *grid)](*args, **tiles, **constexprs, num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
 
 
 def _decay_args(log_decay: torch.Tensor | None, B: int, H: int, T: int) -> tuple[torch.Tensor | None, int]:
@@ -578,8 +579,7 @@ def delta_rule_fwd(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, beta: torc
     read as fp32). Dk <= 256. Returns o in the dtype of v and S_final (B, H, Dk, Dv) fp32 when
     store_final_state, else None. chunk_size: the chunk length (a power of two >= 16), default
     64 for 16-bit inputs, 32 for fp32. Inputs are not validated beyond their shapes (keys are
-    expected unit, beta in (0, 2]: `delta_rule_attention` checks). No autograd here (core/delta_triton.py).
-    """
+    expected unit, beta in (0, 2]: `delta_rule_attention` checks). No autograd here (core/delta_triton.py)."""
     pieces = delta_rule_fwd_pieces(q, k, v, beta, log_decay=log_decay, initial_state=initial_state,
                                    store_final_state=store_final_state, chunk_size=chunk_size)
     return pieces["o"], pieces["S_final"]

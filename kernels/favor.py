@@ -35,6 +35,7 @@ import triton
 import triton.language as tl
 
 from .configs import dot_precision, launchable, select_config
+from .shapes import checked_grid
 
 STABILIZE_MODES = {None: 0, "row": 1, "global": 2}
 
@@ -122,7 +123,7 @@ def favor_features(
     cfg = config or select_config("favor", d, x.dtype, x.device)
     out = torch.empty(BH, T, m, dtype=x.dtype, device=x.device)
     kernel = launchable(favor_kernel, x.device)
-    grid = (triton.cdiv(T, cfg["BT"]), BH)
+    grid = checked_grid("favor_features", triton.cdiv(T, cfg["BT"]), BH)
 
     def launch(mode, shift, rowmax):
         kernel[grid](

@@ -25,7 +25,7 @@ import triton
 import triton.language as tl
 
 from .configs import dot_precision, launchable, select_config
-from .shapes import check_causal, expect
+from .shapes import check_causal, checked_grid, expect
 
 
 @triton.jit
@@ -157,7 +157,7 @@ def noncausal_state(
                   if initial_state[1] is not None
                   else torch.zeros(B, H, Dk, **f32))
     dummy = S
-    grid = (triton.cdiv(Dv, cfg["BV"]), B * H)
+    grid = checked_grid("noncausal_states", triton.cdiv(Dv, cfg["BV"]), B * H)
     launchable(noncausal_state_kernel, k.device)[grid](
         k, v, w if w is not None else dummy, r if r is not None else dummy, S0 if S0 is not None else dummy,
         z0 if z0 is not None else dummy, S, z if z is not None else dummy,
@@ -203,7 +203,7 @@ def noncausal_output(
     out = torch.empty(B, H, T, Dc, dtype=out_dtype or a.dtype, device=a.device)
     den = torch.empty(B, H, T, dtype=torch.float32, device=a.device) if z is not None else None
     dummy = out
-    grid = (triton.cdiv(Dc, cfg["BC"]), triton.cdiv(T, cfg["BT"]), B * H)
+    grid = checked_grid("noncausal_output", triton.cdiv(Dc, cfg["BC"]), triton.cdiv(T, cfg["BT"]), B * H)
     launchable(noncausal_output_kernel, a.device)[grid](
         a, S, z.contiguous() if z is not None else dummy,
         e.to(torch.float32).contiguous() if e is not None else dummy,

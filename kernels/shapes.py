@@ -19,6 +19,20 @@ from __future__ import annotations
 import torch
 
 INDEX_DTYPES = (torch.int32, torch.int64)
+# CUDA launches at most 65535 programs along a grid's second and third axes
+# (2^31 - 1 along the first); beyond, the launch fails ("invalid argument").
+MAX_GRID_YZ = 65535
+
+
+def checked_grid(fn: str, *axes: int) -> tuple:
+    """A launch grid, refused where CUDA would refuse it: on every device, so
+    that a CPU run (the interpreter has no limit) refuses what a GPU would."""
+    if len(axes) > 1 and (axes[1] > MAX_GRID_YZ or axes[-1] > MAX_GRID_YZ):
+        raise ValueError(
+            f"{fn}: a grid of {axes} programs has more than {MAX_GRID_YZ} on "
+            "its second or third axis, CUDA's limit (there: batch x heads, "
+            "packed sequences x heads, or chunks); split the call in two")
+    return axes
 
 
 def expect(fn: str, name: str, x: torch.Tensor | None, shape: tuple,
@@ -104,6 +118,9 @@ def check_causal(fn: str, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
         if x is not None:
             expect(fn, name, x, (B, H, T), device)
     if lengths is not None:
+        if cu_seqlens is not None:
+            raise ValueError(f"{fn}: `lengths` (one per batch row) cannot be "
+                             "combined with packed sequences (cu_seqlens)")
         expect(fn, "lengths", lengths, (B, H), device)
     return rows
 

@@ -58,6 +58,10 @@ CASES = {
     "entry states of other chunks": lambda: K.chunk_output(q, k, v, torch.empty(B, H, 1, DK, DV),
                                                            torch.empty(B, H, 1, DK)),
     # packed sequences
+    "dead tail of packed sequences": lambda: _bwd(q=qp, k=kp, v=vp, do=do[:1], o=None, den=None,
+                                                  cu_seqlens=cu, skip_dead_tail=True),
+    "lengths with packed sequences": lambda: K.chunk_states(kp, vp, cu_seqlens=cu,
+                                                            lengths=torch.full((1, H), T, dtype=torch.int32)),
     "one initial state for two sequences": lambda: K.chunk_fwd_two_phase(
         qp, kp, vp, cu_seqlens=cu, initial_state=(S0[:1], z0[:1])),
     "cu_seqlens with a batch of 2": lambda: K.chunk_fwd_two_phase(q, k, v, cu_seqlens=cu),
@@ -112,3 +116,36 @@ def test_right_shapes_pass_the_checks():
     K.decode_step(q1, k1, v1, S0.clone(), z0.clone(), log_decay=g[:, :, 0])
     S, z = K.noncausal_state(k, v, track_z=True, initial_state=(S0, z0))
     K.noncausal_output(q, S, z=z)
+
+
+GRID_CALLS = {
+    "forward": lambda: K.chunk_fwd_two_phase(q, k, v, log_decay=g),
+    "packed": lambda: K.chunk_fwd_two_phase(qp, kp, vp, cu_seqlens=cu),  # 2 sequences x 2 heads
+    "backward": lambda: _bwd(),
+    "noncausal": lambda: K.noncausal_state(k, v, track_z=True),
+    "favor": lambda: K.favor_features(q, _rand(8, DK)),
+    "delta rule": lambda: K.delta_rule_fwd(q, k, v, _rand(B, H, T)),
+}
+
+
+@pytest.mark.parametrize("call", GRID_CALLS)
+def test_a_grid_past_cudas_limit_is_refused(call, monkeypatch):
+    """CUDA launches at most 65535 programs along a grid's second and third axes, where the
+    launchers put batch x heads (or packed sequences x heads, or chunks); past it a launch fails
+    on a GPU, and the interpreter has no such limit. With the limit lowered to 3, every call
+    here (B x H = 4) is refused with a message before any launch, as a GPU call with 65536 rows
+    is (a hardware review found nothing refusing them)."""
+    from linattn_lib.kernels import shapes
+
+    monkeypatch.setattr(shapes, "MAX_GRID_YZ", 3)
+    with record_launches() as launches, pytest.raises(ValueError, match="CUDA's limit"):
+        GRID_CALLS[call]()
+    assert launches == []
+
+
+def test_cudas_grid_limit_itself():
+    from linattn_lib.kernels.shapes import checked_grid
+
+    assert checked_grid("f", 2**31 - 1, 65535, 65535) == (2**31 - 1, 65535, 65535)
+    with pytest.raises(ValueError, match=r"f: a grid of \(1, 65536\) programs"):
+        checked_grid("f", 1, 65536)

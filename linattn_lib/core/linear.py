@@ -119,7 +119,9 @@ def linear_attention(
     environment), because each would cost a pass over its input and a device-to-host sync
     on every training step; unchecked, the kernels give NaN in exactly the outputs that
     depend on a non-finite input, and a bad cu_seqlens gives wrong outputs, not an access
-    outside the tensors (the kernels clamp its starts). Under torch.compile they are not traced:
+    outside the tensors (the kernels clamp its starts); one that ends before T_total (trailing
+    padding) leaves the rows after it unwritten, in the output and in the gradients: make the
+    padding a sequence of its own, or pass the real tokens only. Under torch.compile they are not traced:
     a compiled CUDA call is never checked; on CPU the causal chunked and recurrent forms and
     packed sequences, which the compiled graph calls as one library op, still check inside it.
     The causal CUDA path (forward and backward) makes no host synchronisation, packed
