@@ -28,39 +28,40 @@ def _randn(*shape, seed: int, scale: float = 1.0) -> torch.Tensor:
     return scale * torch.randn(*shape, generator=_gen(seed), dtype=torch.float64)
 
 
-def _perturb(x: torch.Tensor, *, time_dim: int, seed: int, scale: float = 30.0, sign: int = 0) -> torch.Tensor:
-    """x with every slice at time >= CUT replaced by new (large) values (sign +1: >= 0, -1: <= 0)."""
+def _perturb(x: torch.Tensor, *, time_dim: int, seed: int, scale: float = 30.0, sign: int = 0,
+             cut: int = CUT) -> torch.Tensor:
+    """x with every slice at time >= cut replaced by new (large) values (sign +1: >= 0, -1: <= 0)."""
     y = x.clone()
     idx = [slice(None)] * x.dim()
-    idx[time_dim] = slice(CUT, None)
+    idx[time_dim] = slice(cut, None)
     new = _randn(*y[tuple(idx)].shape, seed=seed, scale=scale)
     y[tuple(idx)] = new if sign == 0 else sign * new.abs()
     return y
 
 
-def _assert_prefix_unchanged(fn, inputs: dict, time_dims: dict, out_time_dim: int = 2, positive=()):
-    """Perturb the inputs named in time_dims (along that axis); those in `positive` stay >= 0
-    and a log-decay or log-gate stays <= 0."""
+def _assert_prefix_unchanged(fn, inputs: dict, time_dims: dict, out_time_dim: int = 2, positive=(), cut=CUT):
+    """Perturb the inputs named in time_dims (along that axis) from position `cut` on; those in
+    `positive` stay >= 0 and a log-decay or log-gate stays <= 0."""
     before = fn(**inputs)
 
     def sign(name):
         return 1 if name in positive else -1 if name.startswith("log_") else 0
 
     changed = {
-        name: _perturb(x, time_dim=time_dims[name], seed=100 + i, sign=sign(name)) if name in time_dims else x
+        name: _perturb(x, time_dim=time_dims[name], seed=100 + i, sign=sign(name), cut=cut) if name in time_dims else x
         for i, (name, x) in enumerate(inputs.items())
     }
     after = fn(**changed)
     prefix = [slice(None)] * before.dim()
-    prefix[out_time_dim] = slice(0, CUT)
+    prefix[out_time_dim] = slice(0, cut)
     a, b = before[tuple(prefix)], after[tuple(prefix)]
     assert torch.isfinite(a).all() and torch.isfinite(b).all()
     # the suffix must have changed, or the check says nothing
     suffix = list(prefix)
-    suffix[out_time_dim] = slice(CUT, None)
+    suffix[out_time_dim] = slice(cut, None)
     assert (before[tuple(suffix)] - after[tuple(suffix)]).abs().max() > 1e-6
     err = (a - b).abs().max().item()
-    assert err <= TOL, f"outputs before t={CUT} moved by {err:.2e} when tokens >= {CUT} changed"
+    assert err <= TOL, f"outputs before t={cut} moved by {err:.2e} when tokens >= {cut} changed"
 
 
 QKV_T = {"q": 2, "k": 2, "v": 2}
@@ -83,7 +84,12 @@ def test_linear_attention_torch(form, normalize, decay, make_qkv):
 
 
 @pytest.mark.parametrize("normalize", [True, False])
-def test_linear_attention_triton_interpreter(normalize, make_qkv):
+@pytest.mark.parametrize("t_cut", [(T, CUT), (150, 70)], ids=["in-chunk", "across-chunks"])
+def test_linear_attention_triton_interpreter(normalize, t_cut, make_qkv):
+    """Within one chunk (T = 13), and across chunks (T = 150 cut at 70, past the first chunk of
+    32 or 64 tokens, so that the earlier chunks' states are involved: a review found the short
+    case passing with every chunk reading the last chunk's state)."""
+    T, CUT = t_cut
     pytest.importorskip("triton")
     from linattn_lib.core.triton_ops import triton_available
 
@@ -97,7 +103,8 @@ def test_linear_attention_triton_interpreter(normalize, make_qkv):
     def fn(q, k, v, log_decay):
         return la.linear_attention(q, k, v, log_decay=log_decay, normalize=normalize, backend="triton").double()
 
-    _assert_prefix_unchanged(fn, {"q": q, "k": k, "v": v, "log_decay": g}, {**QKV_T, "log_decay": 2}, positive=("q", "k"))
+    _assert_prefix_unchanged(fn, {"q": q, "k": k, "v": v, "log_decay": g}, {**QKV_T, "log_decay": 2}, positive=("q", "k"),
+                             cut=CUT)
 
 
 @pytest.mark.parametrize("kind", ["positive", "hyperbolic"])

@@ -5,7 +5,8 @@ the launchers CPU tensors as an H100/H200 would show them (132 SMs, sm_90), so t
 that a training step runs on CUDA -- `linear_attention`, its checks, the custom ops, the
 launchers, forward and backward -- runs here as it would there. With every way of reading a
 tensor's value on the host (`.item()`, `bool()`, `.tolist()`, `int()`, `float()`,
-`__index__`, `.cpu()`, `.numpy()`) made to raise, that Python must still run to the end: on
+`__index__`, `.cpu()`, `.to("cpu")`, `.numpy()`, and the comparisons that answer on the host:
+`torch.equal`, `allclose`, `is_nonzero`) made to raise, that Python must still run to the end: on
 a GPU each of those is a device-to-host synchronisation. So must it with `torch.tensor`,
 `as_tensor` and `from_numpy` raising: copies from the host, which a CUDA graph cannot capture.
 """
@@ -26,6 +27,8 @@ if triton_available():
     from linattn_lib.experiments.launches import Launch, record_launches
 
 SYNCS = ("item", "__bool__", "tolist", "__int__", "__float__", "__index__", "cpu", "numpy")
+# comparisons whose answer is a Python bool: on CUDA the host waits for it
+HOST_ANSWERS = ("equal", "allclose", "is_nonzero")
 # ops whose output size depends on the data: on CUDA the host waits for it (repeat_interleave
 # with tensor repeats unless told its output_size)
 SIZED_BY_DATA = ("nonzero", "repeat_interleave")
@@ -64,9 +67,20 @@ def no_host_syncs(monkeypatch: pytest.MonkeyPatch):
             raise HostSync(f"Tensor.{name} on the hot path (a device-to-host sync on CUDA)")
         return method
 
+    to = torch.Tensor.to
+
+    def to_host(self, *args, **kwargs):  # .to("cpu"): a copy to the host (the library's
+        if "cpu" in args or kwargs.get("device") == "cpu":  # .to(x.device) is a no-op there)
+            raise HostSync("Tensor.to('cpu') on the hot path (a device-to-host sync on CUDA)")
+        return to(self, *args, **kwargs)
+
     with monkeypatch.context() as m:
         for name in SYNCS:
             m.setattr(torch.Tensor, name, refuse(name))
+        m.setattr(torch.Tensor, "to", to_host)
+        for name in HOST_ANSWERS:
+            m.setattr(torch.Tensor, name, refuse(name))
+            m.setattr(torch, name, refuse(name))
         for name in SIZED_BY_DATA:
             m.setattr(torch, name, _sized_by_data(name, getattr(torch, name)))
             m.setattr(torch.Tensor, name, _sized_by_data(name, getattr(torch.Tensor, name)))
@@ -172,6 +186,12 @@ def test_the_sync_guard_catches_a_sync(monkeypatch):
         assert torch.repeat_interleave(torch.arange(3), counts, output_size=3).shape == (3,)
     with no_host_syncs(monkeypatch), pytest.raises(HostSync):
         x + torch.tensor([1.0, 2.0, 3.0])
+    for answer_on_host in (lambda: torch.equal(x, x), lambda: x.allclose(x), lambda: torch.is_nonzero(x[:1]),
+                           lambda: x.amax().to("cpu"), lambda: x.to(device="cpu")):
+        with no_host_syncs(monkeypatch), pytest.raises(HostSync):
+            answer_on_host()
+    with no_host_syncs(monkeypatch):  # conversions that stay on the device pass
+        assert x.to(x.device) is x and x.to(torch.float64).dtype == torch.float64
 
 
 CASES = [(decay, normalize) for decay in (None, "head", "token") for normalize in (True, False)]

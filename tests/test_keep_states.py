@@ -114,13 +114,26 @@ def test_the_backward_launches_one_state_pass_fewer(normalize):
     assert len(counts[True]) == len(counts[False]) - 1
 
 
-def test_no_grad_keeps_nothing():
-    """Under no_grad nothing is kept: the plain op runs (and returns what it returns)."""
+def test_no_grad_keeps_nothing(monkeypatch):
+    """Under no_grad nothing is kept: the plain op runs (and returns what it returns). The
+    forward is asked not to keep its states (equal outputs alone could not tell: a review
+    found the test passing with the no_grad condition removed)."""
+    import linattn_lib.core.triton_ops as T
+
+    asked, forward = [], T.causal_forward
+
+    def spy(*args, **kwargs):
+        asked.append(args[10] if len(args) > 10 else kwargs.get("keep_states", False))
+        return forward(*args, **kwargs)
+
+    monkeypatch.setattr(T, "causal_forward", spy)
     x = _inputs(True, None)
     with torch.no_grad():
         a = linear_attention(x["q"], x["k"], x["v"], backend="triton", keep_chunk_states=True)
         b = linear_attention(x["q"], x["k"], x["v"], backend="triton")
-    assert torch.equal(a, b)
+    assert torch.equal(a, b) and asked == [False, False]
+    linear_attention(x["q"], x["k"], x["v"], backend="triton", keep_chunk_states=True)
+    assert asked[-1] is True  # the spy sees the flag where it is asked for
 
 
 @pytest.mark.parametrize("normalize", [True, False])

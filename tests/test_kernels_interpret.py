@@ -41,6 +41,7 @@ from linattn_lib.core.decode import linear_attention_decode_step
 from linattn_lib.core.reference import reference_linear_attention  # noqa: E402
 from linattn_lib.core.triton_ops import triton_available  # noqa: E402
 from linattn_lib.experiments.kernel_selftest import DECAYS as SELFTEST_DECAYS  # noqa: E402
+from linattn_lib.experiments.launches import record_launches  # noqa: E402
 
 if not triton_available():  # pragma: no cover - triton imports but the kernels do not
     pytest.skip("the Triton kernels do not import here", allow_module_level=True)
@@ -312,11 +313,13 @@ def test_chunk_log_decays_are_as_precise_as_their_own_terms(decay, row_scans):
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="patches the kernel module (the interpreter reads it per launch)")
 def test_decay_reset_without_tl_gather(monkeypatch):
-    """Triton < 3.2 has no tl.gather: the shift of g then comes from a masked row sum."""
+    """Triton < 3.2 has no tl.gather: both shifts of g (forward, and back for the compensated
+    prefix sums) then come from masked row sums."""
     import sys
 
     module = sys.modules["linattn_lib.kernels.chunk_fwd"]
     monkeypatch.setattr(module, "_shifted", module._shifted_sum)
+    monkeypatch.setattr(module, "_shifted_back", module._shifted_back_sum)
     check_against_reference(RESET_CASES[1], torch.float32, causal=True)
 
 
@@ -501,14 +504,18 @@ def test_gradient_of_state_only():
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="checks the CPU dispatch")
 def test_auto_backend_on_cpu_does_not_use_triton(monkeypatch):
-    import linattn_lib.core.triton_ops as T
+    """No kernel is launched (a review found this test patching a name that linear_attention
+    had imported under its own: it passed with the CPU check removed)."""
+    import linattn_lib.core.linear as L
 
     def boom(*args, **kwargs):
         raise AssertionError("backend='auto' must not run Triton on CPU tensors")
 
-    monkeypatch.setattr(T, "linear_attention_triton", boom)
+    monkeypatch.setattr(L, "linear_attention_triton", boom)
     q = torch.rand(1, 1, 8, 16)
-    linear_attention(q, q, q)
+    with record_launches() as launches:
+        linear_attention(q, q, q)
+    assert launches == []
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu" or os.environ.get("TRITON_INTERPRET") == "1",
@@ -561,17 +568,29 @@ def test_unsupported_dtypes_raise_clear_errors():
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="fakes the GPU generation on CPU")
 @pytest.mark.parametrize("dtype", [torch.float16], ids=str)
 def test_sm75_configs(monkeypatch, dtype):
-    """The configs a T4 (sm_75) would pick -- 16-token chunks for the forward at a head dim above
-    128 -- run in the interpreter when told the GPU is an sm_75. In float16, the T4's dtype:
-    float32 there picks the very same configs (one table for every dtype), and float32's
-    arithmetic is tested at the sm_80+ configs."""
+    """The configs a T4 (sm_75) would pick run in the interpreter when told the GPU is an
+    sm_75: the two-phase engine's (linear_attention's, forward and backward), and the one-pass
+    forward's (`chunk_fwd`), whose chunks are 16 tokens at a head dim above 128. In float16, the
+    T4's dtype: float32 there picks the very same configs (one table for every dtype), and
+    float32's arithmetic is tested at the sm_80+ configs. (A review found the one-pass kernel
+    checked for its config but never run with it.)"""
     from linattn_lib.core.triton_ops import load_kernels
 
-    configs = load_kernels().configs
+    K = load_kernels()
+    configs = K.configs
     monkeypatch.setattr(configs, "device_capability", lambda device: (7, 5))
     picked = configs.select_config("chunk_fwd", 200, dtype, torch.device("cpu"))
     assert picked["BT"] == 16 and picked in configs.CONFIGS["chunk_fwd"]
     check_against_reference((1, 1, 40, 200, 136, "token", True, True), dtype, causal=True)
+    gen = torch.Generator().manual_seed(0)
+    q, k = (torch.rand(1, 2, 40, 200, generator=gen) for _ in range(2))
+    v = torch.randn(1, 2, 40, 136, generator=gen)
+    g = -torch.rand(1, 2, 40, generator=gen) / 4
+    with record_launches(stub=False) as launches:
+        o = K.chunk_fwd(q.to(dtype), k.to(dtype), v.to(dtype), log_decay=g)[0]
+    assert [x.kwargs["BT"] for x in launches] == [16]
+    want = reference_linear_attention(q.double(), k.double(), v.double(), log_decay=g.double())
+    assert (o.double() - want).abs().max() < 2e-2 * want.abs().max()
 
 
 @pytest.mark.skipif(DEVICE.type != "cpu", reason="fakes the GPU generation on CPU")

@@ -50,13 +50,22 @@ def test_packed_batch_equals_separate_sequences(kind):
 
 
 @pytest.mark.parametrize("kind", LINEAR_KINDS)
-def test_one_token_decode_equals_the_parallel_form(kind):
+def test_one_token_decode_equals_the_parallel_form(kind, monkeypatch):
+    """The one-token calls run the decode step, once a token (a review found equal outputs
+    alone passing with the decode branch switched off: the chunked form at T = 1 agrees)."""
+    import linattn_lib.nn.layers as layers
+
+    steps_run = []
+    for name in ("linear_attention_decode_step", "delta_rule_decode_step"):
+        step = getattr(layers, name)
+        monkeypatch.setattr(layers, name, lambda *a, _step=step, **kw: steps_run.append(1) or _step(*a, **kw))
     layer = _layer(kind)
     x = torch.randn(2, 12, 16, dtype=D64)
     with torch.no_grad():
         full = layer(x)
         steps, _ = decode_stepwise(layer, x, 5)
     assert (steps - full).abs().max() < 1e-10
+    assert len(steps_run) == 12 - 5
 
 
 def test_one_token_decode_leaves_the_callers_state_alone():
