@@ -104,9 +104,13 @@ def test_padded_rows_compile_as_one_graph():
     assert (y - y_c).abs().max() < 1e-12
 
 
-def test_generation_continues_from_a_left_padded_prompt():
+def test_generation_continues_from_a_left_padded_prompt(monkeypatch):
     """Prefill a left-padded batch of prompts, then decode: each row continues as its prompt
-    alone would (attention state and convolution cache)."""
+    alone would (attention state and convolution cache), through the decode step."""
+    import linattn_lib.nn.layers as layers
+
+    step, steps_run = layers.delta_rule_decode_step, []
+    monkeypatch.setattr(layers, "delta_rule_decode_step", lambda *a, **kw: steps_run.append(1) or step(*a, **kw))
     torch.manual_seed(0)
     layer = LinearAttention(16, 2, kind="gated_deltanet", chunk_size=8, **FLA_PRESETS["gated_deltanet"]).double()
     prompts, more = torch.randn(3, 21, 16, dtype=torch.float64), torch.randn(3, 4, 16, dtype=torch.float64)
@@ -121,6 +125,7 @@ def test_generation_continues_from_a_left_padded_prompt():
         for b, n in enumerate(LENGTHS):
             alone = torch.cat([prompts[b:b + 1, 21 - n:], more[b:b + 1]], 1)
             assert (layer(alone)[0, n:] - steps[b]).abs().max() < 1e-12
+    assert len(steps_run) == more.shape[1]
 
 
 @pytest.mark.parametrize("kind, options", [(k, o) for k, o in LAYERS if k != "cosformer"],

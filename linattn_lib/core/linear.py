@@ -121,7 +121,9 @@ def linear_attention(
     depend on a non-finite input, and a bad cu_seqlens gives wrong outputs, not an access
     outside the tensors (the kernels clamp its starts); one that ends before T_total (trailing
     padding) leaves the rows after it unwritten, in the output and in the gradients: make the
-    padding a sequence of its own, or pass the real tokens only. Under torch.compile they are not traced:
+    padding a sequence of its own, or pass the real tokens only. The kernels' grids hold at most
+    65535 rows of batch x heads (packed: sequences x heads) and of chunks, CUDA's limit: a larger
+    call is refused with a message (on every device), and can be split in two. Under torch.compile they are not traced:
     a compiled CUDA call is never checked; on CPU the causal chunked and recurrent forms and
     packed sequences, which the compiled graph calls as one library op, still check inside it.
     The causal CUDA path (forward and backward) makes no host synchronisation, packed
