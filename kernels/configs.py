@@ -78,28 +78,29 @@ DIM_NAMES = {
 # (`run_config_sweep`); its numbers should replace this evidence.
 _TABLE: dict[str, dict[str, dict[int, tuple[int, ...]]]] = {
     "chunk_fwd": {
-        # sm90: under Triton 3.6.0 (the GPU machine's) mma16's 64: (32, 32, 8) spilled 4 STL/LDL
-        # and 128: (32, 16, 8) 14 as the JIT compiles them (bf16, sm_90; none under 3.7.1);
-        # 16 x 32 on 8 warps spills none under either, aligned or not (D = 64: 178 / 208
-        # registers aligned, 3.7.1 / 3.6.0; D = 128: 226 / 242), and issues fewer SASS
-        # instructions per output (1,056 for 16 x 32 at D = 64 against 1,384-1,424 for 32 x 16)
-        "mma16": {64: (32, 32, 8), 128: (32, 16, 8), 256: (32, 16, 8)},
+        # The former 64: (32, 32, 8) and 128: (32, 16, 8) spilled on sm_90 under Triton 3.6.0 (4
+        # and 14 STL/LDL, bf16), on sm_80-89 under 3.6.0 and 3.8.0 (4-38). 16 x 32 on 8 warps
+        # spills none on sm_90 under 3.6.0, 3.7.1 or 3.8.0, aligned or not (D = 64: 178 / 208
+        # registers aligned, 3.7.1 / 3.6.0; D = 128: 226 / 242) and issues fewer SASS instructions
+        # per output (1,056 at D = 64 against 1,384-1,424 for 32 x 16); on sm_80-89 it spills at
+        # D = 128 under 3.6.0 (16-23), where 16 x 16 spills none under any of the three.
+        "mma16": {64: (16, 32, 8), 128: (16, 16, 8), 256: (32, 16, 8)},
         "sm90": {64: (16, 32, 8), 128: (16, 32, 8), 256: (32, 16, 8)},
         "fp32": {64: (16, 32, 8), 128: (16, 16, 8), 256: (16, 16, 8)},
         "sm75": {64: (16, 32, 8), 128: (16, 16, 8), 256: (16, 16, 8)},
     },
     "noncausal_state": {
-        # 128: (64, 64, 8) spilled 2 STL/LDL on sm_80 as the JIT compiles it (the gates)
+        # 128: (64, 64, 8) spilled 2 STL/LDL on sm_80 (the gates); fp32 64: (32, 64, 4), 128: (32, 64, 8) 44, 52 (3.8.0)
         "mma16": {64: (64, 64, 4), 128: (32, 64, 8), 256: (32, 32, 8)},
-        "fp32": {64: (32, 64, 4), 128: (32, 64, 8), 256: (32, 32, 8)},
+        "fp32": {64: (32, 64, 8), 128: (32, 32, 8), 256: (32, 32, 8)},
         "sm75": {64: (32, 64, 8), 128: (32, 32, 8), 256: (16, 16, 8)},
     },
     "noncausal_output": {
         # fp32 128: (32, 64, 8) spilled 118 STL/LDL on sm_90 under Triton 3.6.0 (72 registers, none
-        # under 3.7.1); (16, 32, 8), 256's config, 43-47 registers under both, no spills
+        # under 3.7.1), fp16 on sm_75 133; (16, 32, 8), 256's config, spills none under 3.6-3.8
         "mma16": {64: (64, 64, 8), 128: (64, 64, 8), 256: (64, 32, 8)},
         "fp32": {64: (32, 64, 8), 128: (16, 32, 8), 256: (16, 32, 8)},
-        "sm75": {64: (32, 64, 8), 128: (32, 64, 8), 256: (16, 32, 8)},
+        "sm75": {64: (32, 64, 8), 128: (16, 32, 8), 256: (16, 32, 8)},
     },
     "decode": {  # one token: BT is unused; the state streams through in tiles of BV columns
         "mma16": {64: (64, 64, 4), 128: (64, 64, 8), 256: (64, 32, 8)},
@@ -236,7 +237,8 @@ _TABLE["live_length"] = _TABLE["chunk_bwd_prep"]  # the same blocks of dO, read 
 #   fp32 with Dk = 128 whole in W S_n ~1,000, blocked by 32 none; at Dk = 256 a whole-Dk
 #   W S_n spilled 62-186 (bf16): 64-blocks and 16 value columns.
 #   delta_wy: 4 warps, no spills at head dims that are multiples of 16 (196-212 registers);
-#   8 warps spilled 6 there on sm_80 (capped at 128 registers) though none at other dims.
+#   8 warps spilled 6 there on sm_80 (capped at 128 registers), none at other dims. delta_bwd_dqk
+#   on 4 warps spilled 35 (bf16, sm_80, D = 64: 255 registers) under Triton 3.8.0, 8 none.
 # The launchers pad head dims to multiples of 16 (`pad_head_dims`): with no divisibility known
 # the state and backward kernels spilled 34-776 instructions on some targets.
 #   sm75: the two parallel backward kernels spilled 56-66 (fp16, sm_75) on 4 warps, none on 8.
@@ -247,7 +249,7 @@ _DELTA: dict[str, dict[str, tuple[int, ...]]] = {
     "delta_state": {"mma16": (64, 0, 32, 8), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
     "delta_output": {"mma16": (64, 32, 32, 4), "fp32": (32, 32, 32, 4), "sm75": (32, 32, 32, 4)},
     "delta_bwd_state": {"mma16": (64, 64, 32, 8), "fp32": (32, 32, 32, 8), "sm75": (32, 32, 32, 4)},
-    "delta_bwd_dqk": {"mma16": (64, 16, 32, 4), "fp32": (32, 32, 32, 8), "sm75": (32, 32, 32, 8)},
+    "delta_bwd_dqk": {"mma16": (64, 16, 32, 8), "fp32": (32, 32, 32, 8), "sm75": (32, 32, 32, 8)},
     "delta_bwd_wy": {"mma16": (64, 16, 32, 8), "fp32": (32, 32, 32, 8), "sm75": (32, 32, 32, 8)},
 }
 # (kernel, class, whole Dk) -> (BT, BK, BV, num_warps, num_stages): the exceptions above
