@@ -19,7 +19,7 @@ NB ?=
 MATHJAX_VERSION := 3.2.2
 MATHJAX_DIR := book/_static/mathjax
 
-.PHONY: help install lint book book-clean test browser-deps lab execute bench gpu-check gpu-rehearsal gpu-deps mathjax repo-url clean distclean
+.PHONY: help install lint book book-clean test browser-deps lab execute bench gpu-check gpu-rehearsal triton-gates gpu-deps mathjax repo-url clean distclean
 
 help:  ## list the targets
 	@grep -E '^[a-z.-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
@@ -87,6 +87,17 @@ $(GPU_VENV)/.installed: constraints-gpu.txt
 gpu-rehearsal: $(GPU_VENV)/.installed  ## rehearse the GPU check on the CPU under the GPU machine's Triton (no GPU needed)
 	PYTHONPATH=$(CURDIR) $(GPU_PY) -m linattn_lib.experiments.gpu_check --dry-run
 	LINATTN_COMPILE_TARGETS=sm_90 PYTHONPATH=$(CURDIR) $(GPU_PY) -m pytest -o addopts= -p no:cacheprovider -q tests/test_kernels_compile.py
+
+# Another Triton release, checked by hand before the supported range in pyproject.toml names
+# it: the compile gates for every target and the interpreter's kernel tests, in a venv of that
+# release with CI's torch (about 12 minutes cold on 2 cores). 3.6.0, 3.7.1 and 3.8.0 pass.
+TRITON_VERSION ?= 3.8.0
+TRITON_VENV := .venv-triton-$(TRITON_VERSION)
+triton-gates:  ## compile gates and interpreter kernel tests under TRITON_VERSION (default 3.8.0; not CI)
+	test -x $(TRITON_VENV)/bin/python || $(PYTHON) -m venv $(TRITON_VENV)
+	$(TRITON_VENV)/bin/pip install -q "$$(grep '^torch==' constraints.txt)" triton==$(TRITON_VERSION) numpy einops pytest
+	TRITON_CACHE_DIR=$(CURDIR)/$(TRITON_VENV)/triton-cache PYTHONPATH=$(CURDIR) $(TRITON_VENV)/bin/python -m pytest \
+		-o addopts= -p no:cacheprovider -q tests/test_kernels_compile.py tests/test_kernels_interpret.py
 
 # fla for the GPU check's benchmark, as a wheel the checkout carries (the GPU machine has no
 # network and no index): fla-core only, pure Python, needing einops, torch and triton, which
