@@ -154,3 +154,33 @@ def test_recurrent_decoder_sums_16_bit_tokens_in_float32(dtype):
     err_parallel = (parallel.double() - truth).abs().max().item()
     err_decoder = (o.double() - truth).abs().max().item()
     assert err_decoder <= 2 * err_parallel + 1e-3, (err_decoder, err_parallel)
+
+
+@pytest.mark.parametrize("dk, state_dtype, on_kernel", [
+    (64, torch.float32, True),
+    (300, torch.float32, False),   # over the kernels' 256: e.g. Performer's 266 features
+    (64, torch.float64, False),    # a state the kernel does not take
+])
+def test_auto_decode_step_runs_the_kernel_only_where_it_fits(dk, state_dtype, on_kernel):
+    """backend="auto" on CUDA tensors (CPU ones dressed as CUDA, the launches stubbed) takes
+    the decode kernel for what it supports and torch for the rest, as linear_attention decides,
+    instead of raising (LinearAttention's generation passes its backend on, "auto" by default)."""
+    pytest.importorskip("triton")
+    from linattn_lib import linear_attention_decode_step
+    from linattn_lib.experiments.launches import record_launches
+
+    g = torch.Generator().manual_seed(0)
+    q, k = (torch.rand(1, 2, dk, generator=g) for _ in range(2))
+    v = torch.randn(1, 2, 8, generator=g)
+
+    def fresh():
+        return LinearAttentionState(torch.zeros(1, 2, dk, 8, dtype=state_dtype),
+                                    torch.zeros(1, 2, dk, dtype=state_dtype))
+
+    with torch.no_grad():
+        with record_launches(cuda_like=True) as launches:
+            o = linear_attention_decode_step(q, k, v, fresh())
+        expected = linear_attention_decode_step(q, k, v, fresh(), backend="torch")
+    assert [launch.name for launch in launches] == (["decode_kernel"] if on_kernel else [])
+    if not on_kernel:  # computed by torch: the same numbers
+        assert maxdiff(o, expected) < 1e-6

@@ -293,8 +293,9 @@ def linear_attention_decode_step(
             overwritten with the new state (keep them in float32 for long generations).
         log_decay_t: optional log-decay (<= 0) of this step, (H,) or (B, H).
         normalize: divide by q_t . z + eps (needs state.z).
-        backend: "auto" (the Triton kernel for CUDA tensors, torch otherwise), "torch", or
-            "triton" (on CPU: the interpreter).
+        backend: "auto" (the Triton kernel for CUDA tensors it takes: float32, float16 or
+            bfloat16 inputs and state, head dims up to 256; torch otherwise), "torch", or
+            "triton" (on CPU: the interpreter; refuses what the kernel does not take).
 
     Returns:
         o_t of shape (B, H, Dv) in the dtype of v_t: exactly what the parallel form gives at
@@ -310,8 +311,12 @@ def linear_attention_decode_step(
     _check_decode(fn, q_t, k_t, v_t, state, log_decay_t, normalize)
     S, z = state[0], (state[1] if normalize else None)
     contiguous = S.is_contiguous() and (z is None or z.is_contiguous())
+    # "auto": the kernel only where it takes the inputs (dtypes, head dims <= 256), as
+    # linear_attention decides; torch for the rest (e.g. 266 Performer features)
+    fits = triton_ops.SUPPORTED_DTYPES
     use_triton = backend == "triton" or (
-        backend == "auto" and q_t.is_cuda and contiguous and q_t.dtype in triton_ops.SUPPORTED_DTYPES and triton_ops.triton_available()
+        backend == "auto" and q_t.is_cuda and contiguous and triton_ops.triton_supports(q_t, v_t)
+        and S.dtype in fits and (z is None or z.dtype in fits)
     )
     with torch.no_grad():
         if not use_triton:
