@@ -232,7 +232,11 @@ def positive_random_features(
 
     E_w[exp(w . x - ‖x‖^2/2) exp(w . y - ‖y‖^2/2)] = exp(x . y) exactly (Performer Lemma 1), and
     every sample is positive. With input_scale = d^(-1/4) the product estimates
-    exp(q . k / sqrt(d)), the softmax kernel at the usual temperature.
+    exp(q . k / sqrt(d)), the softmax kernel at the usual temperature. x: (..., d), W: (m, d)
+    (rows w_i); returns (..., m). stabilize: None, "row" (subtract each row's largest
+    exponent: for queries) or "global" (one largest over a sequence's rows and features: for
+    the keys of non-causal attention; causal keys use `running_max_stabiliser`), a constant
+    factor that cancels in normalised attention.
 
     backend="triton" computes the map in one fused kernel (kernels/favor.py: projection,
     stabiliser and exp without intermediate (T, m) tensors), differentiable like this one. The

@@ -13,7 +13,8 @@ from .. import _validate as V
 
 
 def softmax_attention_weights(q: Tensor, k: Tensor, *, causal: bool = False, scale: float | None = None) -> Tensor:
-    """The (B, H, T, T) matrix softmax(q k^T * scale) (rows sum to one; causal masks j > i)."""
+    """The (B, H, Tq, Tk) matrix softmax(q k^T * scale), Tq = Tk when causal (rows sum to one;
+    causal masks j > i)."""
     fn = "softmax_attention_weights"
     causal = V.check_flag(fn, "causal", causal)
     if scale is not None:

@@ -94,6 +94,7 @@ class ModelConfig:
             raise ValueError(f"{fn}: `layer_options` may not set {sorted(reserved)}: the config's own fields do")
 
     def to_dict(self) -> dict:
+        """The fields as a plain dict (`ModelConfig(**d)` rebuilds it): what results files store."""
         return asdict(self)
 
 
@@ -146,6 +147,7 @@ class TinyLM(nn.Module):
                 nn.init.normal_(p, std=0.02)
 
     def num_parameters(self) -> int:
+        """The number of parameters (every tensor of `parameters()`, embeddings included)."""
         return sum(p.numel() for p in self.parameters())
 
     def _check_idx(self, fn: str, name: str, idx, *, allow_ignore: bool = False) -> None:
