@@ -215,12 +215,12 @@ for _kernel, _classes in _TWO_PHASE.items():
 # P^T = K Q^T is formed once per chunk, not once per value tile (fla's dv kernel does the same: it
 # took 250 us on the H200 where ours, in two tiles, took 464). sm_90, D = 128, as the JIT
 # compiles it (Triton 3.6.0 / 3.7.1): 96-128 registers, capped at 128 (MAXNREG) for 2 CTAs, no
-# spills; 14-27% fewer warp instructions, by the fitted model (kernel_fit.py; its tiles went up to
-# 64 columns) 6-21% faster. 4 warps (168-233 registers) spilled 300 where the JIT knows no
+# spills; 18-27% fewer warp instructions, by the fitted model (kernel_fit.py; its tiles went up to
+# 64 columns) 7-21% faster. 4 warps (168-233 registers) spilled 300 where the JIT knows no
 # divisibility. chunk_output likewise (fla's, one program of 128 x 128 blocks a chunk, took 224 us there unnormalised,
 # ours in two tiles 388; 514 per-token): 64 x 128 blocks on 8 warps, the scores formed once a chunk; 118-128 registers
-# capped (155-165 uncapped), no spills in bf16 (fp16 with a per-token decay: 2-4), 37-48% fewer warp instructions, by
-# the fit 22-30% faster. The whole-op sweep times the two tiles of both.
+# capped (155-165 uncapped), no spills in bf16 (fp16 with a per-token decay: 2-4), 41-46% fewer warp instructions, by
+# the fit 25-28% faster. The whole-op sweep times the two tiles of both.
 _TABLE["chunk_dv"]["sm90"] = {**_TABLE["chunk_dv"]["mma16"], 128: (64, 64, 128, 8), 256: (64, 64, 128, 8)}
 _TABLE["chunk_output"]["sm90"] = {**_TABLE["chunk_output"]["sm90"], 128: (64, 64, 128, 8), 256: (64, 64, 128, 8)}
 _TABLE["live_length"] = _TABLE["chunk_bwd_prep"]  # the same blocks of dO, read from the end
