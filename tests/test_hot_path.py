@@ -397,3 +397,27 @@ def test_stub_time_replays_the_recorded_launches():
             x.fn[x.grid](*(None,) * sum(p not in x.kwargs for p in x.fn.arg_names), **x.kwargs)
     assert [(x.name, x.grid) for x in again] == [(x.name, x.grid) for x in launches]
     assert ho.stub_time([], calls=5) < ho.stub_time(launches * 20, calls=5)
+
+
+def test_triton_run_time_goes_through_tritons_run_and_restores_it():
+    """Triton's own launch path that host_overhead prints: the recorded launches really pass
+    through JITFunction.run's binder (a launch missing an argument raises there, and is reported
+    as None, not timed), nothing compiles, and the driver and the kernels' caches are as they
+    were afterwards."""
+    from triton.runtime.driver import driver
+
+    from linattn_lib.experiments import host_overhead as ho
+
+    case, shape = "unnormalised, per-token decay", (1, 2, 256, 32)
+    inputs = ho.make_inputs(case, shape)
+    with ho.record_launches(cuda_like=True) as launches:
+        ho._forward(inputs)
+    fns = {x.fn for x in launches}
+    before = driver._active, {fn: dict(fn.device_caches) for fn in fns}
+    one, three = ho.triton_run_time(launches[:1], calls=5), ho.triton_run_time(launches * 3, calls=5)
+    assert one is not None and three is not None and 0 < one < three
+    broken = [ho.Launch(x.name, x.fn, x.grid, x.args[:-1], x.kwargs) for x in launches]
+    assert ho.triton_run_time(broken, calls=5) is None
+    assert (driver._active, {fn: dict(fn.device_caches) for fn in fns}) == before
+    times = ho.triton_time(case, calls=3, shape=shape)
+    assert set(times) == {"forward", "fwd+bwd"} and 0 < times["forward"] < times["fwd+bwd"]

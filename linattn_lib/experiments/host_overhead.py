@@ -19,16 +19,20 @@ style); unnormalised with a per-head decay (RetNet) -- it prints
   inputs pays (Function.apply, the graph, the engine, `Tensor.backward`); the rest is the
   library's, less
 * what the stubbed launches themselves cost (`stub_time`: the recorded launches replayed
-  under the stub), which is in the host time too; on a GPU machine Triton's own launch cost
-  takes its place.
+  under the stub), which is in the host time too; on a GPU machine Triton's own launch path
+  takes its place:
+* Triton's own launch path (`triton_run_time`): the same launches through the real
+  `JITFunction.run`, with a stand-in driver and a kernel cache that returns a no-op kernel.
+  Binding and specialising 8 to 28 arguments and forming the cache key costs 10 to 23 us a
+  launch on a 2-core cloud CPU, as much again as the library's own Python per launch.
 
 Everything runs on CPU tensors dressed as CUDA ones (`record_launches(cuda_like=True)`: the
 launchers see an H100/H200, 132 SMs, sm_90; the library takes its CUDA branches). The data
-is never read, only the shapes matter. Two differences from a GPU machine, both small: a
+is never read, only the shapes matter. Two differences from a GPU machine: a
 torch allocation here is the CPU allocator's (large buffers are fresh pages from the
 operating system; CUDA's caching allocator hands back a cached block in about a
-microsecond), and a Triton launch's own cost -- binding the arguments, the driver call,
-about 3 to 6 us each on recent Triton -- is not in the stubbed time: add it per launch.
+microsecond), and a Triton launch's own cost is not in the stubbed time: its Python is timed apart
+(`triton_run_time`, above), its C launcher and driver call (a few us each) are not.
 
 What torch.compile removes is measured too: the same call compiled with
 `torch.compile(fullgraph=True)` (inductor), timed the same way (`compiled_host_time`). The
@@ -263,6 +267,94 @@ def stub_time(launches: list[Launch], calls: int = 200) -> float:
         return _median_times({"stub": replay}, calls, recorded)["stub"]
 
 
+class _NoOpKernel:
+    """Stands in for a compiled kernel in Triton's cache: what `JITFunction.run` reads of one,
+    and a launch that does nothing."""
+
+    function = 0
+    packed_metadata = ()
+
+    def launch_metadata(self, grid, stream, *args):
+        return None
+
+    def run(self, *args):
+        return None
+
+
+class _EveryKey(dict):
+    """A kernel cache that holds the no-op kernel under every key: nothing compiles."""
+
+    _kernel = _NoOpKernel()
+
+    def get(self, key, default=None):
+        return self._kernel
+
+
+class _StandInDriver:
+    """The driver queries `JITFunction.run` and its binder make: device 0, stream 0, sm_90."""
+
+    def get_current_device(self) -> int:
+        return 0
+
+    def get_current_stream(self, device) -> int:
+        return 0
+
+    def get_current_target(self):
+        from triton.backends.compiler import GPUTarget
+
+        return GPUTarget("cuda", 90, 32)
+
+
+def triton_run_time(launches: list[Launch], calls: int = 200) -> float | None:
+    """Microseconds of Triton's own Python for `launches` (recorded with their arguments,
+    keep_args=True), the median over `calls` rounds: each replayed through the real
+    `JITFunction.run` -- binding and specialising every argument (a pointer's alignment, an
+    int's divisibility), the cache key from them and the constexprs, the check of the
+    kernel's globals, the grid -- with a stand-in driver, and a kernel cache that hands back a
+    no-op kernel, so nothing compiles or launches. What a GPU machine adds to it is the C
+    launcher (the arguments unpacked, every tensor's data_ptr() asked) and the driver's
+    launch call. None if this Triton's `run` does not take the stand-ins (its internals
+    change between releases; 3.6.0 and 3.7.1 do)."""
+    from triton.runtime.driver import driver
+    from triton.runtime.jit import JITFunction
+
+    saved_driver, saved_caches = driver._active, {}
+    try:
+        driver.set_active(_StandInDriver())
+        for x in launches:
+            if id(x.fn) not in saved_caches:
+                saved_caches[id(x.fn)] = (x.fn, x.fn.device_caches.get(0))
+                _, key_cache, target, backend, binder = x.fn.create_binder()
+                x.fn.device_caches[0] = (_EveryKey(), key_cache, target, backend, binder)
+
+        def replay():
+            for x in launches:
+                JITFunction.run(x.fn, *x.args, grid=x.grid, warmup=False, **x.kwargs)
+
+        return _median_times({"run": replay}, calls)["run"]
+    except (AttributeError, TypeError, ValueError, KeyError):
+        return None
+    finally:
+        driver._active = saved_driver
+        for fn, cache in saved_caches.values():
+            if cache is None:
+                del fn.device_caches[0]
+            else:
+                fn.device_caches[0] = cache
+
+
+def triton_time(case: str, calls: int = 200, shape: tuple[int, int, int, int] = SHAPE,
+                dtype: torch.dtype = DTYPE) -> dict[str, float | None]:
+    """`triton_run_time` of the launches of a forward and of a forward+backward of `case`."""
+    inputs = make_inputs(case, shape, dtype)
+    with record_launches(cuda_like=True, keep_args=True) as launches:
+        o = _forward(inputs)
+        forward = list(launches)
+        o.backward(torch.empty_like(o))
+        everything = list(launches)
+    return {"forward": triton_run_time(forward, calls), "fwd+bwd": triton_run_time(everything, calls)}
+
+
 def _describe(launch: Launch) -> str:
     return f"{launch.name}{list(launch.grid)}"
 
@@ -278,6 +370,7 @@ def report(shape: tuple[int, int, int, int] = SHAPE, calls: int = 200) -> dict:
         floor = autograd_floor(case, calls, shape)
         stub = stub_time(counted["forward"], calls), stub_time(counted["forward"] + counted["backward"], calls)
         compiled = compiled_host_time(case, calls, shape)
+        triton = triton_time(case, calls, shape)
         fwd, bwd = counted["forward"], counted["backward"]
         row = {
             "floor_us_forward": round(floor["forward"], 1), "floor_us_fwd_bwd": round(floor["fwd+bwd"], 1),
@@ -287,6 +380,8 @@ def report(shape: tuple[int, int, int, int] = SHAPE, calls: int = 200) -> dict:
             "host_us_forward": round(timed["forward"], 1), "host_us_fwd_bwd": round(timed["fwd+bwd"], 1),
             "compiled_us_forward": round(compiled["forward"], 1),
             "compiled_us_fwd_bwd": round(compiled["fwd+bwd"], 1),
+            **{f"triton_us_{part}": None if triton[key] is None else round(triton[key], 1)
+               for part, key in (("forward", "forward"), ("fwd_bwd", "fwd+bwd"))},
         }
         results[case] = row
         n_fwd = len(fwd) + len(counted["forward_torch"])
@@ -295,6 +390,11 @@ def report(shape: tuple[int, int, int, int] = SHAPE, calls: int = 200) -> dict:
               f"{timed['forward']:.0f} us forward, {timed['fwd+bwd']:.0f} us forward+backward "
               f"(torch's floor for an op with these inputs: {floor['forward']:.0f} / {floor['fwd+bwd']:.0f} us; "
               f"the recording stub's own launches: {stub[0]:.0f} / {stub[1]:.0f} us)")
+        if triton["fwd+bwd"] is not None:
+            total = timed["fwd+bwd"] - stub[1] + triton["fwd+bwd"]
+            print(f"  Triton's own launch path (JITFunction.run, a stand-in driver): {triton['forward']:.0f} / "
+                  f"{triton['fwd+bwd']:.0f} us; with it in place of the stub's, about {total:.0f} us of host time "
+                  "a forward+backward on this CPU, before the C launcher's and the driver's share")
         print("  forward   " + ", ".join(row["forward_launches"] + row["forward_torch_ops"]))
         print("  backward  " + ", ".join(row["backward_launches"] + row["backward_torch_ops"]))
         same = compiled["launches"] == [x.name for x in fwd + bwd]
