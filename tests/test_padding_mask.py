@@ -69,18 +69,26 @@ def test_padded_rows_equal_the_rows_alone(kind, options, side):
     check_against_unpadded(layer, x, padded(side), 1e-12)
 
 
-@pytest.mark.parametrize("kind", LINEAR_KINDS)
-def test_padding_that_overflows_or_is_nan_changes_nothing(kind):
+@pytest.mark.parametrize("kind, options", LAYERS, ids=[k + ("-fla" if o else "") for k, o in LAYERS])
+def test_padding_that_overflows_or_is_nan_changes_nothing(kind, options):
     """Padding is selected out, not multiplied by 0: the Performer's unstabilised key features
-    of a huge padding vector are inf (inf * 0 = NaN), and a caller may fill padding with NaN."""
+    of a huge padding vector are inf (inf * 0 = NaN), and a caller may fill padding with NaN.
+    Also past fla's output gate (on in its Gated DeltaNet), whose gate is NaN there; the
+    real tokens' input gradients stay those of the clean batch."""
     torch.manual_seed(0)
-    layer = LinearAttention(16, 2, kind=kind, chunk_size=8).double()
+    layer = LinearAttention(16, 2, kind=kind, chunk_size=8, **options).double()
     mask = padded("left")
     x = torch.randn(len(LENGTHS), 21, 16, dtype=torch.float64)
-    clean = layer(x, attention_mask=mask)
+
+    def run(x):
+        x = x.requires_grad_()
+        y = layer(x, attention_mask=mask)
+        return y.detach(), torch.autograd.grad(y.square().sum(), x)[0][mask]
+
+    clean = run(x)
     for fill in (1e6, float("nan")):
-        dirty = x.masked_fill(~mask[..., None], fill)
-        assert torch.equal(layer(dirty, attention_mask=mask), clean), fill
+        y, grad = run(x.masked_fill(~mask[..., None], fill))
+        assert torch.equal(y, clean[0]) and torch.equal(grad, clean[1]), fill
 
 
 @pytest.mark.parametrize("kind", ["linear", "retnet", "gated_deltanet"])

@@ -53,10 +53,8 @@ def _check_width(fn: str, d_model, n_heads, heads_name: str = "n_heads") -> None
     V.check_positive_int(fn, "d_model", d_model)
     V.check_positive_int(fn, heads_name, n_heads)
     if d_model % n_heads:
-        raise ValueError(
-            f"{fn}: `d_model`={d_model} must be divisible by `{heads_name}`={n_heads} "
-            f"(each head gets d_model // {heads_name} channels)"
-        )
+        raise ValueError(f"{fn}: `d_model`={d_model} must be divisible by `{heads_name}`={n_heads} "
+                         f"(each head gets d_model // {heads_name} channels)")
 
 
 def _check_input(fn: str, x, module: nn.Module, d_model: int) -> None:
@@ -473,6 +471,8 @@ class LinearAttention(nn.Module):
             o = (o32 * torch.rsqrt(o32.pow(2).mean(-1, keepdim=True) + self.norm_eps)).to(o.dtype) * self.out_norm
         if self.output_gate:
             o = o * F.silu(_split_heads(self.gate_proj(x), self.n_heads))
+            if mask is not None:  # a NaN padding token's gate is NaN: selected out again
+                o = torch.where(mask[:, None, :, None], o, 0)
         y = self.proj(_merge_heads(o))
         if self.short_conv:
             new_state = ConvLayerState(new_state, conv_cache)
