@@ -347,3 +347,15 @@ def test_a_saved_state_loads_with_torch_loads_defaults(short_conv, tmp_path):
         loaded = torch.load(tmp_path / "state.pt")["state"]
         assert type(loaded) is type(state)
         assert torch.equal(layer(x[:, 6:], state=loaded), layer(x[:, 6:], state=state))
+
+
+def test_a_linear_layers_state_given_to_a_softmax_layer_is_named():
+    """A LinearAttentionState is a pair too: the softmax layer refuses it as what it is, not
+    as a KV cache of the wrong shape; its own cache (a plain tuple) still resumes."""
+    x = torch.randn(1, 4, 8)
+    _, linear_state = LinearAttention(8, 2)(x, return_state=True)
+    softmax = SoftmaxAttention(8, 2)
+    with pytest.raises(TypeError, match="KV cache .* of a softmax layer, got LinearAttentionState"):
+        softmax(x, state=linear_state)
+    _, cache = softmax(x, return_state=True)
+    assert softmax(x[:, :1], state=cache).shape == (1, 1, 8)

@@ -542,7 +542,7 @@ class SoftmaxAttention(nn.Module):
     def check_state(self, fn: str, name: str, state: object, *, batch: int, device: torch.device) -> None:
         """`state` is a KV cache (keys, values), each (batch, H, S, d_head), S >= 1, finite, on
         `device`; after a padded prefill also the keys' mask, (batch, S) bool (True: a token)."""
-        if not isinstance(state, (tuple, list)) or len(state) not in (2, 3):
+        if not isinstance(state, (tuple, list)) or len(state) not in (2, 3) or hasattr(state, "_fields"):
             raise TypeError(f"{fn}: `{name}` must be a KV cache (keys, values[, key mask]) of a softmax layer, "
                             f"got {type(state).__name__}")
         for part, t in zip(("keys", "values"), state):
