@@ -22,7 +22,7 @@ MATHJAX_DIR := book/_static/mathjax
 .PHONY: help install lint book book-clean test browser-deps lab execute bench gpu-check gpu-rehearsal triton-gates gpu-deps mathjax repo-url clean distclean
 
 help:  ## list the targets
-	@grep -E '^[a-z.-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-10s %s\n", $$1, $$2}'
+	@grep -E '^[a-z.-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  make %-16s %s\n", $$1, $$2}'
 
 $(PY):
 	@$(PYTHON) -c 'import sys; v = sys.version_info; sys.exit(0 if v >= (3, 10) else f"Python >= 3.10 is needed, $(PYTHON) is {v.major}.{v.minor}; try make PYTHON=python3.11")'

@@ -499,7 +499,11 @@ def report(B: int, T: int, H: int, D: int, gpu: GPU | str = "H100 SXM", *, detai
 def main(argv: list[str] | None = None) -> None:
     """`python -m linattn_lib.chapters.perf_model [--detail]`: B in {1, 4}, H 16, T 16384, D 128,
     on each GPU of `GPUS`; fla's source from $LINATTN_FLA_SOURCE (`perf_fla.fla_source`)."""
-    detail = "--detail" in (sys.argv[1:] if argv is None else argv)
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--detail", action="store_true", help="also print every launch's parts")
+    detail = parser.parse_args(sys.argv[1:] if argv is None else argv).detail
     for i, gpu in enumerate(GPUS.values()):
         print(f"{gpu.name}, predicted by the model (bf16){', assuming:' if i == 0 else ''}")
         for line in assumptions(gpu)[: None if i == 0 else 1]:

@@ -111,9 +111,15 @@ def warm(index: int, slices: int, hopper_refuses_gated_backward: bool) -> Iterat
 
 def main(argv: list[str] | None = None) -> int:
     """Warm one slice; prints what it ran."""
+    import argparse
+
     from .gpu_bench import fla_refuses_gated_backward
 
-    index, slices = (int(a) for a in (argv or sys.argv[1:])[:2])
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("index", type=int, metavar="SLICE", help="this worker's slice, 0 .. SLICES - 1")
+    parser.add_argument("slices", type=int, metavar="SLICES", help="how many workers share the configs")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    index, slices = args.index, args.slices
     for line in warm(index, slices, fla_refuses_gated_backward()):
         print(line, flush=True)
     return 0

@@ -243,13 +243,19 @@ def report(data: dict) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> None:
-    argv = sys.argv[1:] if argv is None else argv
-    if "--collect" in argv:
+    import argparse
+
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    mode = parser.add_mutually_exclusive_group()
+    mode.add_argument("--collect", action="store_true", help=f"compile the measured launches, store them in {STORED.name} (minutes)")
+    mode.add_argument("--predict", action="store_true", help=f"recompute only the predictions in {STORED.name}")
+    args = parser.parse_args(sys.argv[1:] if argv is None else argv)
+    if args.collect:
         import os
 
         data = collect(os.environ.get("LINATTN_FLA_SOURCE"))
         STORED.write_text(json.dumps(data, indent=1) + "\n")
-    elif "--predict" in argv:
+    elif args.predict:
         STORED.write_text(json.dumps(predict(json.loads(STORED.read_text())), indent=1) + "\n")
     print("\n".join(report(json.loads(STORED.read_text()))))
 
