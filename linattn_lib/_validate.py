@@ -240,7 +240,7 @@ def values_checked(x: Tensor | None = None) -> bool:
     * CUDA (any tensor not on the CPU): no, unless opted in (`CHECK_DEVICE_VALUES`, or
       LINATTN_CHECK_VALUES=1 in the environment). A check needs the answer on the host:
       a device-to-host synchronisation and a pass over the data at every call, as much time
-      as the kernels it guards on a training step's hot path (DESIGN.md, "The hot path").
+      as the kernels it guards on a training step's hot path.
       Not checked, a NaN or inf goes into the kernels, which propagate it as the recurrence
       does: every output that depends on it is NaN, none that does not (the kernels' masks
       select, they never multiply). Meta tensors have no values: never checked.

@@ -1,4 +1,4 @@
-"""How a built page reads: the numbers the browser test measures in the DOM (DESIGN.md, Reading).
+"""How a built page reads: the numbers the browser test measures in the DOM (the reading rules).
 
 `READING_SCRIPT` runs in the page at one viewport width and returns:
 
@@ -40,7 +40,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# The goals of issue 31 (and DESIGN.md, Reading); test_browser.py asserts them.
+# The goals of issue 31 (the reading rules); test_browser.py asserts them.
 MAX_CLIPPED_WIDE = 0          # display equations cut at 1280 px, whole book
 MAX_CLIPPED_NARROW = 5        # display equations cut at 390 px, whole book
 MAX_CLIPPED_FORMULAS = 0      # inline formulas, and display ones in folds, cut at 1280 or 390 px

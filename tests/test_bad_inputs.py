@@ -1,6 +1,6 @@
 """One table of bad inputs for every public name: each must raise a clear, named error.
 
-The library's contract (DESIGN.md): bad input gets an exception that names the function, the
+The library's contract: bad input gets an exception that names the function, the
 argument (in backticks), what it got and what was expected -- never a silent broadcast, never
 a NaN that could have been an error, never an answer to a different question ("no" taken as
 True). Every row below is one bad call; `test_bad_input` checks its exception type, that the

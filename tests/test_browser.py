@@ -16,7 +16,7 @@ and recorded. For each page the test asserts:
 * notebook pages have a Colab launch link built from `_config.yml`;
 * no MyST markup shows as text outside code (```` ```{ ````, `:::{`, `{admonition}`, `{cite`, ...);
 * at phone width (390 px) no display math or image is cut off (each scrolls in its own box);
-* the reading rules (DESIGN.md, Reading; tests/reading_metrics.py measures them): display
+* the reading rules (tests/reading_metrics.py measures them): display
   equations whole at 1280 px (at most a few cut at 390 px, in the whole book), no page wider
   than a phone, code cells and their text output at most 30% of a chapter's page, at most
   three fact-check notes a page, and at most ten code blocks in the book that scroll sideways.

@@ -92,7 +92,7 @@ def test_code_compiles_without_syntax_warnings(path):
     assert not bad, bad
 
 
-# Figures (DESIGN.md, Reading): one numbering, "**Figure N.k.**" in a markdown cell right
+# Figures (the reading rules): one numbering, "**Figure N.k.**" in a markdown cell right
 # after the figure's cell (N: the chapter's number, A for appendix A, EN for chapter N's
 # errata computations), one figure per cell; text of at least 10 pt and figures at most
 # 9.5 inches wide (at the book's ~690-px column that keeps rendered text at 10 px or more;
