@@ -271,6 +271,23 @@ def test_bench_sweep_cli_writes_json_and_plot(tmp_path):
     assert (tmp_path / "sweep-cpu-quick.png").stat().st_size > 0
 
 
+def test_bench_sweep_table_has_rows_only_for_chunk_sizes_that_ran():
+    """A skipped provider's own chunk length (fla's 64 on a CPU) adds no row of skips and
+    repeated times; one that ran at its own chunk length does."""
+    from linattn_lib.experiments.bench import format_sweep
+
+    def rec(provider, C, ran=True):
+        return dict(provider=provider, mode="fwd", T=64, D=16, chunk_size=C,
+                    **({"median_s": 1e-3} if ran else {"skipped": "no CUDA"}))
+
+    records = [rec("linattn-torch", 16), rec("sdpa", None), rec("fla", 64, ran=False)]
+    rows = [line.split() for line in format_sweep(records, ["linattn-torch", "sdpa", "fla"], False).splitlines()]
+    assert [row[3] for row in rows if row[0] == "fwd"] == ["16"]
+    records[-1] = rec("fla", 64)
+    rows = [line.split() for line in format_sweep(records, ["linattn-torch", "sdpa", "fla"], False).splitlines()]
+    assert [row[3] for row in rows if row[0] == "fwd"] == ["16", "64"]
+
+
 def test_bench_targets_cli_quick(tmp_path):
     """`python -m linattn_lib.experiments.bench --quick`: the targets table at tiny sizes, in a subprocess."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(ROOT))

@@ -149,8 +149,10 @@ def run_sweep(cfg: SweepConfig, *, progress: bool = True, flush_caches: bool = T
 
 def format_sweep(records: list[dict], providers: list[str], on_cuda: bool) -> str:
     """The sweep as a fixed-width table: one row per (mode, T, D, chunk size), one column per provider."""
-    keys = sorted({(r["T"], r["D"], r["chunk_size"] or 0, r["mode"]) for r in records if r["chunk_size"]})
-    if not keys:  # no chunked provider in this sweep
+    # the chunk sizes that ran: a skipped provider's own chunk length (fla's 64 off CUDA) makes no row
+    keys = sorted({(r["T"], r["D"], r["chunk_size"] or 0, r["mode"]) for r in records
+                   if r["chunk_size"] and "median_s" in r})
+    if not keys:  # no chunked provider ran in this sweep
         keys = sorted({(r["T"], r["D"], 0, r["mode"]) for r in records})
     keys.sort(key=lambda key: (MODES.index(key[3]), key[1], key[2], key[0]))
     width = 28 if on_cuda else 16
