@@ -56,7 +56,7 @@ def test_one_token_decode_equals_the_parallel_form(kind, monkeypatch):
     import linattn_lib.nn.layers as layers
 
     steps_run = []
-    for name in ("linear_attention_decode_step", "delta_rule_decode_step"):
+    for name in ("decode_to_new_state", "delta_rule_decode_step"):
         step = getattr(layers, name)
         monkeypatch.setattr(layers, name, lambda *a, _step=step, **kw: steps_run.append(1) or _step(*a, **kw))
     layer = _layer(kind)

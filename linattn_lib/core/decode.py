@@ -271,6 +271,36 @@ def _decode_torch(q, k, v, S, z, log_decay, eps):
     return o.to(v.dtype)
 
 
+def step_uses_kernel(q_t: Tensor, v_t: Tensor, state_dtypes: tuple[torch.dtype, ...], backend: str, *,
+                     contiguous: bool = True) -> bool:
+    """Whether `linear_attention_decode_step` runs the Triton kernel: backend "triton", or "auto"
+    for CUDA inputs it takes (float32, float16 or bfloat16 tokens and state, head dims up to
+    256, a contiguous state), as linear_attention decides; torch for the rest (e.g. a Performer
+    layer's 266 features, a float64 state)."""
+    fits = triton_ops.SUPPORTED_DTYPES
+    return backend == "triton" or (
+        backend == "auto" and q_t.is_cuda and contiguous and triton_ops.triton_supports(q_t, v_t)
+        and all(dtype in fits for dtype in state_dtypes))
+
+
+def decode_to_new_state(q_t: Tensor, k_t: Tensor, v_t: Tensor, state: LinearAttentionState,
+                        log_decay_t: Tensor | None, normalize: bool, backend: str,
+                        dtype: torch.dtype) -> tuple[Tensor, LinearAttentionState]:
+    """(o_t, new state in `dtype`): `linear_attention_decode_step` for a caller that has checked
+    its inputs (the layers) and keeps `state` as it was. Where the kernel runs, it updates a
+    copy in place; torch computes the new state as a function (`decode_update`): no copy, no
+    write back, none of the step's checks."""
+    if step_uses_kernel(q_t, v_t, (dtype,), backend):
+        new = LinearAttentionState(*(None if s is None else s.to(dtype, copy=True) for s in state[:2]))
+        o = linear_attention_decode_step(q_t, k_t, v_t, new, log_decay_t=log_decay_t, normalize=normalize,
+                                         backend=backend)
+        return o, new
+    S, z = (None if s is None else s.to(dtype) for s in state[:2])
+    a = None if log_decay_t is None else torch.exp(log_decay_t.to(dtype)).expand(q_t.shape[:2])
+    o, S, z_new = decode_update(q_t, k_t, v_t, S, z if normalize else None, a, DEFAULT_EPS)
+    return o.to(v_t.dtype), LinearAttentionState(S, z_new if normalize else z)
+
+
 def linear_attention_decode_step(
     q_t: Tensor,
     k_t: Tensor,
@@ -311,13 +341,8 @@ def linear_attention_decode_step(
     _check_decode(fn, q_t, k_t, v_t, state, log_decay_t, normalize)
     S, z = state[0], (state[1] if normalize else None)
     contiguous = S.is_contiguous() and (z is None or z.is_contiguous())
-    # "auto": the kernel only where it takes the inputs (dtypes, head dims <= 256), as
-    # linear_attention decides; torch for the rest (e.g. 266 Performer features)
-    fits = triton_ops.SUPPORTED_DTYPES
-    use_triton = backend == "triton" or (
-        backend == "auto" and q_t.is_cuda and contiguous and triton_ops.triton_supports(q_t, v_t)
-        and S.dtype in fits and (z is None or z.dtype in fits)
-    )
+    use_triton = step_uses_kernel(q_t, v_t, (S.dtype, z.dtype if z is not None else S.dtype), backend,
+                                  contiguous=contiguous)
     with torch.no_grad():
         if not use_triton:
             return _decode_torch(q_t, k_t, v_t, S, z, log_decay_t, eps)

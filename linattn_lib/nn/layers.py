@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from .. import _validate as V
-from ..core.decode import linear_attention_decode_step
+from ..core.decode import decode_to_new_state
 from ..core.delta import delta_rule_attention, delta_rule_decode_step
 from ..core.features import RandomFeatureMap, elu_plus_one
 from ..core.linear import linear_attention
@@ -389,15 +389,15 @@ class LinearAttention(nn.Module):
     def _decode(self, q, k, v, beta, g, state):
         """One token from `state` with the decode-step functions (no gradient): o (B, H, 1, Dv)."""
         g_t = None if g is None else (g if g.dim() == 1 else g[:, :, 0])
+        q, k, v = q[:, :, 0], k[:, :, 0], v[:, :, 0]
         # the state comes back as from the chunked form (float64 for float64 inputs, else float32),
-        # whatever came in; the linear step updates it in place: a copy (the delta rule's: a new one)
-        dtype, copy = (torch.float64 if q.dtype == torch.float64 else torch.float32), not self._delta
-        new = LinearAttentionState(*(None if s is None else s.to(dtype, copy=copy) for s in state[:2]))
+        # whatever came in, and the caller's is left as it was
+        dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
         if self._delta:
-            o, new = delta_rule_decode_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], beta[:, :, 0], new, log_decay=g_t)
-            return o.unsqueeze(2), new
-        o = linear_attention_decode_step(q[:, :, 0], k[:, :, 0], v[:, :, 0], new, log_decay_t=g_t,
-                                         normalize=self.normalize, backend=self.backend)
+            new = LinearAttentionState(*(None if s is None else s.to(dtype) for s in state[:2]))
+            o, new = delta_rule_decode_step(q, k, v, beta[:, :, 0], new, log_decay=g_t)
+        else:
+            o, new = decode_to_new_state(q, k, v, state, g_t, self.normalize, self.backend, dtype)
         return o.unsqueeze(2), new
 
     @property
