@@ -78,6 +78,24 @@ def test_one_token_decode_leaves_the_callers_state_alone():
     assert torch.equal(state.S, S) and torch.equal(state.z, z)
 
 
+@pytest.mark.parametrize("kind", ["linear", "retnet"])
+def test_one_token_decode_on_the_kernel_leaves_the_callers_state_alone(kind):
+    """backend="triton": the step's kernel (the interpreter here) updates a copy of the state in
+    place, and gives the torch step's outputs and states."""
+    pytest.importorskip("triton")
+    torch.manual_seed(0)
+    layers = {b: LinearAttention(32, 2, kind=kind, backend=b) for b in ("torch", "triton")}
+    layers["triton"].load_state_dict(layers["torch"].state_dict())
+    x = torch.randn(1, 8, 32)
+    with torch.no_grad():
+        _, state = layers["torch"](x[:, :6], return_state=True)
+        before = [t.clone() for t in state if t is not None]
+        out = {b: layers[b](x[:, 6:7], state=state, pos_offset=6, return_state=True) for b in layers}
+    assert all(torch.equal(t, u) for t, u in zip([t for t in state if t is not None], before))
+    (y_t, s_t), (y_k, s_k) = out["torch"], out["triton"]
+    assert (y_t - y_k).abs().max() < 1e-5 and (s_t.S - s_k.S).abs().max() < 1e-5
+
+
 @pytest.mark.parametrize("kind", ["linear", "gated_deltanet"])
 def test_returned_state_has_one_dtype_on_every_path(kind):
     """A float64 state given to a float32 layer comes back float32 from the one-token step
