@@ -79,6 +79,23 @@ def test_noncausal_state_is_the_sum_of_outer_products(make_qkv):
     assert torch.allclose(st.z[0, 0], k[0, 0].sum(0))
 
 
+@pytest.mark.parametrize("form", ["quadratic", "recurrent", "chunked"])
+def test_noncausal_initial_state_is_seen_by_every_query(form, make_qkv):
+    """The docstring's causal=False semantics: o = q (S0 + K^T V) / (q . (z0 + sum k) + eps),
+    and the returned state is S0 + K^T V, z0 + sum k."""
+    from linattn_lib import LinearAttentionState
+    from linattn_lib.core.state import DEFAULT_EPS
+
+    q, k, v = make_qkv(1, 1, 10, 3, 2)
+    S0, z0 = torch.rand(1, 1, 3, 2, dtype=q.dtype), torch.rand(1, 1, 3, dtype=q.dtype)
+    o, st = linear_attention(q, k, v, causal=False, form=form, initial_state=LinearAttentionState(S0, z0),
+                             return_state=True)
+    S, z = S0 + k.transpose(-1, -2) @ v, z0 + k.sum(2)
+    want = (q @ S) / ((q * z[:, :, None]).sum(-1, keepdim=True) + DEFAULT_EPS)
+    assert (o - want).abs().max() < 1e-12
+    assert (st.S - S).abs().max() < 1e-12 and (st.z - z).abs().max() < 1e-12
+
+
 def test_strong_decay_stays_finite(make_qkv):
     q, k, v = make_qkv(1, 2, 300, 4, 4)
     ld = torch.full((2,), -50.0, dtype=D64)  # exp(-50 * 300) would underflow if computed as a ratio

@@ -3,7 +3,7 @@ the KV cache grows linearly; bad input raises a clear error."""
 import pytest
 import torch
 
-from linattn_lib import LinearAttentionState, linear_attention, softmax_attention
+from linattn_lib import LinearAttentionState, linear_attention, linear_attention_decode_step, softmax_attention
 from linattn_lib.core.decode import KVCacheDecoder, RecurrentDecoder
 
 D64 = torch.float64
@@ -184,3 +184,16 @@ def test_auto_decode_step_runs_the_kernel_only_where_it_fits(dk, state_dtype, on
     assert [launch.name for launch in launches] == (["decode_kernel"] if on_kernel else [])
     if not on_kernel:  # computed by torch: the same numbers
         assert maxdiff(o, expected) < 1e-6
+
+
+def test_unnormalised_step_reads_and_writes_S_only():
+    """normalize=False: S advances as the parallel form's, a z the state holds is left as it was
+    (the docstring's promise; an unnormalised call's own state has no z)."""
+    torch.manual_seed(0)
+    q, k, v = (torch.rand(1, 2, 4, 3, dtype=torch.float64) for _ in range(3))
+    _, state = linear_attention(q[:, :, :3], k[:, :, :3], v[:, :, :3], return_state=True)  # S and z
+    z = state.z.clone()
+    o = linear_attention_decode_step(q[:, :, 3], k[:, :, 3], v[:, :, 3], state, normalize=False)
+    full, want = linear_attention(q, k, v, normalize=False, return_state=True)
+    assert (o - full[:, :, 3]).abs().max() < 1e-12 and (state.S - want.S).abs().max() < 1e-12
+    assert torch.equal(state.z, z)

@@ -320,7 +320,9 @@ def linear_attention_decode_step(
         q_t, k_t: (B, H, Dk) features of the new token; v_t: (B, H, Dv).
         state: LinearAttentionState(S (B, H, Dk, Dv), z (B, H, Dk) or None), e.g. the state
             returned by `linear_attention(..., return_state=True)` on the prompt. S and z are
-            overwritten with the new state (keep them in float32 for long generations).
+            overwritten with the new state (keep them in float32 for long generations); with
+            normalize=False only S is read and written, and a z the state may hold is left
+            as it was (an unnormalised call's state has none).
         log_decay_t: optional log-decay (<= 0) of this step, (H,) or (B, H).
         normalize: divide by q_t . z + eps (needs state.z).
         backend: "auto" (the Triton kernel for CUDA tensors it takes: float32, float16 or

@@ -86,8 +86,11 @@ def linear_attention(
             (on CPU tensors: the Triton interpreter, slow, for teaching and tests). Only the
             chunked form has a Triton implementation.
         initial_state: a LinearAttentionState to resume from (e.g. the state returned by a
-            previous call on the preceding piece of the sequence).
-        return_state: also return the final LinearAttentionState.
+            previous call on the preceding piece of the sequence). With causal=False every
+            query sees it beside all the keys: o_i = q_i (S0 + K^T V) / (q_i . (z0 + sum_j
+            k_j) + eps).
+        return_state: also return the final LinearAttentionState (causal=False: S0 + K^T V
+            and z0 + sum_j k_j, as the causal form's state after the last token).
         cu_seqlens: packed variable-length sequences (as flash-attn's varlen functions and
             fla): an int32/int64 (N + 1,) tensor of cumulative starts, cu[0] = 0, cu[N] = T;
             q, k, v are then (1, H, T_total, D), log_decay (H,) or (1, H, T_total), and the
