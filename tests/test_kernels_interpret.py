@@ -946,8 +946,9 @@ def test_gpu_check_graph_benchmark_compares_the_replay_with_the_call(monkeypatch
         captured.append(args)
         return fn
 
-    row = run_graph_benchmark(shape=(1, 40, 2, 16), do_bench=bench, device="cpu", capture=capture)
+    row = run_graph_benchmark(shape=(1, 40, 2, 16), do_bench=bench, device="cpu", capture=capture, host_calls=1)
     assert "error" not in row and row["eager_ms"] == row["graphed_ms"] == 0.5
+    assert row["eager_host_ms"] > 0 and row["graphed_host_ms"] > 0  # the CPU time of each call
     assert row["max_rel_diff"] == 0.0 and [tuple(a.shape) for a in captured[0]] == [(1, 2, 40, 16)] * 3 + [(1, 2, 40)]
 
     def refuse(fn, args):

@@ -16,6 +16,8 @@ stand-in timer (tests/test_kernels_interpret.py).
 """
 from __future__ import annotations
 
+import statistics
+import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -137,13 +139,32 @@ def run_decode_benchmark(B: int = 64, H: int = 16, D: int = 128, *, do_bench: Ca
 GRAPH_SHAPE = (2, 2048, 16, 128)  # B, T, H, D
 
 
+def host_ms(fn: Callable[[], object], sync: Callable[[], None], calls: int = 20) -> float:
+    """Median CPU time (ms) the calling thread spends in fn(): the Python, checks, autograd and
+    launches that a GPU waits on when it is faster than they are (it runs the launched work
+    meanwhile). `sync` after each call, off the clock, keeps the launch queue from filling:
+    a full queue would make a launch wait for the GPU. fn has run before (compiled, warm).
+    `host_overhead` estimates the same without a GPU."""
+    sync()
+    times = []
+    for _ in range(calls):
+        t0 = time.thread_time()
+        fn()
+        times.append(time.thread_time() - t0)
+        sync()
+    return round(statistics.median(times) * 1e3, 4)
+
+
 def run_graph_benchmark(variant: str = "per-token decay", shape: tuple[int, int, int, int] = GRAPH_SHAPE, *,
-                        do_bench: Callable, device: str = "cuda", capture: Callable | None = None) -> dict:
+                        do_bench: Callable, device: str = "cuda", capture: Callable | None = None,
+                        host_calls: int = 20) -> dict:
     """What a CUDA graph removes: `linear_attention` forward+backward timed as called (its Python,
     checks and launches every time: about 0.5 ms of host time on a 2-core cloud CPU,
     `host_overhead`) and replayed from the graphs `torch.cuda.make_graphed_callables` captures of its forward and backward. Capture fails
     if the hot path synchronises or copies from the host; the replay's gradients must equal the
-    eager ones (`max_rel_diff`). capture: stands in for make_graphed_callables (CPU tests)."""
+    eager ones (`max_rel_diff`). Also the host's own time per call of each (`host_ms`):
+    "eager_host_ms", "graphed_host_ms", medians of `host_calls` calls. capture: stands in for
+    make_graphed_callables (CPU tests)."""
     import torch
 
     from ..core.linear import linear_attention
@@ -165,12 +186,15 @@ def run_graph_benchmark(variant: str = "per-token decay", shape: tuple[int, int,
     try:
         eager = gb.fwd_bwd(lambda: attend(*leaves), leaves, x["do"])
         row["eager_ms"] = round(float(do_bench(eager, warmup=10, rep=50)), 4)
+        sync = torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+        row["eager_host_ms"] = host_ms(eager, sync, host_calls)
         try:
             graphed = (capture or torch.cuda.make_graphed_callables)(attend, tuple(leaves))
         except Exception as e:  # what made capture fail is the finding
             return dict(row, error=f"capture: {type(e).__name__}: {e}"[:300])
         replay = gb.fwd_bwd(lambda: graphed(*leaves), leaves, x["do"])
         row["graphed_ms"] = round(float(do_bench(replay, warmup=10, rep=50)), 4)
+        row["graphed_host_ms"] = host_ms(replay, sync, host_calls)
         row["max_rel_diff"] = max(gb._rel(a, b) for a, b in zip(replay(), eager()))
     except Exception as e:  # recorded; the next extras still run
         row["error"] = f"{type(e).__name__}: {e}"[:300]
