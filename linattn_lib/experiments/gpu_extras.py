@@ -16,8 +16,6 @@ stand-in timer (tests/test_kernels_interpret.py).
 """
 from __future__ import annotations
 
-import statistics
-import time
 from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING
 
@@ -144,15 +142,11 @@ def host_ms(fn: Callable[[], object], sync: Callable[[], None], calls: int = 20)
     launches that a GPU waits on when it is faster than they are (it runs the launched work
     meanwhile). `sync` after each call, off the clock, keeps the launch queue from filling:
     a full queue would make a launch wait for the GPU. fn has run before (compiled, warm).
-    `host_overhead` estimates the same without a GPU."""
+    `host_overhead` estimates the same without a GPU, with the same clock (`_median_times`)."""
+    from .host_overhead import _median_times
+
     sync()
-    times = []
-    for _ in range(calls):
-        t0 = time.thread_time()
-        fn()
-        times.append(time.thread_time() - t0)
-        sync()
-    return round(statistics.median(times) * 1e3, 4)
+    return round(_median_times({"call": fn}, calls, after=sync, warmup=0)["call"] / 1e3, 4)
 
 
 def run_graph_benchmark(variant: str = "per-token decay", shape: tuple[int, int, int, int] = GRAPH_SHAPE, *,

@@ -174,7 +174,7 @@ def host_time(case: str, calls: int = 200, shape: tuple[int, int, int, int] = SH
     with record_launches(cuda_like=True, keep_args=False) as launches:
         do = torch.empty_like(_forward(inputs))
         fns = {"forward": lambda: _forward(inputs), "fwd+bwd": lambda: _fwd_bwd(inputs, do)}
-        return _median_times(fns, calls, launches)
+        return _median_times(fns, calls, launches.clear)
 
 
 def compiled_host_time(case: str, calls: int = 200, shape: tuple[int, int, int, int] = SHAPE,
@@ -191,7 +191,7 @@ def compiled_host_time(case: str, calls: int = 200, shape: tuple[int, int, int, 
         _fwd_bwd(inputs, do, compiled)
         names = [launch.name for launch in launches]
         fns = {"forward": lambda: compiled(**inputs), "fwd+bwd": lambda: _fwd_bwd(inputs, do, compiled)}
-        return {**_median_times(fns, calls, launches), "launches": names}
+        return {**_median_times(fns, calls, launches.clear), "launches": names}
 
 
 class _Floor(torch.autograd.Function):
@@ -230,23 +230,25 @@ def autograd_floor(case: str, calls: int = 200, shape: tuple[int, int, int, int]
     return _median_times({"forward": forward, "fwd+bwd": lambda: fwd_bwd(do)}, calls)
 
 
-def _median_times(fns: dict[str, Callable[[], object]], calls: int, launches: list | None = None) -> dict:
-    """{name: median thread time in microseconds of fn()} after 5 warm-up calls, on one
-    thread; the recorded launches (if any) are dropped after every call."""
+def _median_times(fns: dict[str, Callable[[], object]], calls: int, after: Callable[[], None] | None = None,
+                  warmup: int = 5) -> dict:
+    """{name: median thread time in microseconds of fn()} after `warmup` calls, on one thread;
+    `after` (if any) runs after every call, off the clock (dropping the recorded launches; on
+    a GPU, a synchronisation)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # the host path is one thread; idle OpenMP workers only add noise
     result = {}
     try:
         for name, fn in fns.items():
-            for _ in range(5):
+            for _ in range(warmup):
                 fn()
             times = []
             for _ in range(calls):
                 t0 = time.thread_time()
                 fn()
                 times.append(time.thread_time() - t0)
-                if launches is not None:
-                    del launches[:]
+                if after is not None:
+                    after()
             result[name] = statistics.median(times) * 1e6
     finally:
         torch.set_num_threads(threads)
@@ -264,7 +266,7 @@ def stub_time(launches: list[Launch], calls: int = 200) -> float:
 
     args = {x.name: (None,) * sum(p not in x.kwargs for p in x.fn.arg_names) for x in launches}
     with record_launches(cuda_like=True, keep_args=False) as recorded:
-        return _median_times({"stub": replay}, calls, recorded)["stub"]
+        return _median_times({"stub": replay}, calls, recorded.clear)["stub"]
 
 
 class _NoOpKernel:
