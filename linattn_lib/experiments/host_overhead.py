@@ -317,10 +317,14 @@ def triton_run_time(launches: list[Launch], calls: int = 200) -> float | None:
     launcher (the arguments unpacked, every tensor's data_ptr() asked) and the driver's
     launch call. None if this Triton's `run` does not take the stand-ins (its internals
     change between releases; 3.6.0 and 3.7.1 do)."""
-    from triton.runtime.driver import driver
     from triton.runtime.jit import JITFunction
 
-    saved_driver, saved_caches = driver._active, {}
+    try:
+        from triton.runtime.driver import driver
+
+        saved_driver, saved_caches = driver._active, {}
+    except (ImportError, AttributeError):
+        return None
     try:
         driver.set_active(_StandInDriver())
         for x in launches:
